@@ -1,0 +1,198 @@
+"""The worker's configuration: attrs classes, and the loader that validates them.
+
+``load_config`` reads YAML with ruamel's round-trip loader, so every value
+keeps its line and column, structures it with one private cattrs converter,
+and resolves every default once: after it returns, nothing is unset.
+Every problem is a ``ConfigError`` that reads
+``PATH:LINE:COLUMN: key.path: what is wrong; what is expected``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rc_worker import config_parse
+from rc_worker.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = "/etc/rc/worker.yaml"
+
+DEFAULT_HOOK_TIMEOUT = 60.0
+DEFAULT_RELEASE_LINGER = 10.0
+DEFAULT_HEARTBEAT_INTERVAL = 10.0
+DEFAULT_POLL_WAIT = 30.0
+DEFAULT_PROBE_DIR = "/etc/rc/probe.d"
+DEFAULT_PROBE_INTERVAL = 300.0
+DEFAULT_PROBE_TIMEOUT = 10.0
+DEFAULT_PROBE_PASS_BUDGET = 60.0
+DEFAULT_VERIFY_DIR = "/etc/rc/verify.d"
+DEFAULT_VERIFY_TIMEOUT = 60.0
+DEFAULT_VERIFY_PASS_BUDGET = 300.0
+DEFAULT_SHEET_DIR = "/etc/rc/sheets"
+DEFAULT_STATE_DIR = "/var/lib/rc-worker"
+DEFAULT_SHUTDOWN_GRACE = 300.0
+DEFAULT_SPOOL_MAX_BYTES = 10 * 2**30
+
+# Variables of the worker's own configuration. None of them ever reaches a
+# job, hook, probe or verify script (see child_environ).
+ENV_CONFIG = "RC_WORKER_CONFIG"
+ENV_CONTROLLER_URL = "RC_CONTROLLER_URL"
+ENV_TOKEN = "RC_TOKEN"
+ENV_HOST = "RC_HOST"
+ENV_REQUIRE_MANUAL_CLEAR = "RC_REQUIRE_MANUAL_CLEAR"
+WORKER_ENV_VARS = frozenset(
+    {ENV_CONFIG, ENV_CONTROLLER_URL, ENV_TOKEN, ENV_HOST, ENV_REQUIRE_MANUAL_CLEAR}
+)
+
+_TRUTHY = frozenset({"1", "true", "yes", "on"})
+_FALSY = frozenset({"0", "false", "no", "off", ""})
+
+
+@attrs.frozen
+class HooksConfig:
+    """Host-level defaults for lease hooks; a device's own value overrides them."""
+
+    timeout: float = DEFAULT_HOOK_TIMEOUT
+    release_linger: float = DEFAULT_RELEASE_LINGER
+
+
+@attrs.frozen
+class DeviceConfig:
+    """One device this host offers: a bare name, or a mapping with its lease settings.
+
+    ``timeout`` and ``release_linger`` are resolved at load: the device's own
+    value, else the ``hooks:`` default, else the built-in default.
+    """
+
+    name: str
+    max_runtime: float | None = None
+    on_acquire: str | None = None
+    on_release: str | None = None
+    timeout: float = DEFAULT_HOOK_TIMEOUT
+    release_linger: float = DEFAULT_RELEASE_LINGER
+    labels: Mapping[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Config:
+    """The whole worker configuration, fully resolved.
+
+    ``controller_url`` None means an embedded controller: the worker serves
+    the reference controller in-process (demos, single-box use).
+    """
+
+    devices: tuple[DeviceConfig, ...]
+    controller_url: str | None = None
+    token: str | None = None
+    token_file: str | None = None
+    host: str = ""
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    poll_wait: float = DEFAULT_POLL_WAIT
+    hooks: HooksConfig = HooksConfig()
+    probe_dir: str = DEFAULT_PROBE_DIR
+    probe_interval: float = DEFAULT_PROBE_INTERVAL
+    probe_timeout: float = DEFAULT_PROBE_TIMEOUT
+    probe_pass_budget: float = DEFAULT_PROBE_PASS_BUDGET
+    verify_dir: str = DEFAULT_VERIFY_DIR
+    verify_timeout: float = DEFAULT_VERIFY_TIMEOUT
+    verify_pass_budget: float = DEFAULT_VERIFY_PASS_BUDGET
+    sheet_dir: str = DEFAULT_SHEET_DIR
+    require_manual_clear: bool = False
+    state_dir: str = DEFAULT_STATE_DIR
+    status_listen: str | None = None
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+
+    def device(self, name: str) -> DeviceConfig:
+        for dev in self.devices:
+            if dev.name == name:
+                return dev
+        raise KeyError(name)
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(dev.name for dev in self.devices)
+
+
+def config_path(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
+    """The file to read: ``path``, else ``$RC_WORKER_CONFIG``, else the default."""
+    if path is not None:
+        return Path(path)
+    return Path(environ.get(ENV_CONFIG) or DEFAULT_CONFIG_PATH)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> Config:
+    """Read, validate and resolve the worker's config file.
+
+    ``environ`` (default ``os.environ``) supplies ``RC_WORKER_CONFIG`` (the
+    path, when ``path`` is None) and the overrides ``RC_CONTROLLER_URL``,
+    ``RC_TOKEN``, ``RC_HOST`` and ``RC_REQUIRE_MANUAL_CLEAR``.
+    """
+    env = os.environ if environ is None else environ
+    file = config_path(path, env)
+    config = config_parse.parse_file(file)
+    return _apply_environ(config, env)
+
+
+def load_config_text(text: str, *, name: str = "<string>", base_dir: str = ".") -> Config:
+    """Validate and resolve config ``text`` (no environment overrides); for tests and tools."""
+    return _apply_environ(config_parse.parse_text(text, name=name, base_dir=Path(base_dir)), {})
+
+
+def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
+    changes: dict[str, Any] = {}
+    if env.get(ENV_CONTROLLER_URL):
+        url = env[ENV_CONTROLLER_URL]
+        problem = config_parse.controller_url_problem(url)
+        if problem:
+            raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
+        changes["controller_url"] = url
+    if env.get(ENV_TOKEN):
+        changes["token"] = env[ENV_TOKEN]
+    if env.get(ENV_HOST):
+        host = env[ENV_HOST]
+        problem = config_parse.host_problem(host)
+        if problem:
+            raise ConfigError(f"{ENV_HOST}: {problem}")
+        changes["host"] = host
+    # RC_REQUIRE_MANUAL_CLEAR can only make the worker more cautious: it is
+    # ORed in, never overrides, and an unrecognised value is an error rather
+    # than a silent false (the seed's RequireManualClear comment).
+    if ENV_REQUIRE_MANUAL_CLEAR in env:
+        raw = env[ENV_REQUIRE_MANUAL_CLEAR].strip().lower()
+        if raw in _TRUTHY:
+            changes["require_manual_clear"] = True
+        elif raw not in _FALSY:
+            raise ConfigError(
+                f"{ENV_REQUIRE_MANUAL_CLEAR}: {env[ENV_REQUIRE_MANUAL_CLEAR]!r} is not a boolean; "
+                "expected 1, true, yes or on to switch manual clearing on "
+                "(0, false, no, off or empty change nothing)"
+            )
+    config = attrs.evolve(config, **changes) if changes else config
+    if not config.host:
+        config = attrs.evolve(config, host=socket.gethostname())
+    return config
+
+
+def child_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the worker's own configuration variables.
+
+    Jobs, hooks, probes and verify scripts start from this: the worker's
+    token and its RC_* settings never reach them.
+    """
+    return {k: v for k, v in environ.items() if k not in WORKER_ENV_VARS}
+
+
+def resolved_json(config: Config) -> dict[str, Any]:
+    """The config as JSON-ready data, durations in seconds, the token masked."""
+    data = config_parse.unstructure(config)
+    if data.get("token") is not None:
+        data["token"] = "***"
+    return data

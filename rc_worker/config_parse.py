@@ -1,0 +1,460 @@
+"""From YAML text to a resolved ``Config``: the converter, its hooks, and error locations.
+
+Sans-IO apart from reading the file (and a token file) in ``parse_file``.
+The converter's hooks carry the user-facing validation; a failure anywhere
+is walked back to its key path and looked up in the round-trip YAML tree
+for its line and column.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import attrs
+import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import MarkedYAMLError
+
+from rc_worker.durations import DURATION_HELP, parse_duration, parse_size
+from rc_worker.errors import ConfigError
+from rc_worker.names import DEVICE_NAME_HELP, is_device_name, split_label_key
+
+if TYPE_CHECKING:
+    from rc_worker.config import Config, DeviceConfig, HooksConfig
+
+PathKey = tuple[str | int, ...]
+
+_DURATION_FIELDS = {
+    "heartbeat_interval": True,  # True: must be positive
+    "poll_wait": True,
+    "probe_interval": True,
+    "probe_timeout": True,
+    "probe_pass_budget": True,
+    "verify_timeout": True,
+    "verify_pass_budget": True,
+    "shutdown_grace": False,
+    "timeout": True,
+    "release_linger": False,
+    "max_runtime": True,
+}
+_PATH_FIELDS = ("probe_dir", "verify_dir", "sheet_dir", "state_dir", "on_acquire", "on_release")
+_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class _Problem(ValueError):
+    """A validation failure at a known key path (relative to where it was raised)."""
+
+    def __init__(self, message: str, path: PathKey = (), *, at_key: bool = False) -> None:
+        super().__init__(message)
+        self.path = path
+        self.at_key = at_key
+
+
+def _expect_str(value: Any, _: type) -> str:
+    if not isinstance(value, str):
+        raise _Problem(f"{_describe(value)} is not a string; expected a string")
+    return value
+
+
+def _expect_bool(value: Any, _: type) -> bool:
+    if not isinstance(value, bool):
+        raise _Problem(f"{_describe(value)} is not a boolean; expected true or false")
+    return value
+
+
+def _expect_int(value: Any, _: type) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise _Problem(str(e)) from None
+
+
+def _expect_float(value: Any, _: type) -> float:
+    # Every float field of the config is a duration.
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise _Problem(f"{e}") from None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "an empty value"
+    return repr(value)
+
+
+def _make_converter() -> cattrs.Converter:
+    from rc_worker.config import DeviceConfig
+
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(str, _expect_str)
+    conv.register_structure_hook(bool, _expect_bool)
+    conv.register_structure_hook(int, _expect_int)
+    conv.register_structure_hook(float, _expect_float)
+    device_from_mapping = make_dict_structure_fn(DeviceConfig, conv, _cattrs_forbid_extra_keys=True)
+
+    def structure_device(value: Any, _: type) -> DeviceConfig:
+        # The bare-name-or-mapping union of the seed's DeviceConfig.
+        if isinstance(value, str):
+            return DeviceConfig(name=value)
+        if isinstance(value, Mapping):
+            return device_from_mapping(value, DeviceConfig)
+        raise _Problem(
+            f"{_describe(value)} is not a device; expected a bare name or a mapping with 'name'"
+        )
+
+    conv.register_structure_hook(DeviceConfig, structure_device)
+    devices_type = tuple[DeviceConfig, ...]
+    devices_from_list = conv.get_structure_hook(devices_type)
+
+    def structure_devices(value: Any, _: type) -> tuple[DeviceConfig, ...]:
+        # cattrs would happily iterate a mapping's keys into a tuple.
+        if not isinstance(value, list):
+            raise _Problem(f"{_describe(value)} is not a list; expected a list of devices")
+        result: tuple[DeviceConfig, ...] = devices_from_list(value, devices_type)
+        return result
+
+    conv.register_structure_hook_func(lambda t: t == devices_type, structure_devices)
+    conv.register_unstructure_hook(tuple, lambda t: [conv.unstructure(x) for x in t])
+    return conv
+
+
+_converter: cattrs.Converter | None = None
+
+
+def _conv() -> cattrs.Converter:
+    global _converter
+    if _converter is None:
+        _converter = _make_converter()
+    return _converter
+
+
+def unstructure(config: Config) -> dict[str, Any]:
+    data: dict[str, Any] = _conv().unstructure(config)
+    return data
+
+
+def parse_file(file: Path) -> Config:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{file}:1:1: (file): no such file; create it, or name another with "
+            "--config or RC_WORKER_CONFIG"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"{file}:1:1: (file): cannot read it ({e}); fix its permissions or encoding"
+        ) from None
+    return parse_text(text, name=str(file), base_dir=file.parent)
+
+
+def parse_text(text: str, *, name: str, base_dir: Path) -> Config:
+    from rc_worker.config import Config
+
+    loc = _Locator(name)
+    try:
+        tree = YAML(typ="rt").load(text)
+    except MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        problem = (e.problem or "invalid YAML").strip()
+        raise ConfigError(f"{name}:{line}:{col}: (yaml): {problem}; fix the YAML syntax") from None
+    if tree is None:
+        raise ConfigError(
+            f"{name}:1:1: (file): the file is empty; expected a mapping with 'devices'"
+        )
+    if not isinstance(tree, CommentedMap):
+        loc.fail(tree, (), "the top level is not a mapping; expected keys such as 'devices'")
+    loc.root = tree
+    data = _plain(tree)
+    hooks = _structure_part(loc, data.get("hooks", {}), "hooks")
+    _prepare_devices(data, hooks)
+    try:
+        config: Config = _conv().structure(data, Config)
+    except Exception as e:
+        _raise_located(loc, e)
+    _check(loc, config)
+    return _resolve_paths(loc, config, base_dir)
+
+
+def _structure_part(loc: _Locator, value: Any, key: str) -> HooksConfig:
+    from rc_worker.config import HooksConfig
+
+    try:
+        result: HooksConfig = _conv().structure(value, HooksConfig)
+    except Exception as e:
+        _raise_located(loc, e, prefix=(key,))
+    return result
+
+
+def _prepare_devices(data: dict[str, Any], hooks: HooksConfig) -> None:
+    """Give each device the host's hook defaults, and stringify scalar label values.
+
+    Done on the raw data, before structuring, so a device that sets its own
+    value keeps it and one that does not inherits ``hooks:``.
+    """
+    devices = data.get("devices")
+    if not isinstance(devices, list):
+        return
+    for i, dev in enumerate(devices):
+        if isinstance(dev, str):
+            dev = devices[i] = {"name": dev}
+        if not isinstance(dev, dict):
+            continue
+        dev.setdefault("timeout", hooks.timeout)
+        dev.setdefault("release_linger", hooks.release_linger)
+        labels = dev.get("labels")
+        if isinstance(labels, dict):
+            for key, value in labels.items():
+                if isinstance(value, bool):
+                    labels[key] = "true" if value else "false"
+                elif isinstance(value, int | float):
+                    labels[key] = str(value)
+
+
+def _check(loc: _Locator, config: Config) -> None:
+    if not config.devices:
+        loc.fail_at(("devices",), "no devices; expected at least one device name")
+    seen: set[str] = set()
+    for i, dev in enumerate(config.devices):
+        where: PathKey = ("devices", i) if loc.is_scalar(("devices", i)) else ("devices", i, "name")
+        if not is_device_name(dev.name):
+            loc.fail_at(
+                where, f"device name {dev.name!r} is not valid; expected {DEVICE_NAME_HELP}"
+            )
+        if dev.name in seen:
+            loc.fail_at(where, f"device {dev.name!r} is declared twice; expected unique names")
+        seen.add(dev.name)
+        for key, value in dev.labels.items():
+            _check_label(loc, ("devices", i, "labels", key), dev.name, key, value)
+    for key, positive in _DURATION_FIELDS.items():
+        seconds = getattr(config, key, None)
+        if positive and isinstance(seconds, float) and seconds <= 0:
+            loc.fail_at((key,), f"{key} must be more than zero; expected {DURATION_HELP}")
+    for i, dev in enumerate(config.devices):
+        for key in ("timeout", "max_runtime"):
+            limit = getattr(dev, key)
+            if limit is not None and limit <= 0:
+                hint = "; leave it out for no limit" if key == "max_runtime" else ""
+                loc.fail_at(("devices", i, key), f"{key} must be more than zero{hint}")
+    if config.hooks.timeout <= 0:
+        loc.fail_at(("hooks", "timeout"), "timeout must be more than zero")
+    if config.token is not None and config.token_file is not None:
+        loc.fail_at(("token_file",), "both token and token_file are set; expected only one")
+    if config.controller_url is not None:
+        problem = controller_url_problem(config.controller_url)
+        if problem:
+            loc.fail_at(("controller_url",), problem)
+    if config.host:
+        problem = host_problem(config.host)
+        if problem:
+            loc.fail_at(("host",), problem)
+    if config.status_listen is not None:
+        problem = listen_problem(config.status_listen)
+        if problem:
+            loc.fail_at(("status_listen",), problem)
+
+
+def _check_label(loc: _Locator, where: PathKey, device: str, key: str, value: str) -> None:
+    try:
+        owner, _ = split_label_key(key)
+    except ValueError as e:
+        loc.fail_at(where, str(e), at_key=True)
+    if owner is not None and owner != device:
+        loc.fail_at(
+            where,
+            f"label {key!r} names device {owner!r}; expected a bare key or '{device}.<label>'",
+            at_key=True,
+        )
+
+
+def _resolve_paths(loc: _Locator, config: Config, base_dir: Path) -> Config:
+    def resolve(p: str | None) -> str | None:
+        if p is None or p == "":
+            return p
+        return str(Path(p) if Path(p).is_absolute() else (base_dir / p).absolute())
+
+    changes: dict[str, Any] = {
+        k: resolve(getattr(config, k)) for k in _PATH_FIELDS if hasattr(config, k)
+    }
+    token_file = resolve(config.token_file)
+    if token_file is not None:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            loc.fail_at(
+                ("token_file",),
+                f"cannot read the token file ({e.strerror}); "
+                "expected a readable file holding the token",
+            )
+        if not token:
+            loc.fail_at(("token_file",), "the token file is empty; expected the worker token in it")
+        changes.update(token_file=token_file, token=token)
+    devices = tuple(
+        attrs.evolve(
+            dev,
+            on_acquire=resolve(dev.on_acquire),
+            on_release=resolve(dev.on_release),
+            labels={split_label_key(k)[1]: v for k, v in dev.labels.items()},
+        )
+        for dev in config.devices
+    )
+    return attrs.evolve(config, devices=devices, **changes)
+
+
+def controller_url_problem(url: str) -> str | None:
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+        return f"{url!r} is not a URL; expected http://HOST:PORT or https://HOST"
+    return None
+
+
+def host_problem(host: str) -> str | None:
+    if not _HOST_RE.fullmatch(host):
+        return f"host {host!r} is not valid; expected letters, digits, '.', '_' and '-'"
+    return None
+
+
+def listen_problem(listen: str) -> str | None:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return f"{listen!r} is not a listen address; expected HOST:PORT such as 127.0.0.1:9100"
+    return None
+
+
+def _plain(node: Any) -> Any:
+    if isinstance(node, Mapping):
+        return {str(k) if not isinstance(k, str) else k: _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _raise_located(loc: _Locator, error: BaseException, prefix: PathKey = ()) -> NoReturn:
+    for path, leaf in _leaves(error, prefix):
+        if isinstance(leaf, ForbiddenExtraKeysError):
+            key = sorted(leaf.extra_fields)[0]
+            loc.fail_at(
+                (*path, key),
+                f"unknown key {key!r}; expected one of: {_known_keys(leaf.cl)}",
+                at_key=True,
+            )
+        if isinstance(leaf, KeyError):
+            loc.fail_at(path, "this key is required")
+        if isinstance(leaf, _Problem):
+            loc.fail_at((*path, *leaf.path), str(leaf), at_key=leaf.at_key)
+        # Anything else is cattrs meeting a value of the wrong shape (a list
+        # where a mapping belongs, say): describe it from the field's type.
+        loc.fail_at(
+            path, f"{_describe(loc.value(path))} has the wrong type; expected {_expected(path)}"
+        )
+    raise ConfigError(f"{loc.name}:1:1: (config): {error}") from None
+
+
+def _expected(path: PathKey) -> str:
+    import typing
+
+    from rc_worker.config import Config
+
+    hint: Any = Config
+    for part in path:
+        if attrs.has(hint) and isinstance(part, str):
+            hint = typing.get_type_hints(hint)[part]
+        else:
+            args = [a for a in typing.get_args(hint) if a is not type(None) and a is not Ellipsis]
+            hint = args[-1] if args else Any
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin in (tuple, list):
+        return "a list"
+    if attrs.has(hint) or (origin is not None and issubclass(origin, Mapping)):
+        return "a mapping"
+    if hint is str or str in args:
+        return "a string"
+    return "a value of another type"
+
+
+def _known_keys(cl: type) -> str:
+    return ", ".join(f.name for f in attrs.fields(cl))
+
+
+def _leaves(error: BaseException, path: PathKey) -> Iterator[tuple[PathKey, BaseException]]:
+    here = path
+    for note in getattr(error, "__notes__", ()):
+        if isinstance(note, AttributeValidationNote):
+            here = (*path, note.name)
+        elif isinstance(note, IterableValidationNote):
+            here = (*path, note.index)
+    children = getattr(error, "exceptions", None)
+    if children:
+        for child in children:
+            yield from _leaves(child, here)
+    else:
+        yield here, error
+
+
+class _Locator:
+    """Finds the line and column of a key path in the round-trip YAML tree."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.root: Any = None
+
+    def position(self, path: PathKey, *, at_key: bool = False) -> tuple[int, int]:
+        node = self.root
+        line, col = 0, 0
+        for i, part in enumerate(path):
+            last = i == len(path) - 1
+            if isinstance(node, CommentedMap) and part in node:
+                line, col = node.lc.key(part) if (last and at_key) else node.lc.value(part)
+                node = node[part]
+            elif isinstance(node, CommentedSeq) and isinstance(part, int) and part < len(node):
+                line, col = node.lc.item(part)
+                node = node[part]
+            else:
+                break
+        return line + 1, col + 1
+
+    def value(self, path: PathKey) -> Any:
+        node = self.root
+        for part in path:
+            try:
+                node = node[part]
+            except (KeyError, IndexError, TypeError):
+                return None
+        return node
+
+    def is_scalar(self, path: PathKey) -> bool:
+        node = self.value(path)
+        return node is not None and not isinstance(node, CommentedMap | CommentedSeq)
+
+    def fail_at(self, path: PathKey, message: str, *, at_key: bool = False) -> NoReturn:
+        line, col = self.position(path, at_key=at_key)
+        raise ConfigError(f"{self.name}:{line}:{col}: {_dotted(path)}: {message}")
+
+    def fail(self, _node: Any, path: PathKey, message: str) -> NoReturn:
+        raise ConfigError(f"{self.name}:1:1: {_dotted(path)}: {message}")
+
+
+def _dotted(path: PathKey) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"

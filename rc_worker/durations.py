@@ -1,0 +1,121 @@
+"""Durations and sizes as people write them in config files and on the command line.
+
+Sans-IO and dependency-free: used by the config loader, the CLI and the
+controller's selectors alike.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNIT_SECONDS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+DURATION_HELP = "a number of seconds or a Go-style duration such as 500ms, 10s, 1m30s or 2h"
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Return ``value`` in seconds.
+
+    Accepts a number of seconds (``90``, ``0.5``, ``"90"``) or a Go-style
+    string (``"500ms"``, ``"1m30s"``, ``"2h"``). Negative, non-finite and
+    malformed values raise ``ValueError`` with a message naming the fix.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration; expected {DURATION_HELP}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        seconds = _parse_duration_text(value.strip())
+    else:
+        raise ValueError(f"{value!r} is not a duration; expected {DURATION_HELP}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is not a finite duration; expected {DURATION_HELP}")
+    if seconds < 0:
+        raise ValueError(f"{value!r} is negative; expected {DURATION_HELP}, zero or more")
+    return seconds
+
+
+def _parse_duration_text(text: str) -> float:
+    if not text:
+        raise ValueError(f"an empty string is not a duration; expected {DURATION_HELP}")
+    if text.startswith("-"):
+        raise ValueError(f"{text!r} is negative; expected {DURATION_HELP}, zero or more")
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    pos = 0
+    total = 0.0
+    for match in _PART.finditer(text):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        pos = match.end()
+    if pos != len(text) or pos == 0:
+        raise ValueError(f"{text!r} is not a duration; expected {DURATION_HELP}")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """A compact human form of ``seconds`` (``1m30s``, ``500ms``), for logs and tables."""
+    if seconds < 1 and seconds != 0:
+        return f"{seconds * 1000:g}ms"
+    whole = int(seconds)
+    frac = seconds - whole
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    out = ""
+    if hours:
+        out += f"{hours}h"
+    if minutes:
+        out += f"{minutes}m"
+    if secs or frac or not out:
+        out += f"{secs + frac:g}s"
+    return out
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([KMGTPE]i?)?B?", re.IGNORECASE)
+_SIZE_FACTORS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "p": 10**15,
+    "e": 10**18,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+    "pi": 2**50,
+    "ei": 2**60,
+}
+
+SIZE_HELP = "a number of bytes, optionally with a suffix: 50G = 50·10⁹, 50Gi = 50·2³⁰"
+
+
+def parse_size(value: str | int) -> int:
+    """Return ``value`` in bytes: ``1234``, ``"50G"`` (10⁹) or ``"50Gi"`` (2³⁰)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size; expected {SIZE_HELP}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative; expected {SIZE_HELP}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a size; expected {SIZE_HELP}")
+    match = _SIZE.fullmatch(value.strip())
+    if match is None:
+        raise ValueError(f"{value!r} is not a size; expected {SIZE_HELP}")
+    factor = _SIZE_FACTORS[(match.group(2) or "").lower()]
+    return int(float(match.group(1)) * factor)
