@@ -7,6 +7,9 @@ traceback to the operator: the CLI prints the message and exits 2.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 class RcWorkerError(Exception):
     """Base class of every error rc_worker raises on purpose."""
@@ -23,11 +26,14 @@ class ConfigError(RcWorkerError):
 class ControllerError(RcWorkerError):
     """The controller answered a request with a final (non-retryable) error."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, body: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(f"controller answered {status} {code}: {message}")
         self.status = status
         self.code = code
         self.message = message
+        self.body: Mapping[str, Any] = body or {}
 
 
 class UnknownSession(ControllerError):

@@ -1,0 +1,252 @@
+"""The worker's side of PROTOCOL.md, over one ``httpx.AsyncClient``.
+
+Every call retries transient failures (connection errors, timeouts, 408,
+429, 5xx) forever with capped, fully jittered backoff, honouring
+``Retry-After``; the caller bounds it with a cancel scope when it must. A
+final 4xx raises ``ControllerError``. ``409 unknown_session`` re-registers
+(once per lost session, however many requests noticed) and resends the
+request with the new session.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import httpx
+import trio
+
+from rc_worker.errors import ControllerError, UnknownSession
+from rc_worker.retry import Backoff, is_transient_status, parse_retry_after
+
+log = logging.getLogger("rc_worker.client")
+
+RegisterFn = Callable[["ControllerClient"], Awaitable[None]]
+
+# How long past the long-poll's own wait a poll may take before it counts as
+# a timeout: the controller answers at wait_s; this is slack for the network.
+POLL_SLACK_S = 15.0
+
+
+class ControllerClient:
+    """Typed calls to one controller for one host.
+
+    ``on_unknown_session`` is the worker's register routine; it must call
+    ``register`` (which stores the new session) and may do more.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        host: str,
+        token: str | None,
+        on_unknown_session: RegisterFn | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._http = http
+        self.host = host
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._on_unknown_session = on_unknown_session
+        self._rng = rng or random.Random()
+        self.session: str | None = None
+        self._generation = 0
+        self._register_lock = trio.Lock()
+
+    # -- worker endpoints -------------------------------------------------
+
+    async def register(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        body = await self._call("POST", f"/v1/hosts/{self.host}/register", payload, session=False)
+        session = body.get("session")
+        if not isinstance(session, str) or not session:
+            raise ControllerError(200, "bad_response", "register answered without a session")
+        self.session = session
+        self._generation += 1
+        return body
+
+    async def heartbeat(self, devices: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", f"/v1/hosts/{self.host}/heartbeat", {"devices": devices})
+
+    async def poll(self, ready: list[str], wait_s: float) -> list[Any]:
+        body = await self._call(
+            "POST",
+            f"/v1/hosts/{self.host}/poll",
+            {"ready": ready, "wait_s": wait_s},
+            read_timeout=wait_s + POLL_SLACK_S,
+        )
+        assignments = body.get("assignments", [])
+        return assignments if isinstance(assignments, list) else []
+
+    async def start(self, job_id: str, attempt: int, device: str, boot_id: str) -> None:
+        await self._call(
+            "POST",
+            f"/v1/jobs/{job_id}/start",
+            {"attempt": attempt, "device": device, "boot_id": boot_id},
+        )
+
+    async def output(self, job_id: str, attempt: int, offset: int, data: bytes) -> int:
+        """Append ``data`` at ``offset``; returns the controller's committed offset.
+
+        A ``409 gap`` is not an error here: its ``committed`` says where to
+        resend from, and the caller carries on from there.
+        """
+        try:
+            body = await self._call(
+                "POST",
+                f"/v1/jobs/{job_id}/output",
+                content=data,
+                params={"attempt": attempt, "offset": offset},
+            )
+        except ControllerError as e:
+            if e.status == 409 and e.code == "gap" and isinstance(e.body.get("committed"), int):
+                committed: int = e.body["committed"]
+                return committed
+            raise
+        answer = body.get("committed")
+        if not isinstance(answer, int):
+            raise ControllerError(200, "bad_response", "output answered without 'committed'")
+        return answer
+
+    async def finish(self, job_id: str, report: Mapping[str, Any]) -> None:
+        await self._call("POST", f"/v1/jobs/{job_id}/finish", report)
+
+    async def fault(self, device: str, report: Mapping[str, Any]) -> None:
+        await self._call("POST", f"/v1/hosts/{self.host}/devices/{device}/fault", report)
+
+    async def put_labels(self, payload: Mapping[str, Any]) -> None:
+        await self._call("PUT", f"/v1/hosts/{self.host}/labels", payload)
+
+    async def put_sheets(self, sheets: Mapping[str, Any]) -> None:
+        await self._call("PUT", f"/v1/hosts/{self.host}/sheets", sheets)
+
+    async def stdin(self, url: str) -> AsyncIterator[bytes]:
+        """Stream a job's standard input from the controller.
+
+        Not retried once bytes have flowed: resuming a stream mid-way could
+        repeat or skip input, so a broken stream ends the job's input (EOF)
+        and is logged.
+        """
+        try:
+            async with self._http.stream(
+                "GET", url, headers=self._headers, timeout=httpx.Timeout(None, connect=30.0)
+            ) as response:
+                if response.status_code != 200:
+                    log.warning(
+                        "stdin stream %s answered %s; the job gets EOF", url, response.status_code
+                    )
+                    return
+                async for chunk in response.aiter_bytes():
+                    if chunk:
+                        yield chunk
+        except httpx.HTTPError as e:
+            log.warning("stdin stream %s broke (%s); the job gets EOF", url, type(e).__name__)
+
+    # -- the one request loop ---------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        content: bytes | None = None,
+        params: Mapping[str, Any] | None = None,
+        session: bool = True,
+        read_timeout: float | None = None,
+    ) -> dict[str, Any]:
+        backoff = Backoff(rng=self._rng)
+        while True:
+            generation = self._generation
+            try:
+                return await self._once(
+                    method, path, payload, content, params, session, read_timeout
+                )
+            except UnknownSession:
+                if not session or self._on_unknown_session is None:
+                    raise
+                await self._reregister(generation)
+                continue
+            except _Transient as e:
+                delay = backoff.next_delay(e.retry_after)
+                log.info(
+                    "%s %s: %s; retrying in %.1fs (try %d)",
+                    method,
+                    path,
+                    e,
+                    delay,
+                    backoff.attempts,
+                )
+                await trio.sleep(delay)
+
+    async def _once(
+        self,
+        method: str,
+        path: str,
+        payload: Mapping[str, Any] | None,
+        content: bytes | None,
+        params: Mapping[str, Any] | None,
+        session: bool,
+        read_timeout: float | None,
+    ) -> dict[str, Any]:
+        json_body: dict[str, Any] | None = None
+        if payload is not None:
+            json_body = dict(payload)
+            if session:
+                json_body["session"] = self.session
+        query = dict(params or {})
+        if content is not None and session:
+            query["session"] = self.session
+        try:
+            response = await self._http.request(
+                method,
+                path,
+                json=json_body,
+                content=content,
+                params=query or None,
+                headers=(
+                    {**self._headers, "Content-Type": "application/octet-stream"}
+                    if content is not None
+                    else self._headers
+                ),
+                timeout=(httpx.USE_CLIENT_DEFAULT if read_timeout is None else read_timeout),
+            )
+        except httpx.TransportError as e:
+            raise _Transient(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
+        return _decode(response)
+
+    async def _reregister(self, generation: int) -> None:
+        assert self._on_unknown_session is not None
+        async with self._register_lock:
+            # Another request already registered again since this one was sent.
+            if self._generation != generation:
+                return
+            log.warning("the controller forgot session %s; registering again", self.session)
+            await self._on_unknown_session(self)
+
+
+class _Transient(Exception):
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _decode(response: httpx.Response) -> dict[str, Any]:
+    status = response.status_code
+    try:
+        body = response.json() if response.content else {}
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    if 200 <= status < 300:
+        return body
+    retry_after = parse_retry_after(response.headers.get("Retry-After"))
+    if is_transient_status(status):
+        raise _Transient(f"status {status}", retry_after)
+    code = str(body.get("error", "")) or f"http_{status}"
+    message = str(body.get("message", "")) or response.reason_phrase
+    if status == 409 and code == "unknown_session":
+        raise UnknownSession(status, code, message, body)
+    raise ControllerError(status, code, message, body)

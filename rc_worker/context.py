@@ -1,0 +1,118 @@
+"""What every DeviceSupervisor shares with the worker: config, seams, delivery, environment."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rc_worker.client import ControllerClient
+from rc_worker.config import Config, child_environ
+from rc_worker.host import Host
+from rc_worker.model import Assignment, job_key
+from rc_worker.outbox import Outbox
+from rc_worker.spool import JobDir, write_json_durably
+
+
+@attrs.define(eq=False)
+class WorkerContext:
+    config: Config
+    host: Host
+    client: ControllerClient
+    outbox: Outbox
+    root: Path
+    boot_id: str
+    environ: Mapping[str, str]
+    poke_poller: Callable[[], None]
+    draining: bool = False
+    device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
+
+    def job_key(self, a: Assignment) -> str:
+        return job_key(a.job_id, a.attempt)
+
+    def journal(self, job_dir: JobDir, a: Assignment) -> None:
+        """Record, durably, that this job is about to be spawned here.
+
+        Written and fsynced before the process exists, so a worker that dies
+        at any later moment finds the entry at its next start and can prove,
+        or refuse to claim, that the job left nothing behind.
+        """
+        job_dir.create()
+        write_json_durably(
+            job_dir.journal,
+            {
+                "job_id": a.job_id,
+                "attempt": a.attempt,
+                "device": a.device,
+                "boot_id": self.boot_id,
+                # A reported timestamp, never used for a timeout.
+                "started_at": time.time(),
+                "spawned": True,
+            },
+        )
+
+    def report(self, ident: Assignment | tuple[str, int, str], report: Mapping[str, Any]) -> None:
+        """Durably record and deliver the finish of an attempt that never ran."""
+        job_id, attempt, device = (
+            (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
+        )
+        job_dir = JobDir(self.root, job_key(job_id, attempt))
+        job_dir.create()
+        write_json_durably(job_dir.finish, report)
+        write_json_durably(
+            job_dir.journal,
+            {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
+        )
+        self.outbox.deliver_report(job_dir, job_id, attempt)
+
+    def child_env(self, device: str, job_id: str | None) -> dict[str, str]:
+        """The environment of a hook or verify script for ``device``."""
+        env = child_environ(self.environ)
+        env.update(RC_HOST=self.config.host, RC_DEVICE=device)
+        if job_id is not None:
+            env["RC_JOB_ID"] = job_id
+        cuda = self.cuda_visible_devices(device)
+        if cuda is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cuda
+        return env
+
+    def job_env(self, device: str, a: Assignment) -> dict[str, str]:
+        """The environment of a job: the worker's (less its own settings), the
+        assignment's, then the RC_* variables, which the assignment cannot
+        override."""
+        env = child_environ(self.environ)
+        env.update(a.env)
+        env.update(RC_JOB_ID=a.job_id, RC_DEVICE=device, RC_HOST=self.config.host)
+        cuda = self.cuda_visible_devices(device)
+        if cuda is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cuda
+        return env
+
+    def cuda_visible_devices(self, device: str) -> str | None:
+        """The GPU UUID from the device's probe labels, else N for ``gpu<N>``."""
+        uuid = self.device_labels.get(device, {}).get("uuid")
+        if uuid:
+            return uuid
+        if device.startswith("gpu") and device[3:].isdigit():
+            return str(int(device[3:]))
+        return None
+
+
+def warn_token_file_mode(path: str | None) -> str | None:
+    """A warning when the token file is readable by group or others."""
+    if path is None:
+        return None
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if mode & 0o077:
+        return (
+            f"token file {path} is readable by group or others (mode {mode & 0o777:o}); "
+            f"run: chmod 600 {path}"
+        )
+    return None

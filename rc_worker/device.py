@@ -1,0 +1,331 @@
+"""DeviceSupervisor: one device's lease, from assignment to free again.
+
+Each device runs in its own task with its own cancel scopes: the acquire
+hook, the job, the verify pass and the release hook each have their
+deadline on the scope that owns the work. A fault on one device never
+reaches another: everything here is caught, reported and turned into a
+quarantine of this device alone.
+
+    acquire hook → start → journal → job (sweep) → verify → finish → linger → release hook
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from rc_worker.config import DeviceConfig
+from rc_worker.errors import ControllerError
+from rc_worker.hooks import run_hook
+from rc_worker.lease import Lease
+from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult, effective_limit
+from rc_worker.reports import finish_report, not_run_report
+from rc_worker.spool import JobDir, OutputSpool
+from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
+from rc_worker.verify import run_verify
+
+if TYPE_CHECKING:
+    from rc_worker.context import WorkerContext
+
+log = logging.getLogger("rc_worker.device")
+
+S = DeviceState
+
+
+def new_fault_id() -> str:
+    return f"f-{uuid.uuid4().hex[:12]}"
+
+
+class DeviceSupervisor:
+    def __init__(self, ctx: WorkerContext, config: DeviceConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.name = config.name
+        self.lease = Lease(name=config.name, has_hooks=bool(config.on_acquire or config.on_release))
+        # Set while a poll that offered this device is in flight: a lingering
+        # device does not start its release until that poll has answered.
+        self.offered = False
+        self._pending: tuple[Assignment, bool] | None = None
+        self._changed = trio.Event()
+        self._acquire_scope: trio.CancelScope | None = None
+        self._cancel_text: str | None = None
+        self._handle: JobHandle | None = None
+        self._linger_until = math.inf
+        self._last_job_id: str | None = None
+
+    # -- inputs from the worker (sync, never block) ------------------------
+
+    def ready(self) -> bool:
+        return self.lease.ready(draining=self.ctx.draining)
+
+    def idle(self) -> bool:
+        """Nothing to do now: free or quarantined, no assignment waiting."""
+        return self._pending is None and self.lease.state in (S.FREE, S.QUARANTINED)
+
+    def assign(self, assignment: Assignment) -> None:
+        """Hand a ready device an assignment; the caller checked ``ready()``."""
+        needs_acquire = self.lease.begin((assignment.job_id, assignment.attempt))
+        self._pending = (assignment, needs_acquire)
+        self._poke()
+
+    def cancel(self, job_id: str, attempt: int, text: str) -> None:
+        """The controller cancelled this device's job (heartbeat ``cancel``)."""
+        if self.lease.job != (job_id, attempt):
+            return
+        self._cancel_text = text
+        if self._acquire_scope is not None:
+            self._acquire_scope.cancel()
+        if self._handle is not None:
+            self._handle.stop(_cancel_reason(text))
+
+    def stop_for_shutdown(self) -> None:
+        """The worker's second signal: stop what runs now, report, and go."""
+        self.cancel(*(self.lease.job or ("", -1)), "the worker is shutting down")
+        self._poke()
+
+    def set_idle_behavior(self, behavior: IdleBehavior) -> None:
+        if behavior is not self.lease.idle_behavior:
+            log.info("device %s: idle behaviour %s", self.name, behavior)
+            self.lease.idle_behavior = behavior
+            self._poke()
+
+    def add_fault(self, fault_id: str, why: str) -> None:
+        if fault_id not in self.lease.faults:
+            log.warning("device %s: quarantined (%s, fault %s)", self.name, why, fault_id)
+        self.lease.add_fault(fault_id)
+        self._poke()
+
+    def clear_faults(self, cleared: set[str]) -> None:
+        if cleared & self.lease.faults:
+            log.info("device %s: faults %s cleared", self.name, sorted(cleared & self.lease.faults))
+        nxt = self.lease.clear_faults(cleared)
+        if nxt is not None:
+            self.lease.to(nxt)
+            self._poke()
+
+    def poke(self) -> None:
+        self._poke()
+
+    def heartbeat_entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"state": str(self.lease.state)}
+        if self.lease.job is not None:
+            entry["job_id"], entry["attempt"] = self.lease.job
+        if self.lease.faults:
+            entry["faults"] = sorted(self.lease.faults)
+        return entry
+
+    def linger_deadline(self) -> float:
+        return self._linger_until if self.lease.state is S.LINGERING else math.inf
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- the device's own task --------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            state = self.lease.state
+            if self._pending is not None:
+                assignment, needs_acquire = self._pending
+                self._pending = None
+                await self._serve(assignment, needs_acquire)
+            elif state is S.RELEASING:
+                await self._release()
+            elif state is S.LINGERING and self._linger_over():
+                self.lease.to(S.RELEASING)
+            elif self.ctx.draining and state in (S.FREE, S.QUARANTINED):
+                self.ctx.poke_poller()
+                return
+            else:
+                await self._wait_for_change()
+
+    def _linger_over(self) -> bool:
+        if self.ctx.draining or self.lease.idle_behavior is IdleBehavior.DRAIN:
+            return not self.offered
+        if self.lease.idle_behavior is IdleBehavior.HOLD:
+            return False
+        return trio.current_time() >= self._linger_until and not self.offered
+
+    async def _wait_for_change(self) -> None:
+        changed = self._changed
+        deadline = self.linger_deadline()
+        if self.lease.idle_behavior is not IdleBehavior.RUN:
+            deadline = math.inf
+        with trio.move_on_at(deadline):
+            await changed.wait()
+
+    async def _serve(self, a: Assignment, needs_acquire: bool) -> None:
+        self._cancel_text = None
+        self._last_job_id = a.job_id
+        key = self.ctx.job_key(a)
+        if needs_acquire and self.config.on_acquire and not await self._acquire(a):
+            return
+        self.lease.acquired()
+        if not await self._start(a):
+            self._settle()
+            return
+        result, verify, fault_id, output_bytes = await self._run(a, key)
+        report = finish_report(
+            a, result, verify=verify, fault_id=fault_id, output_bytes=output_bytes
+        )
+        self.ctx.outbox.finish(key, report)
+        log.info(
+            "device %s: job %s attempt %d %s (exit %s)%s",
+            self.name,
+            a.job_id,
+            a.attempt,
+            report["outcome"],
+            result.exit_code,
+            f", {report['reason']}" if report["reason"] else "",
+        )
+        # The device is offered again only once the controller has the
+        # outcome, so it never sees a device ready while a job it assigned
+        # there still looks running.
+        with trio.CancelScope(shield=self.ctx.draining):
+            await self.ctx.outbox.delivered(key)
+        self._settle()
+
+    async def _acquire(self, a: Assignment) -> bool:
+        assert self.config.on_acquire is not None
+        with trio.CancelScope() as scope:
+            self._acquire_scope = scope
+            outcome = await run_hook(
+                "on_acquire",
+                self.config.on_acquire,
+                time_limit=self.config.timeout,
+                env=self.ctx.child_env(self.name, a.job_id),
+                host=self.ctx.host,
+            )
+        self._acquire_scope = None
+        if scope.cancelled_caught:
+            # Cancelled, not failed: nothing is quarantined, but a half-run
+            # acquire may have claimed something, so release runs.
+            text = self._cancel_text or "cancelled"
+            self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(text)))
+            self.lease.held = True
+            self.lease.to(S.RELEASING)
+            return False
+        if not outcome.ok:
+            fault_id = new_fault_id()
+            self.ctx.report(a, not_run_report(a, "refused", outcome.reason))
+            self.ctx.outbox.fault(
+                self.name,
+                {
+                    "fault_id": fault_id,
+                    "kind": "hook_failed",
+                    "reason": outcome.reason,
+                    "job_id": a.job_id,
+                },
+            )
+            self.lease.add_fault(fault_id)
+            self.lease.to(S.QUARANTINED)
+            return False
+        return True
+
+    async def _start(self, a: Assignment) -> bool:
+        with trio.CancelScope() as scope:
+            self._acquire_scope = scope
+            try:
+                await self.ctx.client.start(a.job_id, a.attempt, self.name, self.ctx.boot_id)
+            except ControllerError as e:
+                log.info(
+                    "device %s: job %s attempt %d not started: %s",
+                    self.name,
+                    a.job_id,
+                    a.attempt,
+                    e,
+                )
+                return False
+            finally:
+                self._acquire_scope = None
+        if scope.cancelled_caught:
+            self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(self._cancel_text or "")))
+            return False
+        return True
+
+    async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
+        job_dir = JobDir(self.ctx.root, key)
+        self.ctx.journal(job_dir, a)
+        spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
+        self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
+        self.lease.to(S.RUNNING)
+        handle = JobHandle()
+        self._handle = handle
+        if self._cancel_text is not None:
+            handle.stop(_cancel_reason(self._cancel_text))
+        spec = JobSpec(
+            command=list(a.command),
+            cwd=a.cwd,
+            env=self.ctx.job_env(self.name, a),
+            grace_ceiling=a.grace_s,
+            max_runtime=effective_limit(self.config.max_runtime, a.max_runtime_s),
+            idle_timeout=a.idle_timeout_s,
+            stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
+            sweep_job_id=a.job_id,
+            pty=a.pty,
+        )
+        try:
+            result = await run_job(spec, spool, host=self.ctx.host, handle=handle)
+        finally:
+            self._handle = None
+            spool.close()
+        self.lease.to(S.VERIFYING)
+        env = {
+            **self.ctx.child_env(self.name, a.job_id),
+            "RC_JOB_EXIT_CODE": "" if result.exit_code is None else str(result.exit_code),
+        }
+        verify = await run_verify(
+            self.ctx.config.verify_dir,
+            script_timeout=self.ctx.config.verify_timeout,
+            pass_budget=self.ctx.config.verify_pass_budget,
+            env=env,
+            host=self.ctx.host,
+        )
+        fault_id = None
+        if not verify.ok:
+            fault_id = new_fault_id()
+            self.add_fault(fault_id, verify.reason)
+        elif result.sweep.remaining:
+            fault_id = new_fault_id()
+            self.add_fault(fault_id, f"processes {list(result.sweep.remaining)} survived SIGKILL")
+        return result, verify, fault_id, spool.size
+
+    def _settle(self) -> None:
+        nxt = self.lease.settle(draining=self.ctx.draining)
+        self.lease.to(nxt)
+        if nxt is S.LINGERING:
+            self._linger_until = trio.current_time() + self.config.release_linger
+            self.ctx.poke_poller()
+
+    async def _release(self) -> None:
+        if self.config.on_release:
+            outcome = await run_hook(
+                "on_release",
+                self.config.on_release,
+                time_limit=self.config.timeout,
+                env=self.ctx.child_env(self.name, self._last_job_id),
+                host=self.ctx.host,
+            )
+            if not outcome.ok:
+                fault_id = new_fault_id()
+                self.ctx.outbox.fault(
+                    self.name,
+                    {"fault_id": fault_id, "kind": "hook_failed", "reason": outcome.reason},
+                )
+                self.lease.released()
+                self.lease.add_fault(fault_id)
+                self.lease.to(S.QUARANTINED)
+                return
+        self.lease.released()
+        self.lease.to(S.FREE)
+        self.ctx.poke_poller()
+
+
+def _cancel_reason(text: str) -> str:
+    return f"cancelled: {text}" if text else "cancelled"

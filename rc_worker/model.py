@@ -1,0 +1,181 @@
+"""Messages between the worker and the controller (sans-IO).
+
+``parse_assignment`` is where a controller's assignment is checked before
+anything acts on it: a malformed one becomes an ``AssignmentError`` that
+names the problem, and the worker answers it with a ``rejected`` finish.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from rc_worker.errors import AssignmentError
+
+# Job ids name files in the state directory, so their alphabet is closed.
+JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+VERIFY_REASON_PREFIX = "verify failed: "
+
+
+class Outcome(enum.StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    KILLED = "killed"
+    ERROR = "error"
+    REFUSED = "refused"
+    REJECTED = "rejected"
+    LOST = "lost"
+
+
+class DeviceState(enum.StrEnum):
+    FREE = "free"
+    ACQUIRING = "acquiring"
+    RUNNING = "running"
+    VERIFYING = "verifying"
+    LINGERING = "lingering"
+    RELEASING = "releasing"
+    QUARANTINED = "quarantined"
+
+
+class IdleBehavior(enum.StrEnum):
+    RUN = "run"
+    HOLD = "hold"
+    DRAIN = "drain"
+
+
+class Claim(enum.StrEnum):
+    GONE = "gone"
+    ALIVE = "alive"
+    UNKNOWN = "unknown"
+
+
+@attrs.frozen
+class Assignment:
+    """One offer of a job to one of this host's devices."""
+
+    job_id: str
+    attempt: int
+    device: str
+    command: tuple[str, ...]
+    cwd: str | None = None
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    max_runtime_s: float | None = None
+    idle_timeout_s: float | None = None
+    grace_s: float = 10.0
+    stdin_url: str | None = None
+    pty: bool = False
+
+
+@attrs.frozen
+class VerifyResult:
+    """The outcome of one verify pass.
+
+    ``reason`` is empty when ``ok``; otherwise it starts with
+    ``VERIFY_REASON_PREFIX``, then the first failing script's name and the
+    tail of its stderr: short enough for a log line and an event payload.
+    """
+
+    ok: bool
+    reason: str = ""
+
+
+def job_key(job_id: str, attempt: int) -> str:
+    """The name of a job attempt's directory under the state dir."""
+    return f"{job_id}.{attempt}"
+
+
+def assignment_identity(raw: Any) -> tuple[str, int, str] | None:
+    """The (job_id, attempt, device) of a raw assignment, if it has a usable one.
+
+    A rejection needs these to address its ``finish``; an assignment without
+    them cannot be answered at all, only logged.
+    """
+    if not isinstance(raw, Mapping):
+        return None
+    job_id, attempt, device = raw.get("job_id"), raw.get("attempt"), raw.get("device")
+    if not isinstance(job_id, str) or not JOB_ID_RE.fullmatch(job_id):
+        return None
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        return None
+    return job_id, attempt, device if isinstance(device, str) else ""
+
+
+def parse_assignment(raw: Any) -> Assignment:
+    """Check and convert one assignment from a poll response."""
+    if not isinstance(raw, Mapping):
+        raise AssignmentError("the assignment is not a JSON object")
+    ident = assignment_identity(raw)
+    if ident is None:
+        raise AssignmentError(
+            "job_id must be a string of letters, digits, '.', '_' or '-' and attempt an integer"
+        )
+    job_id, attempt, device = ident
+    if not device:
+        raise AssignmentError("device must be a non-empty string")
+    command = raw.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+        raise AssignmentError("command must be a non-empty list of strings")
+    if any("\0" in c for c in command):
+        raise AssignmentError("command must not contain NUL characters")
+    cwd = raw.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd):
+        raise AssignmentError("cwd must be null or a non-empty string")
+    env = raw.get("env") or {}
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+        for k, v in env.items()
+    ):
+        raise AssignmentError("env must be an object mapping variable names to strings")
+    stdin = raw.get("stdin")
+    stdin_url: str | None = None
+    if stdin is not None:
+        if not isinstance(stdin, Mapping) or not isinstance(stdin.get("url"), str):
+            raise AssignmentError('stdin must be null or {"url": "..."}')
+        stdin_url = stdin["url"]
+    pty = raw.get("pty", False)
+    if not isinstance(pty, bool):
+        raise AssignmentError("pty must be true or false")
+    grace = _seconds(raw, "grace_s", default=10.0)
+    return Assignment(
+        job_id=job_id,
+        attempt=attempt,
+        device=device,
+        command=tuple(command),
+        cwd=cwd,
+        env=dict(env),
+        max_runtime_s=_positive_or_none(raw, "max_runtime_s"),
+        idle_timeout_s=_positive_or_none(raw, "idle_timeout_s"),
+        grace_s=10.0 if grace is None else grace,
+        stdin_url=stdin_url,
+        pty=pty,
+    )
+
+
+def _seconds(raw: Mapping[str, Any], key: str, *, default: float | None) -> float | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise AssignmentError(f"{key} must be a number of seconds or null")
+    if not math.isfinite(value) or value < 0:
+        raise AssignmentError(f"{key} must be a finite, non-negative number of seconds")
+    return float(value)
+
+
+def _positive_or_none(raw: Mapping[str, Any], key: str) -> float | None:
+    value = _seconds(raw, key, default=None)
+    if value == 0:
+        raise AssignmentError(f"{key} must be more than zero, or null for no limit")
+    return value
+
+
+def effective_limit(device_limit: float | None, job_limit: float | None) -> float | None:
+    """The smaller of two optional limits (None = no limit)."""
+    limits = [x for x in (device_limit, job_limit) if x is not None]
+    return min(limits) if limits else None

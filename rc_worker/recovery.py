@@ -1,0 +1,137 @@
+"""After a crash: prove, or refuse to claim, that an interrupted job left nothing behind.
+
+At start, before registering, every job directory whose journal says the
+job was spawned and that has no finish report is a job the previous worker
+process never saw end. For each one:
+
+- a different boot id proves a reboot: nothing of it can be running;
+- otherwise the RC_JOB_ID sweep looks for it, and removes what it finds.
+  The claim is ``gone`` only when the scan was complete (not blind) and
+  nothing remains, ``alive`` when something remains, ``unknown`` when it
+  could not look;
+- with ``require_manual_clear`` the claim is always ``unknown``: the setting
+  only ever makes the worker more cautious.
+
+Its spooled output is then shipped and the job finished as ``lost``; the
+claims go to the controller at register, which decides the device's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rc_worker.host import Host
+from rc_worker.model import Claim
+from rc_worker.reports import lost_report, sweep_json
+from rc_worker.spool import job_dirs, read_json, write_json_durably
+from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
+
+log = logging.getLogger("rc_worker.recovery")
+
+RECOVERY_GRACE = 5.0
+RECOVERY_FILE = "recovery.json"
+
+
+@attrs.frozen
+class Recovered:
+    device: str
+    job_id: str
+    attempt: int
+    boot_id: str
+    claim: Claim
+    sweep: SweepReport
+    reboot: bool
+
+    def register_entry(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "boot_id": self.boot_id,
+            "claim": str(self.claim),
+            "sweep": sweep_json(self.sweep),
+        }
+
+
+def decide_claim(sweep: SweepReport, *, reboot: bool, require_manual_clear: bool) -> Claim:
+    """The claim for one interrupted job (sans-IO)."""
+    if require_manual_clear:
+        return Claim.UNKNOWN
+    if reboot or sweep.clean:
+        return Claim.GONE
+    if sweep.remaining:
+        return Claim.ALIVE
+    return Claim.UNKNOWN
+
+
+async def recover(
+    root: Path, *, boot_id: str, require_manual_clear: bool, host: Host | None = None
+) -> list[Recovered]:
+    found: list[Recovered] = []
+    for job_dir in job_dirs(root):
+        journal = read_json(job_dir.journal)
+        claimed = read_json(job_dir.path / RECOVERY_FILE)
+        if claimed is not None:
+            # Recovered by an earlier start that stopped before its finish
+            # was acknowledged: the claim stands, and is sent again.
+            found.append(_from_json(claimed))
+            continue
+        if job_dir.finish.exists():
+            continue  # finished, not yet delivered: the outbox sends it
+        if journal is None or not journal.get("spawned"):
+            # Nothing was spawned (the crash came between creating the
+            # directory and the journal): there is nothing to recover.
+            job_dir.remove()
+            continue
+        job_id, attempt = str(journal["job_id"]), int(journal["attempt"])
+        device, then = str(journal["device"]), str(journal.get("boot_id", ""))
+        reboot = then != boot_id
+        if reboot:
+            sweep = NOT_SWEPT
+        else:
+            sweep = await sweep_job_survivors(job_id, grace=RECOVERY_GRACE, host=host)
+        claim = decide_claim(sweep, reboot=reboot, require_manual_clear=require_manual_clear)
+        log.warning(
+            "job %s attempt %d on %s was interrupted by the worker's stop: %s, claim %s%s",
+            job_id,
+            attempt,
+            device,
+            "reboot proven"
+            if reboot
+            else f"swept (found {list(sweep.found)}, "
+            f"remaining {list(sweep.remaining)}, blind {sweep.blind})",
+            claim,
+            " (require_manual_clear)" if require_manual_clear else "",
+        )
+        entry = Recovered(device, job_id, attempt, then, claim, sweep, reboot)
+        write_json_durably(
+            job_dir.path / RECOVERY_FILE, {**entry.register_entry(), "reboot": reboot}
+        )
+        write_json_durably(
+            job_dir.finish,
+            lost_report(job_id, attempt, device, sweep=sweep, output_bytes=job_dir.output_size()),
+        )
+        found.append(entry)
+    return found
+
+
+def _from_json(data: dict[str, Any]) -> Recovered:
+    sweep = data.get("sweep") or {}
+    return Recovered(
+        device=str(data["device"]),
+        job_id=str(data["job_id"]),
+        attempt=int(data["attempt"]),
+        boot_id=str(data["boot_id"]),
+        claim=Claim(data["claim"]),
+        sweep=SweepReport(
+            scanned=bool(sweep.get("scanned")),
+            found=tuple(sweep.get("found", ())),
+            remaining=tuple(sweep.get("remaining", ())),
+            blind=bool(sweep.get("blind")),
+        ),
+        reboot=bool(data.get("reboot")),
+    )

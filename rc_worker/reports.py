@@ -1,0 +1,91 @@
+"""The bodies of ``finish`` reports (sans-IO)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rc_worker.model import Assignment, Outcome, VerifyResult
+from rc_worker.sweep import SweepReport
+
+
+def sweep_json(sweep: SweepReport | None) -> dict[str, Any] | None:
+    if sweep is None:
+        return None
+    return {
+        "scanned": sweep.scanned,
+        "found": list(sweep.found),
+        "remaining": list(sweep.remaining),
+        "blind": sweep.blind,
+    }
+
+
+def outcome_of(exit_code: int | None, killed: bool, error: str | None) -> Outcome:
+    if error is not None:
+        return Outcome.ERROR
+    if killed:
+        return Outcome.KILLED
+    return Outcome.SUCCEEDED if exit_code == 0 else Outcome.FAILED
+
+
+def finish_report(
+    a: Assignment,
+    result: Any,
+    *,
+    verify: VerifyResult,
+    fault_id: str | None,
+    output_bytes: int,
+) -> dict[str, Any]:
+    """The finish of a job that was spawned (or tried to be)."""
+    outcome = outcome_of(result.exit_code, result.killed, result.error)
+    return {
+        "attempt": a.attempt,
+        "device": a.device,
+        "outcome": str(outcome),
+        "exit_code": result.exit_code,
+        "killed": result.killed,
+        "reason": result.reason,
+        "error": result.error,
+        "output_bytes": output_bytes,
+        "sweep": sweep_json(result.sweep),
+        "verify": {"ok": verify.ok, "reason": verify.reason},
+        "fault_id": fault_id,
+    }
+
+
+def not_run_report(
+    a: Assignment | tuple[str, int, str], outcome: str, reason: str, *, error: str | None = None
+) -> dict[str, Any]:
+    """The finish of an attempt whose process never ran: refused, rejected, cancelled early."""
+    attempt, device = (a.attempt, a.device) if isinstance(a, Assignment) else (a[1], a[2])
+    return {
+        "attempt": attempt,
+        "device": device,
+        "outcome": outcome,
+        "exit_code": None,
+        "killed": outcome == Outcome.KILLED,
+        "reason": reason,
+        "error": error,
+        "output_bytes": 0,
+        "sweep": None,
+        "verify": None,
+        "fault_id": None,
+    }
+
+
+def lost_report(
+    job_id: str, attempt: int, device: str, *, sweep: SweepReport | None, output_bytes: int
+) -> dict[str, Any]:
+    """The finish a restarted worker sends, from its journal, for an interrupted job."""
+    return {
+        "attempt": attempt,
+        "device": device,
+        "outcome": str(Outcome.LOST),
+        "exit_code": None,
+        "killed": False,
+        "reason": "the worker process stopped before the job ended",
+        "error": None,
+        "output_bytes": output_bytes,
+        "sweep": sweep_json(sweep),
+        "verify": None,
+        "fault_id": None,
+    }

@@ -1,0 +1,173 @@
+"""The worker's on-disk state: one directory per job attempt, and pending faults.
+
+::
+
+    state_dir/                       mode 0700
+      jobs/<job_id>.<attempt>/
+        journal.json                 written and fsynced before the job is spawned
+        output                       the job's combined output, appended as it arrives
+        finish.json                  the finish report, written before its first send
+      faults/<device>.<fault_id>.json
+
+A job's directory is removed once its ``finish`` is acknowledged, so after a
+crash whatever is left under ``jobs/`` is exactly the work not yet reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import trio
+
+log = logging.getLogger("rc_worker.spool")
+
+TRUNCATION_MARKER = "\n[rc-worker: output truncated here: the job wrote more than {cap} bytes]\n"
+
+
+def ensure_state_dir(path: str) -> Path:
+    """Create the state directory (mode 0700) and its subdirectories."""
+    root = Path(path)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # mkdir's mode is masked by the umask and ignored for an existing dir.
+    os.chmod(root, 0o700)
+    (root / "jobs").mkdir(mode=0o700, exist_ok=True)
+    (root / "faults").mkdir(mode=0o700, exist_ok=True)
+    return root
+
+
+def write_json_durably(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` so that after a crash the file is either whole or absent."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when absent or unreadable (logged)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.error("cannot read %s (%s); leaving it for an operator", path, e)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class JobDir:
+    """One job attempt's directory."""
+
+    def __init__(self, root: Path, key: str) -> None:
+        self.key = key
+        self.path = root / "jobs" / key
+        self.journal = self.path / "journal.json"
+        self.output = self.path / "output"
+        self.finish = self.path / "finish.json"
+
+    def create(self) -> None:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.output.touch(mode=0o600, exist_ok=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def output_size(self) -> int:
+        try:
+            return self.output.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def read_output(self, offset: int, limit: int) -> bytes:
+        try:
+            with open(self.output, "rb") as f:
+                f.seek(offset)
+                return f.read(limit)
+        except FileNotFoundError:
+            return b""
+
+
+def job_dirs(root: Path) -> Iterator[JobDir]:
+    jobs = root / "jobs"
+    if not jobs.is_dir():
+        return
+    for entry in sorted(jobs.iterdir()):
+        if entry.is_dir():
+            yield JobDir(root, entry.name)
+
+
+class OutputSpool:
+    """The sink a running job writes to: appends to the job's ``output`` file.
+
+    Writes are plain ``os.write`` calls: a local append lands in the page
+    cache in microseconds, and a thread hop per 64 KiB chunk would cost more
+    than it saves. Nothing is kept in memory; the shipper reads the file.
+    """
+
+    def __init__(self, job_dir: JobDir, *, cap: int) -> None:
+        self._dir = job_dir
+        self._fd = os.open(job_dir.output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.size = os.fstat(self._fd).st_size
+        self._cap = cap
+        self.truncated = 0
+        self.closed = False
+        self._changed = trio.Event()
+
+    async def __call__(self, data: bytes) -> None:
+        if self.closed or not data:
+            return
+        room = self._cap - self.size
+        if room <= 0:
+            self.truncated += len(data)
+            return
+        if len(data) > room:
+            self.truncated += len(data) - room
+            data = data[:room] + TRUNCATION_MARKER.format(cap=self._cap).encode()
+        self._write_all(data)
+        self._notify()
+        await trio.lowlevel.checkpoint()
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self.size += len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self._fd)
+            if self.truncated:
+                log.warning(
+                    "job %s: %d bytes of output dropped past the spool cap of %d bytes",
+                    self._dir.key,
+                    self.truncated,
+                    self._cap,
+                )
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()

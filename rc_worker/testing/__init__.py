@@ -1,0 +1,149 @@
+"""The test harness for programs that embed rc_worker.
+
+``local_system`` runs the reference controller in-process and a worker
+against it over ``httpx.ASGITransport`` (no sockets), and hands back a
+``LocalSystem`` to submit jobs and watch them::
+
+    async with local_system(config) as system:
+        job_id = system.submit(["echo", "hello"])
+        info = await system.wait_job(job_id)
+        assert info.outcome == "succeeded"
+        assert system.output(job_id) == b"hello\\n"
+
+The worker runs for real: real processes, the real clock. Leaving the block
+drains the worker (jobs finish, reports are delivered) unless ``stop()``
+or a cancellation came first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from rc_worker.config import Config, DeviceConfig
+from rc_worker.controller import create_app
+from rc_worker.controller.messages import DeviceInfo, JobInfo
+from rc_worker.controller.store import Store, StoreConfig
+from rc_worker.host import Host
+from rc_worker.worker import Worker
+
+WORKER_TOKEN = "rc-test-worker-token"
+USER_TOKEN = "rc-test-user-token"
+
+__all__ = ["USER_TOKEN", "WORKER_TOKEN", "LocalSystem", "local_system", "make_config"]
+
+
+@attrs.define(eq=False)
+class LocalSystem:
+    store: Store
+    http: httpx.AsyncClient
+    worker: Worker
+    config: Config
+
+    def submit(self, command: list[str], **fields: Any) -> str:
+        """Queue a job at the controller; ``fields`` as ``Store.submit`` takes them."""
+        return self.store.submit(command, **fields)
+
+    def job(self, job_id: str) -> JobInfo:
+        return self.store.job(job_id)
+
+    def output(self, job_id: str) -> bytes:
+        return self.store.output(job_id)
+
+    def device(self, name: str) -> DeviceInfo:
+        return self.store.device(self.config.host, name)
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds, re-checking at every controller change.
+
+        The worker's own state changes do not notify the controller, so the
+        check also runs every 50 ms; bound the wait with ``trio.fail_after``.
+        """
+        while not predicate():
+            changed = trio.Event()
+            unsubscribe = self.store.subscribe(changed.set)
+            try:
+                with trio.move_on_after(0.05):
+                    await changed.wait()
+            finally:
+                unsubscribe()
+
+    async def wait_job(self, job_id: str, states: frozenset[str] | None = None) -> JobInfo:
+        """Wait for the job to reach one of ``states`` (default: any terminal state)."""
+
+        def reached() -> bool:
+            info = self.store.job(job_id)
+            return info.terminal if states is None else info.state in states
+
+        await self.wait_until(reached)
+        return self.store.job(job_id)
+
+
+@asynccontextmanager
+async def local_system(
+    config: Config,
+    *,
+    store: Store | None = None,
+    host: Host | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> AsyncIterator[LocalSystem]:
+    """A reference controller and one worker, in this Trio run."""
+    if store is None:
+        store = Store(
+            StoreConfig(
+                heartbeat_interval_s=config.heartbeat_interval, poll_wait_s=config.poll_wait
+            )
+        )
+    app = create_app(
+        store=store, worker_tokens={WORKER_TOKEN: config.host}, user_tokens=[USER_TOKEN]
+    )
+    config = attrs.evolve(config, token=WORKER_TOKEN)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://controller"
+    ) as http:
+        worker = Worker(config, http=http, host=host, environ=environ)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            try:
+                yield LocalSystem(store=store, http=http, worker=worker, config=config)
+            except BaseException:
+                nursery.cancel_scope.cancel()
+                raise
+            worker.drain()
+
+
+def make_config(
+    state_dir: str | os.PathLike[str],
+    *,
+    devices: tuple[str | DeviceConfig, ...] = ("gpu0",),
+    **overrides: Any,
+) -> Config:
+    """A config for tests: everything under ``state_dir``, short intervals.
+
+    Probe, verify and sheet directories point inside ``state_dir`` (absent
+    unless the test creates them), so nothing from the machine leaks in.
+    """
+    root = Path(state_dir)
+    fields: dict[str, Any] = {
+        "devices": tuple(DeviceConfig(name=d) if isinstance(d, str) else d for d in devices),
+        "host": "test-host",
+        "state_dir": str(root / "state"),
+        "probe_dir": str(root / "probe.d"),
+        "verify_dir": str(root / "verify.d"),
+        "sheet_dir": str(root / "sheets"),
+        "heartbeat_interval": 0.5,
+        "poll_wait": 5.0,
+        "probe_timeout": 5.0,
+        "verify_timeout": 10.0,
+        "verify_pass_budget": 20.0,
+        "shutdown_grace": 30.0,
+    }
+    fields.update(overrides)
+    return Config(**fields)

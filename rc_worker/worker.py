@@ -1,0 +1,392 @@
+"""Worker: the root of the nursery tree.
+
+::
+
+    Worker.run()                       root nursery
+    ├── heartbeat loop                 device states up; cancels, idle behaviour, clears down
+    ├── poll manager                   one long poll per batch of newly ready devices
+    ├── probe loop                     a probe pass every probe_interval; labels after each
+    ├── outbox                         output, finish and fault reports, from disk
+    └── one DeviceSupervisor per device
+
+``drain()`` stops taking work, lets running jobs finish, releases held
+devices, delivers every report, then returns from ``run``. ``stop()`` does
+the same but stops running jobs first (grace ceilings honoured). Cancelling
+the scope around ``run`` abandons everything at once: jobs are killed
+(shielded, bounded) and whatever was not reported stays on disk for the
+next start to recover.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from rc_worker import __version__
+from rc_worker.client import ControllerClient
+from rc_worker.config import Config
+from rc_worker.context import WorkerContext, warn_token_file_mode
+from rc_worker.device import DeviceSupervisor
+from rc_worker.errors import AssignmentError, ControllerError
+from rc_worker.host import Host, LinuxHost
+from rc_worker.labels import labels_payload
+from rc_worker.model import IdleBehavior, assignment_identity, parse_assignment
+from rc_worker.outbox import Outbox
+from rc_worker.probe import Prober
+from rc_worker.recovery import Recovered, recover
+from rc_worker.reports import not_run_report
+from rc_worker.sheets import SheetReader
+from rc_worker.spool import ensure_state_dir
+
+log = logging.getLogger("rc_worker.worker")
+
+
+class Worker:
+    """One worker process's service. ``await nursery.start(worker.run)``.
+
+    ``http`` is the one ``httpx.AsyncClient`` to the controller; tests and
+    simulations hand in one over ``httpx.ASGITransport``. Without it the
+    worker opens its own to ``config.controller_url``.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        http: httpx.AsyncClient | None = None,
+        host: Host | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        import os
+
+        self.config = config
+        self.host: Host = host if host is not None else LinuxHost()
+        self._http = http
+        self._environ = dict(os.environ if environ is None else environ)
+        self.devices: dict[str, DeviceSupervisor] = {}
+        self.recovered: list[Recovered] = []
+        self._ctx: WorkerContext | None = None
+        self._poll_wake = trio.Event()
+        self._drained = trio.Event()
+        self._stopping = False
+        self._heartbeat_interval = config.heartbeat_interval
+        self._poll_wait = config.poll_wait
+        self._reprobe = trio.Event()
+        self._prober = Prober(config, host=self.host, environ=self._environ)
+        self._sheets = SheetReader(config.sheet_dir, config.device_names)
+        self.registered = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._labels: dict[str, Any] = {"host": {}, "devices": {}}
+
+    # -- control ------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._ctx is not None and self._ctx.draining
+
+    def drain(self) -> None:
+        """Take no new work; finish, release and report; then ``run`` returns."""
+        if self._ctx is None or self._ctx.draining:
+            return
+        log.info("draining: no new work; running jobs finish, then the worker exits")
+        self._ctx.draining = True
+        if self._nursery is not None:
+            self._nursery.start_soon(self._drain_deadline)
+        self._poke_all()
+
+    def stop(self) -> None:
+        """Drain, but stop running jobs first (each with its grace ceiling)."""
+        self.drain()
+        if self._stopping or self._ctx is None:
+            return
+        log.info("stopping: running jobs are cancelled")
+        self._stopping = True
+        for dev in self.devices.values():
+            dev.stop_for_shutdown()
+
+    def reprobe(self) -> None:
+        """Run a probe pass and re-read the sheets now (SIGHUP)."""
+        self._reprobe.set()
+
+    def _poke_all(self) -> None:
+        self._poke_poller()
+        for dev in self.devices.values():
+            dev.poke()
+
+    def _poke_poller(self) -> None:
+        self._poll_wake.set()
+        self._poll_wake = trio.Event()
+
+    # -- the service ----------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        root = ensure_state_dir(self.config.state_dir)
+        warning = warn_token_file_mode(self.config.token_file)
+        if warning:
+            log.warning("%s", warning)
+        boot_id = self.host.boot_id()
+        async with AsyncExitStack() as stack:
+            http = self._http
+            if http is None:
+                http = await stack.enter_async_context(self._open_http())
+            client = ControllerClient(
+                http,
+                host=self.config.host,
+                token=self.config.token,
+                on_unknown_session=self._register,
+            )
+            outbox = Outbox(root, client, on_change=self._poke_poller)
+            ctx = WorkerContext(
+                config=self.config,
+                host=self.host,
+                client=client,
+                outbox=outbox,
+                root=root,
+                boot_id=boot_id,
+                environ=self._environ,
+                poke_poller=self._poke_poller,
+            )
+            self._ctx = ctx
+            self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
+            first = await self._prober.gather()
+            self._apply_probe(first.result)
+            self.recovered = await recover(
+                root,
+                boot_id=boot_id,
+                require_manual_clear=self.config.require_manual_clear,
+                host=self.host,
+            )
+            await self._register(client)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(outbox.run)
+                for dev in self.devices.values():
+                    await nursery.start(dev.run)
+                nursery.start_soon(self._heartbeat_loop, client)
+                nursery.start_soon(self._poll_manager, client, nursery)
+                nursery.start_soon(self._probe_loop, client)
+                task_status.started()
+                await self._until_drained(outbox)
+                nursery.cancel_scope.cancel()
+        log.info("worker stopped")
+
+    def _open_http(self) -> httpx.AsyncClient:
+        url = self.config.controller_url
+        if url is None:
+            raise ControllerError(0, "no_controller", "config has no controller_url")
+        return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0))
+
+    async def _until_drained(self, outbox: Outbox) -> None:
+        """Return once draining, every device is idle and every report delivered."""
+        assert self._ctx is not None
+        while True:
+            wake = self._poll_wake
+            if (
+                self._ctx.draining
+                and all(dev.idle() for dev in self.devices.values())
+                and outbox.pending() == 0
+            ):
+                return
+            await wake.wait()
+
+    async def _drain_deadline(self) -> None:
+        # shutdown_grace bounds the drain: past it, running jobs are stopped.
+        await trio.sleep(self.config.shutdown_grace)
+        if not self._stopping:
+            log.warning(
+                "drain still running after shutdown_grace (%gs); stopping jobs",
+                self.config.shutdown_grace,
+            )
+            self.stop()
+
+    # -- register -------------------------------------------------------------
+
+    async def _register(self, client: ControllerClient) -> None:
+        assert self._ctx is not None
+        payload: dict[str, Any] = {
+            "worker_version": __version__,
+            "boot_id": self._ctx.boot_id,
+            "pid": _pid(),
+            "devices": [
+                {"name": d.name, "declared_labels": dict(d.labels)} for d in self.config.devices
+            ],
+            "labels": self._labels,
+            "sheets": self._sheets.read(),
+            "recovery": [r.register_entry() for r in self.recovered],
+            "require_manual_clear": self.config.require_manual_clear,
+        }
+        answer = await client.register(payload)
+        log.info("registered with the controller as session %s", client.session)
+        self._heartbeat_interval = _positive(
+            answer.get("heartbeat_interval_s"), self._heartbeat_interval
+        )
+        self._poll_wait = _positive(answer.get("poll_wait_s"), self._poll_wait)
+        devices = answer.get("devices")
+        if isinstance(devices, Mapping):
+            for name, info in devices.items():
+                dev = self.devices.get(name)
+                if dev is None or not isinstance(info, Mapping):
+                    continue
+                if info.get("state") == "quarantined" and info.get("fault_id"):
+                    dev.add_fault(str(info["fault_id"]), str(info.get("reason") or "controller"))
+                self._set_idle(dev, info.get("idle_behavior"))
+        self.registered.set()
+
+    # -- loops ----------------------------------------------------------------
+
+    async def _heartbeat_loop(self, client: ControllerClient) -> None:
+        while True:
+            await trio.sleep(self._heartbeat_interval)
+            states = {name: dev.heartbeat_entry() for name, dev in self.devices.items()}
+            try:
+                answer = await client.heartbeat(states)
+            except ControllerError as e:
+                log.error("heartbeat refused: %s", e)
+                continue
+            self._apply_heartbeat(answer)
+
+    def _apply_heartbeat(self, answer: Mapping[str, Any]) -> None:
+        for cancel in answer.get("cancel") or ():
+            if not isinstance(cancel, Mapping):
+                continue
+            job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
+            for dev in self.devices.values():
+                dev.cancel(
+                    str(job_id),
+                    attempt if isinstance(attempt, int) else -1,
+                    str(cancel.get("reason") or ""),
+                )
+        behaviours = answer.get("idle_behavior")
+        if isinstance(behaviours, Mapping):
+            for name, value in behaviours.items():
+                if name in self.devices:
+                    self._set_idle(self.devices[name], value)
+        cleared = answer.get("cleared")
+        if isinstance(cleared, Mapping):
+            for name, ids in cleared.items():
+                if name in self.devices and isinstance(ids, list):
+                    self.devices[name].clear_faults({str(i) for i in ids})
+        self._poke_poller()
+
+    def _set_idle(self, dev: DeviceSupervisor, value: Any) -> None:
+        try:
+            behaviour = IdleBehavior(value)
+        except ValueError:
+            return
+        dev.set_idle_behavior(behaviour)
+
+    async def _poll_manager(self, client: ControllerClient, nursery: trio.Nursery) -> None:
+        assert self._ctx is not None
+        with trio.CancelScope() as polls:
+            async with trio.open_nursery() as poll_nursery:
+                while not self._ctx.draining:
+                    wake = self._poll_wake
+                    fresh = [d for d in self.devices.values() if d.ready() and not d.offered]
+                    if fresh:
+                        for dev in fresh:
+                            dev.offered = True
+                        poll_nursery.start_soon(self._poll_once, client, fresh)
+                    await wake.wait()
+                # Draining: in-flight polls are abandoned; an assignment lost
+                # with them is never started, and the controller offers it again.
+                polls.cancel()
+
+    async def _poll_once(self, client: ControllerClient, devices: list[DeviceSupervisor]) -> None:
+        try:
+            linger = min((d.linger_deadline() for d in devices), default=math.inf)
+            wait_s = min(self._poll_wait, max(1.0, linger - trio.current_time()))
+            try:
+                assignments = await client.poll([d.name for d in devices], round(wait_s, 3))
+            except ControllerError as e:
+                log.error("poll refused: %s; retrying after the heartbeat interval", e)
+                await trio.sleep(self._heartbeat_interval)
+                return
+        finally:
+            for dev in devices:
+                dev.offered = False
+                dev.poke()
+            self._poke_poller()
+        for raw in assignments:
+            self._dispatch(raw)
+
+    def _dispatch(self, raw: Any) -> None:
+        assert self._ctx is not None
+        try:
+            assignment = parse_assignment(raw)
+        except AssignmentError as e:
+            self._reject(raw, f"malformed assignment: {e}")
+            return
+        dev = self.devices.get(assignment.device)
+        if dev is None:
+            self._reject(raw, f"unknown device {assignment.device!r} on host {self.config.host}")
+        elif not dev.ready():
+            self._reject(raw, f"device {assignment.device} is not ready ({dev.lease.state})")
+        else:
+            log.info(
+                "device %s: assigned job %s attempt %d: %s",
+                dev.name,
+                assignment.job_id,
+                assignment.attempt,
+                list(assignment.command),
+            )
+            dev.assign(assignment)
+
+    def _reject(self, raw: Any, reason: str) -> None:
+        assert self._ctx is not None
+        ident = assignment_identity(raw)
+        if ident is None:
+            log.error("ignoring an assignment with no usable job_id/attempt: %s", reason)
+            return
+        log.warning("rejecting job %s attempt %d: %s", ident[0], ident[1], reason)
+        self._ctx.report(ident, not_run_report(ident, "rejected", reason))
+
+    async def _probe_loop(self, client: ControllerClient) -> None:
+        await self._send_labels(client)
+        while True:
+            with trio.move_on_after(self.config.probe_interval):
+                await self._reprobe.wait()
+            self._reprobe = trio.Event()
+            result = (await self._prober.gather()).result
+            self._apply_probe(result)
+            await self._send_labels(client)
+            if self._sheets.changed():
+                try:
+                    await client.put_sheets(self._sheets.read())
+                except ControllerError as e:
+                    log.error("sheets refused: %s", e)
+
+    async def _send_labels(self, client: ControllerClient) -> None:
+        try:
+            await client.put_labels(self._labels)
+        except ControllerError as e:
+            log.error("labels refused: %s", e)
+
+    def _apply_probe(self, result: Any) -> None:
+        assert self._ctx is not None
+        self._labels = labels_payload(result)
+        for name, facts in result.device.items():
+            if name not in result.unconfirmed:
+                self._ctx.device_labels[name] = dict(facts)
+
+
+def _positive(value: Any, default: float) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return default
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def state_root(config: Config) -> Path:
+    return Path(config.state_dir)
