@@ -3,17 +3,91 @@
 ``LinuxHost`` is the real one. The simulated host in ``rc_worker.testing``
 implements the same protocol so the worker's logic runs unchanged in
 virtual time.
+
+The process part of the protocol is deliberately small: spawn one process
+(in its own session, optionally on a pseudo-terminal), send a signal to a
+process group or a pid, list the process table, read one process's
+environment, and say which pid is the worker itself. Everything built on top
+(grace windows, group teardown, the RC_JOB_ID sweep) lives in
+``supervise.py`` and ``sweep.py`` and is written against this protocol only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 import platform
 import socket
+import struct
+import subprocess
+import termios
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import attrs
+import trio
+
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+PROC = Path("/proc")
+
+# A terminal with no size makes full-screen and progress-bar programs draw
+# garbage or refuse to run; give PTY jobs the classic default.
+PTY_ROWS, PTY_COLS = 24, 80
+
+# /proc/<pid>/stat states that mean "exited, not yet (or being) reaped".
+_DEAD_STATES = frozenset({"Z", "X", "x"})
+
+
+@attrs.frozen
+class ProcessInfo:
+    """One row of the process table (from ``/proc/<pid>/stat``)."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str  # the one-letter state: R, S, D, T, Z, ...
+
+    @property
+    def alive(self) -> bool:
+        """Whether it still runs; a zombie has exited and holds nothing but its pid."""
+        return self.state not in _DEAD_STATES
+
+
+class HostProcess(Protocol):
+    """A process started by :meth:`Host.spawn`.
+
+    ``stdout`` is always a stream: the pipe (or, with a PTY, the terminal's
+    master side) that carries the job's output, stderr included unless it was
+    asked for separately. ``stdin`` is ``None`` when the job's input is
+    ``/dev/null``. Closing ``stdin`` delivers end-of-input (on a PTY it types
+    the terminal's EOF character, since closing the master would hang up the
+    job instead).
+    """
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdin(self) -> trio.abc.SendStream | None: ...
+
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream: ...
+
+    @property
+    def stderr(self) -> trio.abc.ReceiveStream | None: ...
+
+    @property
+    def returncode(self) -> int | None:
+        """``None`` while running; else the status, or ``-N`` after death by signal N."""
+        ...
+
+    async def wait(self) -> int:
+        """Wait for the process to exit, reap it, and return :attr:`returncode`."""
+        ...
 
 
 class Host(Protocol):
@@ -30,6 +104,55 @@ class Host(Protocol):
     def mem_total_bytes(self) -> int: ...
 
     def disk_free_bytes(self, path: str) -> int: ...
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: str | None,
+        env: Mapping[str, str],
+        stdin: bool,
+        separate_stderr: bool,
+        pty: bool,
+    ) -> HostProcess:
+        """Start ``argv`` as the leader of a new session (so of its own process group).
+
+        ``env`` is the whole environment; ``argv[0]`` is looked up on its PATH.
+        ``stdin`` asks for a pipe (else ``/dev/null``); ``separate_stderr``
+        for stderr on its own stream (else merged into stdout); ``pty`` for a
+        new pseudo-terminal as the process's controlling terminal and all
+        three standard streams (with ``stdin`` false, the terminal's EOF is
+        typed at once, so reading it ends as reading ``/dev/null`` would).
+        Raises ``OSError`` when the process cannot be
+        started (command not found, not executable, bad cwd).
+        """
+        ...
+
+    def signal_group(self, pgid: int, sig: int) -> bool:
+        """Send ``sig`` to process group ``pgid``; ``False`` when the group does not exist.
+
+        Zombies are still members until reaped, so ``True`` does not mean
+        anything in the group is alive. ``sig`` 0 only checks existence.
+        """
+        ...
+
+    def signal_pid(self, pid: int, sig: int) -> bool:
+        """Send ``sig`` to ``pid``; ``False`` when there is no such process."""
+        ...
+
+    def processes(self) -> list[ProcessInfo]:
+        """The process table. Raises ``OSError`` when it cannot be listed at all."""
+        ...
+
+    def environ(self, pid: int) -> Mapping[str, str]:
+        """The environment ``pid`` was started with.
+
+        Raises ``ProcessLookupError`` when the process has gone and
+        ``PermissionError`` when this worker may not look (not root).
+        """
+        ...
+
+    def own_pid(self) -> int: ...
 
 
 class LinuxHost:
@@ -62,3 +185,250 @@ class LinuxHost:
             p = p.parent
         st = os.statvfs(p)
         return st.f_bavail * st.f_frsize
+
+    # -- processes ---------------------------------------------------------
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: str | None,
+        env: Mapping[str, str],
+        stdin: bool,
+        separate_stderr: bool,
+        pty: bool,
+    ) -> HostProcess:
+        if pty:
+            return await _spawn_on_pty(argv, cwd=cwd, env=env, stdin=stdin)
+        proc = await trio.lowlevel.open_process(
+            list(argv),
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        return _PipedProcess(proc, proc.stdin, proc.stdout, proc.stderr)
+
+    def signal_group(self, pgid: int, sig: int) -> bool:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            # EPERM means it exists but none of it is ours to signal.
+            return True
+        return True
+
+    def signal_pid(self, pid: int, sig: int) -> bool:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def processes(self) -> list[ProcessInfo]:
+        table: list[ProcessInfo] = []
+        for name in os.listdir(PROC):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    raw = f.read()
+            except OSError:
+                # Gone between listdir and open (ENOENT/ESRCH), or hidden
+                # from us by hidepid: either way not a row we can report.
+                continue
+            info = parse_proc_stat(raw)
+            if info is not None:
+                table.append(info)
+        return table
+
+    def environ(self, pid: int) -> Mapping[str, str]:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ESRCH):
+                raise ProcessLookupError(e.errno, f"process {pid} has exited") from e
+            raise
+        return parse_environ(raw)
+
+    def own_pid(self) -> int:
+        return os.getpid()
+
+
+def parse_proc_stat(raw: bytes) -> ProcessInfo | None:
+    """Parse ``/proc/<pid>/stat``; ``None`` when it is not in the expected shape."""
+    # The command name sits in parentheses and may itself contain spaces
+    # and ")", so split at the last ")".
+    head, sep, tail = raw.rpartition(b")")
+    if not sep:
+        return None
+    fields = tail.split()
+    try:
+        pid = int(head.split(b"(", 1)[0])
+        return ProcessInfo(
+            pid=pid,
+            ppid=int(fields[1]),
+            pgid=int(fields[2]),
+            sid=int(fields[3]),
+            state=fields[0].decode("ascii", "replace"),
+        )
+    except (ValueError, IndexError):
+        return None
+
+
+def parse_environ(raw: bytes) -> dict[str, str]:
+    """Parse ``/proc/<pid>/environ`` (NUL-separated ``KEY=VALUE``)."""
+    env: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if sep and key:
+            # With duplicate keys getenv(3) answers with the first one.
+            env.setdefault(os.fsdecode(key), os.fsdecode(value))
+    return env
+
+
+@attrs.define
+class _PipedProcess:
+    _proc: trio.Process
+    stdin: trio.abc.SendStream | None
+    stdout: trio.abc.ReceiveStream
+    stderr: trio.abc.ReceiveStream | None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+
+class _PtyInput(trio.abc.SendStream):
+    """The write side of a PTY master, where closing means typing EOF.
+
+    Closing the master would hang up the terminal (SIGHUP to the job) and
+    also end our reading of its output, so end-of-input is the terminal's
+    EOF character instead: once after a complete line, twice after a partial
+    one (the first only flushes the pending line to the reader).
+    """
+
+    def __init__(self, master: trio.lowlevel.FdStream) -> None:
+        self._master = master
+        self._at_line_start = True
+        self._closed = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("input to the terminal was already ended")
+        if len(data):
+            self._at_line_start = bytes(data[-1:]) in (b"\n", b"\r")
+        await self._master.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._master.wait_send_all_might_not_block()
+
+    def type_eof(self) -> None:
+        """End the input now; synchronous so it can run where no checkpoint may."""
+        if self._closed:
+            return
+        self._closed = True
+        eof = _veof(self._master.fileno())
+        # Non-blocking on purpose: a job that stopped reading its terminal
+        # must not be able to hold the supervisor here.
+        with contextlib.suppress(OSError):
+            os.write(self._master.fileno(), eof if self._at_line_start else eof * 2)
+
+    async def aclose(self) -> None:
+        self.type_eof()
+        await trio.lowlevel.checkpoint()
+
+
+def _veof(fd: int) -> bytes:
+    try:
+        cc = termios.tcgetattr(fd)[6]
+        char = cc[termios.VEOF]
+        if isinstance(char, bytes) and char:
+            return char
+    except (termios.error, OSError, IndexError):
+        pass
+    return b"\x04"
+
+
+@attrs.define
+class _PtyProcess:
+    _proc: trio.Process
+    _master: trio.lowlevel.FdStream
+    stdin: trio.abc.SendStream | None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream:
+        # Reading the master raises BrokenResourceError (EIO) once every
+        # holder of the slave side has gone: the terminal's end of file.
+        return self._master
+
+    @property
+    def stderr(self) -> trio.abc.ReceiveStream | None:
+        return None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+
+def _take_controlling_tty() -> None:
+    # Runs in the child after setsid() (start_new_session) and after fd 0
+    # has become the slave: make it the new session's controlling terminal.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+async def _spawn_on_pty(
+    argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str], stdin: bool
+) -> HostProcess:
+    master_fd, slave_fd = os.openpty()
+    try:
+        fcntl.ioctl(slave_fd, termios.TIOCSWINSZ, struct.pack("HHHH", PTY_ROWS, PTY_COLS, 0, 0))
+        proc = await trio.lowlevel.open_process(
+            list(argv),
+            cwd=cwd,
+            env=dict(env),
+            stdin=slave_fd,
+            stdout=slave_fd,
+            stderr=slave_fd,
+            start_new_session=True,
+            preexec_fn=_take_controlling_tty,
+        )
+    except subprocess.SubprocessError as e:
+        os.close(master_fd)
+        raise OSError(f"could not make the new terminal the job's controlling tty: {e}") from e
+    except BaseException:
+        os.close(master_fd)
+        raise
+    finally:
+        # The child has its own copies; ours would keep the terminal from
+        # ever hanging up, so its output would never reach end of file.
+        os.close(slave_fd)
+    master = trio.lowlevel.FdStream(master_fd)
+    keyboard = _PtyInput(master)
+    if not stdin:
+        # Nobody will type: a job reading its terminal gets end of file at
+        # once, as it would from /dev/null, instead of waiting forever. No
+        # checkpoint here: a cancellation must not strand a started process.
+        keyboard.type_eof()
+    return _PtyProcess(proc, master, keyboard if stdin else None)
