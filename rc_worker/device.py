@@ -62,6 +62,9 @@ class DeviceSupervisor:
     def ready(self) -> bool:
         return self.lease.ready(draining=self.ctx.draining)
 
+    def can_take(self) -> bool:
+        return self.lease.can_take(draining=self.ctx.draining)
+
     def idle(self) -> bool:
         """Nothing to do now: free or quarantined, no assignment waiting."""
         return self._pending is None and self.lease.state in (S.FREE, S.QUARANTINED)

@@ -74,6 +74,16 @@ class Lease:
             and not draining
         )
 
+    def can_take(self, *, draining: bool) -> bool:
+        """Whether an assignment the controller made may run here.
+
+        Idle behaviour is left out on purpose: the controller owns it, and
+        its assignment is newer than the worker's last heartbeat, so a device
+        the controller just switched from hold back to run must not reject
+        the job the controller then gave it.
+        """
+        return self.state in (S.FREE, S.LINGERING) and not self.faults and not draining
+
     def begin(self, job: tuple[str, int]) -> bool:
         """Take an assignment; returns whether the acquire hook must run first."""
         needs_acquire = self.state is S.FREE and self.has_hooks

@@ -326,7 +326,7 @@ class Worker:
         dev = self.devices.get(assignment.device)
         if dev is None:
             self._reject(raw, f"unknown device {assignment.device!r} on host {self.config.host}")
-        elif not dev.ready():
+        elif not dev.can_take():
             self._reject(raw, f"device {assignment.device} is not ready ({dev.lease.state})")
         else:
             log.info(

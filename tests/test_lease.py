@@ -131,3 +131,14 @@ def test_ready_only_when_idle_unfaulted_and_running_behaviour(
             assert not draining
         if lease.faults and lease.state in (S.FREE, S.LINGERING):
             pytest.fail("a faulted device sits free or lingering")
+
+
+def test_an_assignment_is_taken_whatever_the_stale_idle_behaviour() -> None:
+    """The controller owns idle behaviour: its assignment is newer than the
+    worker's last heartbeat, so a device it just switched back to run takes it."""
+    lease = Lease("gpu0", idle_behavior=IdleBehavior.HOLD)
+    assert not lease.ready(draining=False)
+    assert lease.can_take(draining=False)
+    assert not lease.can_take(draining=True)
+    lease.add_fault("f-1")
+    assert not lease.can_take(draining=False)
