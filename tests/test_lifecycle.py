@@ -147,7 +147,8 @@ async def test_verify_pass_runs_in_name_order_with_the_exit_code(tmp_path: Path)
             job_id = system.submit(["sh", "-c", "exit 3"])
             info = await system.wait_job(job_id)
             assert info.state == "failed"
-            assert info.verify is not None and info.verify.ok
+            assert info.verify is not None
+            assert info.verify.ok
             assert system.device("gpu0").state != "quarantined"
     assert lines(log) == [f"first gpu0 {job_id}", "second 3"]
 
@@ -164,7 +165,8 @@ async def test_failed_verify_keeps_the_outcome_and_quarantines_until_cleared(
             job_id = system.submit(["echo", "fine"])
             info = await system.wait_job(job_id)
             assert info.state == "succeeded"
-            assert info.verify is not None and not info.verify.ok
+            assert info.verify is not None
+            assert not info.verify.ok
             assert info.verify.reason.startswith(VERIFY_REASON_PREFIX + "10-gpu-clean")
             assert "ecc errors: 3" in info.verify.reason
             assert info.fault_id is not None
@@ -186,7 +188,8 @@ async def test_verify_script_past_its_timeout_fails_the_pass(tmp_path: Path) -> 
     with trio.fail_after(30):
         async with local_system(config(tmp_path, verify_timeout=0.5)) as system:
             info = await system.wait_job(system.submit(["true"]))
-            assert info.verify is not None and not info.verify.ok
+            assert info.verify is not None
+            assert not info.verify.ok
             assert "10-slow timed out" in info.verify.reason
 
 
@@ -200,7 +203,8 @@ async def test_verify_script_not_started_for_lack_of_budget_fails_the_pass(
     with trio.fail_after(30):
         async with local_system(config(tmp_path, **overrides)) as system:
             info = await system.wait_job(system.submit(["true"]))
-            assert info.verify is not None and not info.verify.ok
+            assert info.verify is not None
+            assert not info.verify.ok
             # The first script is cut off by the pass budget, not its own timeout.
             assert "10-slow timed out" in info.verify.reason
 
@@ -209,7 +213,8 @@ async def test_missing_verify_dir_is_ok(tmp_path: Path) -> None:
     with trio.fail_after(30):
         async with local_system(config(tmp_path)) as system:
             info = await system.wait_job(system.submit(["true"]))
-            assert info.verify is not None and info.verify.ok
+            assert info.verify is not None
+            assert info.verify.ok
 
 
 # -- cancel ---------------------------------------------------------------------
@@ -256,7 +261,8 @@ async def test_cancel_during_the_verify_pass_keeps_the_real_outcome(tmp_path: Pa
             system.store.cancel(job_id, "too late")
             info = await system.wait_job(job_id)
             assert info.state == "succeeded"
-            assert info.verify is not None and info.verify.ok
+            assert info.verify is not None
+            assert info.verify.ok
 
 
 # -- idle behaviour and drain ---------------------------------------------------

@@ -68,8 +68,14 @@ async def worker_process(tmp_path: Path) -> AsyncIterator[Running]:
 
 
 async def _wait(store: Store, predicate: Callable[[], bool]) -> None:
+    """Wait until ``predicate()`` holds, re-checked at every change of the store."""
     while not predicate():
-        await trio.sleep(0.05)
+        changed = trio.Event()
+        unsubscribe = store.subscribe(changed.set)
+        try:
+            await changed.wait()
+        finally:
+            unsubscribe()
 
 
 async def test_first_sigterm_drains_a_running_job_to_success(tmp_path: Path) -> None:
