@@ -1,7 +1,14 @@
-"""rc_worker: the device-host agent of the rc GPU job system."""
+"""rc_worker: the device-host agent of the rc GPU job system.
+
+The public API is exactly what this module re-exports (``__all__``), plus
+the documented harness in ``rc_worker.testing``; ``tests/test_public_api.py``
+pins it.
+"""
 
 from __future__ import annotations
 
+from rc_worker._version import __version__
+from rc_worker.config import Config, DeviceConfig, HooksConfig, load_config
 from rc_worker.errors import (
     AssignmentError,
     ConfigError,
@@ -10,16 +17,55 @@ from rc_worker.errors import (
     UnknownSession,
 )
 from rc_worker.host import Host, LinuxHost
-
-__version__ = "0.1.0"
+from rc_worker.labels import ProbeResult, labels_payload
+from rc_worker.lease import Lease
+from rc_worker.model import (
+    VERIFY_REASON_PREFIX,
+    Assignment,
+    Claim,
+    DeviceState,
+    IdleBehavior,
+    Outcome,
+    VerifyResult,
+)
+from rc_worker.probe import ProbePass, Prober, SourceOutcome
+from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
+from rc_worker.sweep import SweepReport, sweep_job_survivors
+from rc_worker.verify import run_verify
+from rc_worker.worker import Worker
 
 __all__ = [
+    "VERIFY_REASON_PREFIX",
+    "Assignment",
     "AssignmentError",
+    "Claim",
+    "Config",
     "ConfigError",
     "ControllerError",
+    "DeviceConfig",
+    "DeviceState",
+    "HooksConfig",
     "Host",
+    "IdleBehavior",
+    "JobHandle",
+    "JobSpec",
+    "Lease",
     "LinuxHost",
+    "Outcome",
+    "ProbePass",
+    "ProbeResult",
+    "Prober",
     "RcWorkerError",
+    "Result",
+    "SourceOutcome",
+    "SweepReport",
     "UnknownSession",
+    "VerifyResult",
+    "Worker",
     "__version__",
+    "labels_payload",
+    "load_config",
+    "run_job",
+    "run_verify",
+    "sweep_job_survivors",
 ]

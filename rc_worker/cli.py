@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rc_worker import __version__
+from rc_worker._version import __version__
 from rc_worker.config import load_config, resolved_json
 from rc_worker.errors import ConfigError
 
@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _optional_subcommands() -> list[Any]:
-    from rc_worker import cli_exec
+    from rc_worker import cli_exec, cli_probe
 
-    return [cli_exec]
+    return [cli_exec, cli_probe]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,8 @@ VERIFY_REASON_PREFIX = "verify failed: "
 
 
 class Outcome(enum.StrEnum):
+    """A job attempt's terminal outcome as ``finish`` reports it (PROTOCOL.md)."""
+
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     KILLED = "killed"
@@ -34,6 +36,8 @@ class Outcome(enum.StrEnum):
 
 
 class DeviceState(enum.StrEnum):
+    """A device's worker-side state, as heartbeats report it."""
+
     FREE = "free"
     ACQUIRING = "acquiring"
     RUNNING = "running"
@@ -44,12 +48,17 @@ class DeviceState(enum.StrEnum):
 
 
 class IdleBehavior(enum.StrEnum):
+    """What an idle device does: ``run`` takes work; ``hold`` takes none and
+    stays held; ``drain`` takes none and is released once idle."""
+
     RUN = "run"
     HOLD = "hold"
     DRAIN = "drain"
 
 
 class Claim(enum.StrEnum):
+    """What a restarted worker claims about an interrupted job's processes."""
+
     GONE = "gone"
     ALIVE = "alive"
     UNKNOWN = "unknown"

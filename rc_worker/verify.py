@@ -30,6 +30,7 @@ async def run_verify(
     env: Mapping[str, str],
     host: Host | None = None,
 ) -> VerifyResult:
+    """Run the verify pass over ``verify_dir``; ``env`` is each script's whole environment."""
     scripts = list_executables(verify_dir)
     deadline = trio.current_time() + pass_budget
     for script in scripts:

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import trio
 
-from rc_worker import __version__
+from rc_worker._version import __version__
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config
 from rc_worker.context import WorkerContext, warn_token_file_mode
