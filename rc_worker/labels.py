@@ -72,7 +72,8 @@ _LOST_RE = re.compile(r"unable to determine the device handle for gpu", re.IGNOR
 # "for GPU0000:CB:00.0" must read as a bus id, not as index 0000 followed by
 # junk, so the bus-id form is tried first.
 _LOST_BUS_FIRST_RE = re.compile(rf"for gpu\s*(?P<bus>{_BUS})", re.IGNORECASE)
-_LOST_INDEX_RE = re.compile(rf"for gpu\s*(?P<index>\d+)\s*:\s*(?P<bus>{_BUS})?", re.IGNORECASE)
+_LOST_INDEX_RE = re.compile(rf"for gpu\s*(?P<index>[0-9]+)\s*:\s*(?P<bus>{_BUS})?", re.IGNORECASE)
+_UINT_RE = re.compile(r"[0-9]+")
 _HEADER_UNIT_RE = re.compile(r"^(?P<name>[^\[]*?)\s*(?:\[(?P<unit>[^\]]*)\])?$")
 
 
@@ -321,7 +322,7 @@ def _row(
 ) -> GpuRow | LostGpu | None:
     by_column = dict(zip(columns, cells, strict=False))
     index_cell = by_column.get("index", "")
-    index = int(index_cell) if index_cell.isdigit() else None
+    index = int(index_cell) if _UINT_RE.fullmatch(index_cell) else None
     complete = len(cells) >= len(columns) or all(f in by_column for f in GPU_QUERY_FIELDS)
     if (index is None and not complete) or len(cells) < 2:
         return None
@@ -345,7 +346,7 @@ def _cell_value(column: str, cell: str, unit: str | None) -> str | None:
     value = cell.strip()
     if column == "memory.total":
         number = value.removesuffix("MiB").strip()
-        return str(int(number) * _MIB) if number.isdigit() else None
+        return str(int(number) * _MIB) if _UINT_RE.fullmatch(number) else None
     if unit and value.endswith(unit):
         value = value.removesuffix(unit).strip()
     return value or None
@@ -423,9 +424,9 @@ def nvidia_smi_facts(
                 f"exit status {exit_code}: {text_tail(output)}",
             )
         if query.junk or query.lost:
+            what = "unparseable output" if query.junk else "no GPU answered"
             return NvidiaSmiReading(
-                SourceFacts.failed(NVIDIA_SMI, scope_set),
-                f"unparseable output: {text_tail(output)}",
+                SourceFacts.failed(NVIDIA_SMI, scope_set), f"{what}: {text_tail(output)}"
             )
     seen: dict[int, GpuRow] = {}
     doubtful: set[int] = set()
@@ -462,7 +463,7 @@ def nvidia_smi_facts(
 
 
 def _natural(name: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(.*?)(\d*)", name)
+    m = re.fullmatch(r"(.*?)([0-9]*)", name)
     assert m is not None
     return m.group(1), int(m.group(2) or -1)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from rc_worker.labels import (
@@ -195,6 +195,13 @@ def test_human_table_is_unparseable() -> None:
     assert reading.why.startswith("unparseable output: ")
 
 
+def test_only_a_lost_line_fails_the_whole_source() -> None:
+    line = "Unable to determine the device handle for GPU0: 0000:05:00.0: GPU is lost.\n"
+    reading = nvidia_smi_facts(line, 0, ["gpu0", "gpu1"])
+    assert not reading.facts.ok
+    assert reading.why.startswith("no GPU answered: Unable to determine")
+
+
 def test_mig_mode() -> None:
     reading = nvidia_smi_facts(fixture("06_mig_enabled_1gpu.noheader.csv"), 0, ["gpu0"])
     assert reading.facts.device["gpu0"]["mig_mode"] == "Enabled"
@@ -212,6 +219,8 @@ def test_gpu_scope_and_bus_ids() -> None:
 
 
 @given(st.text())
+@example("²")
+@example("١, NVIDIA H100, GPU-1, ١٢, 1, 00000000:18:00.0, 9.0, Disabled")
 def test_parsing_never_raises(text: str) -> None:
     reading = nvidia_smi_facts(text, 0, GPUS8)
     assert reading.facts.unconfirmed <= set(GPUS8)
@@ -328,7 +337,9 @@ def test_dropin_round_trip(obj: dict[str, Any]) -> None:
 
 DEVICES = ("gpu0", "gpu1", "gpu2", "nic0")
 _NAMES = st.sampled_from([f"probe.d/{i}" for i in range(6)])
-_FACTS = st.dictionaries(st.sampled_from(["a", "b", "c"]), st.sampled_from(["1", "2", "3"]))
+_FACTS = st.dictionaries(
+    st.sampled_from(["a", "b", "c"]), st.sampled_from(["1", "2", "3"]), max_size=2
+)
 _DEVSET = st.frozensets(st.sampled_from(DEVICES))
 
 
@@ -340,7 +351,7 @@ def _source(draw: st.DrawFn, name: str) -> SourceFacts:
         name=name,
         ok=ok,
         host=draw(_FACTS),
-        device=draw(st.dictionaries(st.sampled_from(DEVICES), _FACTS)),
+        device=draw(st.dictionaries(st.sampled_from(DEVICES), _FACTS, max_size=3)),
         unconfirmed=draw(_DEVSET) if ok and draw(st.booleans()) else frozenset(),
         scope=scope,
     )
@@ -354,7 +365,7 @@ def _pass(
     declared = {
         d: draw(st.dictionaries(st.sampled_from(["a", "x"]), st.just("decl"))) for d in devices
     }
-    names = draw(st.lists(_NAMES, unique=True, max_size=5))
+    names = draw(st.lists(_NAMES, unique=True, max_size=4))
     sources = [draw(_source(n)) for n in names]
     history = draw(st.dictionaries(_NAMES, _DEVSET))
     return declared, sources, history

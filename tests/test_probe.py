@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,9 +23,10 @@ from rc_worker.labels import NVIDIA_SMI_ARGS, labels_payload
 from rc_worker.probe import ProbePass, Prober, SourceOutcome
 
 HELPERS = Path(__file__).parent / "probe_helpers"
+EXAMPLES = Path(__file__).parent.parent / "examples" / "probe.d"
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 GPUS8 = tuple(f"gpu{n}" for n in range(8))
-TOOLS = ("cat", "sleep", "yes", "echo", "printf", "kill")
+TOOLS = ("cat", "sleep", "yes", "echo", "printf", "kill", "tr")
 
 
 class FakeHost(LinuxHost):
@@ -97,6 +99,8 @@ def env(tmp_path: Path) -> Env:
         found = shutil.which(tool)
         if found:
             (tools / tool).symlink_to(found)
+    # Not whatever "python3" is on PATH (a pyenv shim needs bash and more).
+    (tools / "python3").symlink_to(os.path.realpath(sys.executable))
     smi_dir = tmp_path / "smi"
     smi_dir.mkdir()
     probe_dir = tmp_path / "probe.d"
@@ -410,3 +414,18 @@ async def test_pass_budget_skips_what_it_cannot_start(env: Env) -> None:
     assert whys[0].startswith(("timed out", "stopped when the pass budget"))
     assert whys[1:] == ["skipped for budget", "skipped for budget"]
     assert second.result.unconfirmed == {"gpu0"}
+
+
+async def test_the_example_dropins(env: Env) -> None:
+    for example in sorted(EXAMPLES.iterdir()):
+        shutil.copy(example, env.probe_dir / example.name)
+        (env.probe_dir / example.name).chmod(0o755)
+    env.environ["RC_RACK_FILE"] = str(env.root / "rack")
+    (env.root / "rack").write_text("  r12\n")
+    probe_pass = await one_pass(env, env.config())
+    assert [s.name for s in probe_pass.sources] == ["builtin", "probe.d/10-rack", "probe.d/20-cuda"]
+    assert all(s.ok for s in probe_pass.sources), probe_pass.sources
+    assert probe_pass.result.host["rack"] == "r12"
+    (env.root / "rack").write_text("r 12\n")
+    refused = await one_pass(env, env.config())
+    assert "a rack name may use letters" in outcome(refused, "probe.d/10-rack").why
