@@ -154,8 +154,8 @@ def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
         if problem:
             raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
         changes["controller_url"] = url
-    if env.get(ENV_TOKEN):
-        changes["token"] = env[ENV_TOKEN]
+    if env.get(ENV_TOKEN, "").strip():
+        changes["token"] = env[ENV_TOKEN].strip()
     if env.get(ENV_HOST):
         host = env[ENV_HOST]
         problem = config_parse.host_problem(host)

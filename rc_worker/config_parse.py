@@ -9,6 +9,7 @@ for its line and column.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -23,9 +24,11 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.error import MarkedYAMLError
+from ruamel.yaml.error import MarkedYAMLError, ReusedAnchorWarning
+from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from ruamel.yaml.scalarbool import ScalarBoolean
 
-from rc_worker.durations import DURATION_HELP, parse_duration, parse_size
+from rc_worker.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
 from rc_worker.errors import ConfigError
 from rc_worker.names import DEVICE_NAME_HELP, is_device_name, split_label_key
 
@@ -49,6 +52,11 @@ _DURATION_FIELDS = {
 }
 _PATH_FIELDS = ("probe_dir", "verify_dir", "sheet_dir", "state_dir", "on_acquire", "on_release")
 _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_POSITIVE = "a duration above zero, such as 30s or 5m"
+_REQUIRED = {
+    "devices": "'devices:' with a list of this host's devices, such as [gpu0, gpu1]",
+    "name": "'name:' with the device's name",
+}
 
 
 class _Problem(ValueError):
@@ -73,6 +81,8 @@ def _expect_bool(value: Any, _: type) -> bool:
 
 
 def _expect_int(value: Any, _: type) -> int:
+    if value is None:
+        raise _Problem(f"an empty value is not a size; expected {SIZE_HELP}")
     try:
         return parse_size(value)
     except ValueError as e:
@@ -81,6 +91,8 @@ def _expect_int(value: Any, _: type) -> int:
 
 def _expect_float(value: Any, _: type) -> float:
     # Every float field of the config is a duration.
+    if value is None:
+        raise _Problem(f"an empty value is not a duration; expected {DURATION_HELP}")
     try:
         return parse_duration(value)
     except ValueError as e:
@@ -153,14 +165,16 @@ def parse_file(file: Path) -> Config:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(
-            f"{file}:1:1: (file): no such file; create it, or name another with "
-            "--config or RC_WORKER_CONFIG"
+            f"{file}:1:1: (file): no such file; create it, or name another config file "
+            "on the command line or in RC_WORKER_CONFIG"
         ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(
             f"{file}:1:1: (file): cannot read it ({e}); fix its permissions or encoding"
         ) from None
-    return parse_text(text, name=str(file), base_dir=file.parent)
+    # Relative paths in the file mean "next to this file", wherever the
+    # worker was started from: the directory, absolute and without symlinks.
+    return parse_text(text, name=str(file), base_dir=file.parent.resolve())
 
 
 def parse_text(text: str, *, name: str, base_dir: Path) -> Config:
@@ -168,7 +182,15 @@ def parse_text(text: str, *, name: str, base_dir: Path) -> Config:
 
     loc = _Locator(name)
     try:
-        tree = YAML(typ="rt").load(text)
+        with warnings.catch_warnings():
+            # Redefining an anchor is legal YAML (the later one wins).
+            warnings.simplefilter("ignore", ReusedAnchorWarning)
+            yaml = YAML(typ="rt")
+            # The node tree keeps each scalar's source text (label values are
+            # taken as written, as Go's yaml.v3 does); the data built from it
+            # keeps each value's line and column.
+            loc.nodes = yaml.compose(text)
+            tree = None if loc.nodes is None else yaml.constructor.construct_document(loc.nodes)
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
@@ -183,7 +205,10 @@ def parse_text(text: str, *, name: str, base_dir: Path) -> Config:
     loc.root = tree
     data = _plain(tree)
     hooks = _structure_part(loc, data.get("hooks", {}), "hooks")
-    _prepare_devices(data, hooks)
+    # Before the devices inherit it, or a zero here would be reported there.
+    if hooks.timeout <= 0:
+        loc.fail_at(("hooks", "timeout"), f"timeout must be more than zero; expected {_POSITIVE}")
+    _prepare_devices(loc, data, hooks)
     try:
         config: Config = _conv().structure(data, Config)
     except Exception as e:
@@ -202,11 +227,13 @@ def _structure_part(loc: _Locator, value: Any, key: str) -> HooksConfig:
     return result
 
 
-def _prepare_devices(data: dict[str, Any], hooks: HooksConfig) -> None:
+def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) -> None:
     """Give each device the host's hook defaults, and stringify scalar label values.
 
     Done on the raw data, before structuring, so a device that sets its own
-    value keeps it and one that does not inherits ``hooks:``.
+    value keeps it and one that does not inherits ``hooks:``. A label value
+    that YAML reads as a number, boolean or date keeps its text as written
+    (``cuda: 12.10`` is ``"12.10"``, not ``"12.1"``).
     """
     devices = data.get("devices")
     if not isinstance(devices, list):
@@ -221,10 +248,12 @@ def _prepare_devices(data: dict[str, Any], hooks: HooksConfig) -> None:
         labels = dev.get("labels")
         if isinstance(labels, dict):
             for key, value in labels.items():
-                if isinstance(value, bool):
-                    labels[key] = "true" if value else "false"
-                elif isinstance(value, int | float):
-                    labels[key] = str(value)
+                if value is None or isinstance(value, str | Mapping | list):
+                    continue
+                text = loc.source_text(("devices", i, "labels", key))
+                if text is None:
+                    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+                labels[key] = text
 
 
 def _check(loc: _Locator, config: Config) -> None:
@@ -240,20 +269,48 @@ def _check(loc: _Locator, config: Config) -> None:
         if dev.name in seen:
             loc.fail_at(where, f"device {dev.name!r} is declared twice; expected unique names")
         seen.add(dev.name)
-        for key, value in dev.labels.items():
-            _check_label(loc, ("devices", i, "labels", key), dev.name, key, value)
+        labels: dict[str, str] = {}
+        for key in dev.labels:
+            label_at: PathKey = ("devices", i, "labels", key)
+            label = _check_label(loc, label_at, dev.name, key)
+            if label in labels:
+                loc.fail_at(
+                    label_at,
+                    f"label {key!r} repeats label {labels[label]!r}; expected each label once",
+                    at_key=True,
+                )
+            labels[label] = key
     for key, positive in _DURATION_FIELDS.items():
         seconds = getattr(config, key, None)
         if positive and isinstance(seconds, float) and seconds <= 0:
-            loc.fail_at((key,), f"{key} must be more than zero; expected {DURATION_HELP}")
+            loc.fail_at((key,), f"{key} must be more than zero; expected {_POSITIVE}")
     for i, dev in enumerate(config.devices):
-        for key in ("timeout", "max_runtime"):
-            limit = getattr(dev, key)
-            if limit is not None and limit <= 0:
-                hint = "; leave it out for no limit" if key == "max_runtime" else ""
-                loc.fail_at(("devices", i, key), f"{key} must be more than zero{hint}")
-    if config.hooks.timeout <= 0:
-        loc.fail_at(("hooks", "timeout"), "timeout must be more than zero")
+        if dev.timeout <= 0:
+            loc.fail_at(
+                ("devices", i, "timeout"), f"timeout must be more than zero; expected {_POSITIVE}"
+            )
+        if dev.max_runtime is not None and dev.max_runtime <= 0:
+            loc.fail_at(
+                ("devices", i, "max_runtime"),
+                f"max_runtime must be more than zero; expected {_POSITIVE}, "
+                "or leave it out for no limit",
+            )
+        for key in ("on_acquire", "on_release"):
+            if getattr(dev, key) == "":
+                loc.fail_at(
+                    ("devices", i, key), "an empty path; expected a script's path, or leave it out"
+                )
+    for key in _PATH_FIELDS:
+        if getattr(config, key, None) == "":
+            loc.fail_at((key,), "an empty path; expected a path, or leave it out for the default")
+    if config.token_file == "":
+        loc.fail_at(("token_file",), "an empty path; expected the path of the token file")
+    if config.token is not None and not config.token.strip():
+        loc.fail_at(
+            ("token",),
+            "the token is empty; expected the worker token, or leave it out "
+            "for an embedded controller",
+        )
     if config.token is not None and config.token_file is not None:
         loc.fail_at(("token_file",), "both token and token_file are set; expected only one")
     if config.controller_url is not None:
@@ -270,9 +327,10 @@ def _check(loc: _Locator, config: Config) -> None:
             loc.fail_at(("status_listen",), problem)
 
 
-def _check_label(loc: _Locator, where: PathKey, device: str, key: str, value: str) -> None:
+def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:
+    """The label name of ``key``, once it is a valid key for ``device``."""
     try:
-        owner, _ = split_label_key(key)
+        owner, label = split_label_key(key)
     except ValueError as e:
         loc.fail_at(where, str(e), at_key=True)
     if owner is not None and owner != device:
@@ -281,6 +339,7 @@ def _check_label(loc: _Locator, where: PathKey, device: str, key: str, value: st
             f"label {key!r} names device {owner!r}; expected a bare key or '{device}.<label>'",
             at_key=True,
         )
+    return label
 
 
 def _resolve_paths(loc: _Locator, config: Config, base_dir: Path) -> Config:
@@ -305,6 +364,8 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path) -> Config:
         if not token:
             loc.fail_at(("token_file",), "the token file is empty; expected the worker token in it")
         changes.update(token_file=token_file, token=token)
+    elif config.token is not None:
+        changes["token"] = config.token.strip()
     devices = tuple(
         attrs.evolve(
             dev,
@@ -337,24 +398,39 @@ def listen_problem(listen: str) -> str | None:
 
 
 def _plain(node: Any) -> Any:
+    """Plain Python data from ruamel's round-trip types (keys as strings)."""
     if isinstance(node, Mapping):
         return {str(k) if not isinstance(k, str) else k: _plain(v) for k, v in node.items()}
     if isinstance(node, list):
         return [_plain(v) for v in node]
+    # An anchored boolean is a ScalarBoolean, which is an int, not a bool.
+    if isinstance(node, bool | ScalarBoolean):
+        return bool(node)
+    if isinstance(node, int):
+        return int(node)
+    if isinstance(node, float):
+        return float(node)
+    if isinstance(node, str):
+        return str(node)
     return node
 
 
 def _raise_located(loc: _Locator, error: BaseException, prefix: PathKey = ()) -> NoReturn:
     for path, leaf in _leaves(error, prefix):
         if isinstance(leaf, ForbiddenExtraKeysError):
-            key = sorted(leaf.extra_fields)[0]
+            # The first unknown key in the file, not in alphabetical order.
+            key = min(
+                sorted(leaf.extra_fields),
+                key=lambda k: loc.position((*path, k), at_key=True),
+            )
             loc.fail_at(
                 (*path, key),
                 f"unknown key {key!r}; expected one of: {_known_keys(leaf.cl)}",
                 at_key=True,
             )
         if isinstance(leaf, KeyError):
-            loc.fail_at(path, "this key is required")
+            what = _REQUIRED.get(str(path[-1]) if path else "", "a value")
+            loc.fail_at(path, f"the key is missing; expected {what}")
         if isinstance(leaf, _Problem):
             loc.fail_at((*path, *leaf.path), str(leaf), at_key=leaf.at_key)
         # Anything else is cattrs meeting a value of the wrong shape (a list
@@ -413,15 +489,24 @@ class _Locator:
     def __init__(self, name: str) -> None:
         self.name = name
         self.root: Any = None
+        self.nodes: Node | None = None
 
     def position(self, path: PathKey, *, at_key: bool = False) -> tuple[int, int]:
+        """The 1-based line and column of the value at ``path`` (of its key if ``at_key``).
+
+        An empty value (``key:`` with nothing after it) has no position of its
+        own, so it is reported at its key. A path that leaves the tree is
+        reported at the deepest node it reached.
+        """
         node = self.root
         line, col = 0, 0
         for i, part in enumerate(path):
             last = i == len(path) - 1
-            if isinstance(node, CommentedMap) and part in node:
-                line, col = node.lc.key(part) if (last and at_key) else node.lc.value(part)
-                node = node[part]
+            key = _find_key(node, part) if isinstance(node, CommentedMap) else None
+            if isinstance(node, CommentedMap) and key is not None:
+                empty = node[key] is None
+                line, col = node.lc.key(key) if (last and (at_key or empty)) else node.lc.value(key)
+                node = node[key]
             elif isinstance(node, CommentedSeq) and isinstance(part, int) and part < len(node):
                 line, col = node.lc.item(part)
                 node = node[part]
@@ -432,11 +517,28 @@ class _Locator:
     def value(self, path: PathKey) -> Any:
         node = self.root
         for part in path:
+            if isinstance(node, CommentedMap):
+                part = _find_key(node, part)
             try:
                 node = node[part]
             except (KeyError, IndexError, TypeError):
                 return None
         return node
+
+    def source_text(self, path: PathKey) -> str | None:
+        """The text of the scalar at ``path`` as written in the file, if it can be found."""
+        node = self.nodes
+        for part in path:
+            if isinstance(node, MappingNode) and isinstance(part, str):
+                node = next(
+                    (v for k, v in node.value if isinstance(k, ScalarNode) and k.value == part),
+                    None,
+                )
+            elif isinstance(node, SequenceNode) and isinstance(part, int):
+                node = node.value[part] if part < len(node.value) else None
+            else:
+                return None
+        return node.value if isinstance(node, ScalarNode) else None
 
     def is_scalar(self, path: PathKey) -> bool:
         node = self.value(path)
@@ -448,6 +550,13 @@ class _Locator:
 
     def fail(self, _node: Any, path: PathKey, message: str) -> NoReturn:
         raise ConfigError(f"{self.name}:1:1: {_dotted(path)}: {message}")
+
+
+def _find_key(node: CommentedMap, part: str | int) -> Any:
+    """The key of ``node`` that ``part`` names (keys that are not strings match as text)."""
+    if part in node:
+        return part
+    return next((k for k in node if str(k) == str(part)), None)
 
 
 def _dotted(path: PathKey) -> str:

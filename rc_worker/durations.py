@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 _UNIT_SECONDS = {
     "ns": 1e-9,
     "us": 1e-6,
-    "µs": 1e-6,
+    "\u00b5s": 1e-6,  # micro sign, as Go accepts
+    "\u03bcs": 1e-6,  # Greek small letter mu, as Go accepts
     "ms": 1e-3,
     "s": 1.0,
     "m": 60.0,
     "h": 3600.0,
 }
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+# A bare number of seconds: plain decimal notation, optionally with an
+# exponent. Stricter than float(), which would also take "1_000", "nan", "inf".
+_SECONDS = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
 DURATION_HELP = "a number of seconds or a Go-style duration such as 500ms, 10s, 1m30s or 2h"
 
@@ -33,7 +38,10 @@ def parse_duration(value: str | int | float) -> float:
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration; expected {DURATION_HELP}")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
     elif isinstance(value, str):
         seconds = _parse_duration_text(value.strip())
     else:
@@ -50,10 +58,10 @@ def _parse_duration_text(text: str) -> float:
         raise ValueError(f"an empty string is not a duration; expected {DURATION_HELP}")
     if text.startswith("-"):
         raise ValueError(f"{text!r} is negative; expected {DURATION_HELP}, zero or more")
-    try:
+    if text.startswith("+"):  # Go accepts a leading plus sign
+        text = text[1:]
+    if _SECONDS.fullmatch(text):
         return float(text)
-    except ValueError:
-        pass
     pos = 0
     total = 0.0
     for match in _PART.finditer(text):
@@ -67,9 +75,22 @@ def _parse_duration_text(text: str) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """A compact human form of ``seconds`` (``1m30s``, ``500ms``), for logs and tables."""
-    if seconds < 1 and seconds != 0:
-        return f"{seconds * 1000:g}ms"
+    """A compact human form of ``seconds`` (``1m30s``, ``500ms``), for logs and tables.
+
+    Six significant digits at most per part; whatever it returns for a finite
+    ``seconds`` >= 0, ``parse_duration`` reads back (to within that rounding).
+    """
+    if not math.isfinite(seconds):
+        return str(seconds)
+    if seconds < 0:
+        return "-" + format_duration(-seconds)
+    if seconds == 0:
+        return "0s"
+    if seconds < 1:
+        for unit, factor in (("ms", 1e3), ("us", 1e6)):
+            if seconds * factor >= 1:
+                return _number(seconds * factor) + unit
+        return _number(seconds * 1e9) + "ns"
     whole = int(seconds)
     frac = seconds - whole
     hours, rest = divmod(whole, 3600)
@@ -79,9 +100,18 @@ def format_duration(seconds: float) -> str:
         out += f"{hours}h"
     if minutes:
         out += f"{minutes}m"
-    if secs or frac or not out:
-        out += f"{secs + frac:g}s"
+    tail = _number(secs + frac)
+    if tail != "0" or not out:
+        out += f"{tail}s"
     return out
+
+
+def _number(value: float) -> str:
+    """``value`` to six significant digits, never in exponent notation."""
+    text = f"{value:.6g}"
+    if "e" in text:
+        text = f"{value:.12f}".rstrip("0").rstrip(".") or "0"
+    return text
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([KMGTPE]i?)?B?", re.IGNORECASE)
@@ -104,18 +134,24 @@ _SIZE_FACTORS = {
 SIZE_HELP = "a number of bytes, optionally with a suffix: 50G = 50·10⁹, 50Gi = 50·2³⁰"
 
 
-def parse_size(value: str | int) -> int:
+def parse_size(value: str | int | float) -> int:
     """Return ``value`` in bytes: ``1234``, ``"50G"`` (10⁹) or ``"50Gi"`` (2³⁰)."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a size; expected {SIZE_HELP}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 5e9 written as a YAML float
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{value!r} is negative; expected {SIZE_HELP}")
-        return value
+        return int(value)
     if not isinstance(value, str):
         raise ValueError(f"{value!r} is not a size; expected {SIZE_HELP}")
     match = _SIZE.fullmatch(value.strip())
     if match is None:
         raise ValueError(f"{value!r} is not a size; expected {SIZE_HELP}")
-    factor = _SIZE_FACTORS[(match.group(2) or "").lower()]
-    return int(float(match.group(1)) * factor)
+    suffix = (match.group(2) or "").lower()
+    size = Decimal(match.group(1)) * _SIZE_FACTORS[suffix]
+    if not suffix and size != size.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes; expected {SIZE_HELP}")
+    # A fraction of a suffixed unit ("1.5Gi") rounds down to whole bytes.
+    return int(size)
