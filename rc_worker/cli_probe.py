@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -63,9 +64,16 @@ def run_probe(args: argparse.Namespace) -> int:
         print("rc-worker: probe interrupted", file=sys.stderr)
         return 130
     if args.json:
-        print(json.dumps(probe_pass_json(probe_pass), indent=2))
+        text = json.dumps(probe_pass_json(probe_pass), indent=2)
     else:
-        print(probe_pass_table(probe_pass, host=config.host))
+        text = probe_pass_table(probe_pass, host=config.host)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # `rc-worker probe | head`: the reader has what it wanted. Point
+        # stdout at /dev/null so the interpreter's final flush is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 0
 
 
