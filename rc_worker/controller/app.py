@@ -1,0 +1,99 @@
+"""The reference controller as a Starlette app: the route table and the error format.
+
+Handlers live in :mod:`~rc_worker.controller.worker_api` and
+:mod:`~rc_worker.controller.user_api`; both reach the shared state through the
+:class:`~rc_worker.controller.context.Controller` on ``app.state.controller``.
+All decisions are the store's; the app parses, authenticates, waits and streams.
+Every error is ``{"error": code, "message": sentence}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rc_worker.controller import user_api, worker_api
+from rc_worker.controller.context import Controller
+from rc_worker.controller.errors import ApiError
+from rc_worker.controller.store import Store
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("rc_worker.controller")
+
+
+def _error_response(status: int, code: str, message: str, **extra: object) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": code, "message": message, **extra}, status, headers=headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    body = exc.to_json()
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(body, exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return _error_response(exc.status_code, codes.get(exc.status_code, "http_error"), exc.detail)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("internal error in %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(500, "internal", "the controller failed; see its log")
+
+
+async def _health(request: Request) -> Response:
+    return JSONResponse({"ok": True, "protocol": 1})
+
+
+def create_app(
+    *,
+    store: Store | None = None,
+    worker_tokens: Mapping[str, str] | None = None,
+    user_tokens: Collection[str] = (),
+    clock: Callable[[], float] | None = None,
+    webhooks: Sequence[str] = (),
+) -> Starlette:
+    """Build the reference controller.
+
+    ``worker_tokens`` maps a worker token to the host it may act as (``"*"``:
+    any host); ``user_tokens`` are the tokens of people (the ``rc`` client).
+    With no tokens nobody is let in. ``webhooks`` are URLs each event is POSTed
+    to by :func:`rc_worker.controller.serve.deliver_webhooks` (run by ``rc
+    serve``; in-process users run it themselves if they want deliveries).
+    The store is on ``app.state.store``, the :class:`Controller` on
+    ``app.state.controller``.
+    """
+    store = store if store is not None else Store()
+    ctl = Controller(
+        store,
+        worker_tokens=worker_tokens or {},
+        user_tokens=user_tokens,
+        clock=clock,
+        webhooks=webhooks,
+    )
+    routes = [
+        Route("/v1/health", _health, methods=["GET"]),
+        *worker_api.routes(),
+        *user_api.routes(),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
+    )
+    app.state.controller = ctl
+    app.state.store = store
+    return app

@@ -1,0 +1,187 @@
+"""Shared by every handler: the :class:`Controller` (store, clock, tokens, waiting) and
+request helpers.
+
+Time: every decision reads :meth:`Controller.now`, which is the ``clock``
+given to :func:`~rc_worker.controller.create_app`, else the running event
+loop's clock (under Trio, ``trio.current_time``, so a ``MockClock`` drives the
+whole controller in virtual time), else ``time.monotonic``. Waits use the
+event loop's clock, so a custom ``clock`` must advance with it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+import anyio
+import attrs
+from starlette.requests import Request
+
+from rc_worker.controller.errors import BadRequest, Forbidden, TooLarge, Unauthorized
+from rc_worker.controller.stdin import StdinPipes
+from rc_worker.controller.store import Store
+from rc_worker.controller.wire import Fields, decode
+
+log = logging.getLogger("rc_worker.controller")
+
+MAX_JSON_BYTES = 8 * 1024 * 1024
+"""Large enough for a registration carrying every usage sheet of a big host."""
+
+
+def _default_clock() -> float:
+    try:
+        return anyio.current_time()
+    except Exception:
+        # Outside any event loop (a sync caller poking the app): the OS clock.
+        return time.monotonic()
+
+
+@attrs.frozen
+class Principal:
+    """Who a bearer token speaks for: a worker for ``host`` (``"*"``: any host), and/or a user."""
+
+    worker_host: str | None
+    user: bool
+
+
+class Changes:
+    """Wakes every waiter when the store (or a stdin pipe) changes.
+
+    One event per version: a waiter notes :attr:`version`, checks its
+    condition, and waits for the version to move. The event is created lazily
+    so the app can be built outside an event loop.
+    """
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._event: anyio.Event | None = None
+
+    def poke(self) -> None:
+        self.version += 1
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    def event(self) -> anyio.Event:
+        if self._event is None:
+            self._event = anyio.Event()
+        return self._event
+
+
+class Controller:
+    """What every handler needs: the store, the clock, the tokens, and a way to wait."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        worker_tokens: Mapping[str, str],
+        user_tokens: Collection[str],
+        clock: Callable[[], float] | None,
+        webhooks: Sequence[str],
+    ) -> None:
+        self.store = store
+        self.clock = clock or _default_clock
+        self.worker_tokens = dict(worker_tokens)
+        self.user_tokens = tuple(user_tokens)
+        self.webhooks = tuple(webhooks)
+        self.changes = Changes()
+        store.subscribe(self.changes.poke)
+        # Stdin pipes live here, not in the store: they are flow control, not state.
+        self.stdin = StdinPipes(self.changes)
+
+    def now(self) -> float:
+        return self.clock()
+
+    def tick(self) -> float:
+        """Apply the store's due timers (lazily, on every request); returns ``now``."""
+        now = self.now()
+        self.store.tick(now)
+        return now
+
+    async def wait_change(self, seen: int, deadline: float | None) -> None:
+        """Return once :attr:`Changes.version` differs from ``seen``, ``deadline`` passes, or
+        one of the store's own timers is due (the caller then ticks)."""
+        if self.changes.version != seen:
+            return
+        event = self.changes.event()
+        until = self.store.next_deadline()
+        if deadline is not None:
+            until = deadline if until is None else min(until, deadline)
+        if until is None:
+            await event.wait()
+            return
+        with anyio.move_on_after(max(0.0, until - self.now())):
+            await event.wait()
+
+    # --- auth -------------------------------------------------------------------------------
+
+    def principal(self, request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("send Authorization: Bearer <token>")
+        given = token.encode()
+        host = None
+        for candidate, allowed in self.worker_tokens.items():
+            if hmac.compare_digest(candidate.encode(), given):
+                host = allowed
+        user = any(hmac.compare_digest(t.encode(), given) for t in self.user_tokens)
+        if host is None and not user:
+            raise Unauthorized("unknown token")
+        return Principal(worker_host=host, user=user)
+
+    def require_user(self, request: Request) -> None:
+        if not self.principal(request).user:
+            raise Forbidden("this endpoint needs a user token, not a worker token")
+
+    def require_worker(self, request: Request, host: str | None = None) -> Principal:
+        p = self.principal(request)
+        if p.worker_host is None:
+            raise Forbidden("this endpoint needs a worker token, not a user token")
+        if host is not None:
+            self.check_host(p, host)
+        return p
+
+    @staticmethod
+    def check_host(p: Principal, host: str) -> None:
+        if p.worker_host not in ("*", host):
+            raise Forbidden(f"this worker token may act only as host {p.worker_host}, not {host}")
+
+
+def controller_of(request: Request) -> Controller:
+    ctl: Controller = request.app.state.controller
+    return ctl
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes without buffering them."""
+    too_large = TooLarge(f"body larger than {limit} bytes; send less per request")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks = bytearray()
+    async for chunk in request.stream():
+        chunks += chunk
+        if len(chunks) > limit:
+            raise too_large
+    return bytes(chunks)
+
+
+async def json_body(request: Request, *, empty_ok: bool = False) -> Fields:
+    return decode(await read_body(request, MAX_JSON_BYTES), empty_ok=empty_ok)
+
+
+def query_int(request: Request, name: str, default: int | None = None) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        if default is None:
+            raise BadRequest(f"{name}: required query parameter")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadRequest(f"{name}: expected an integer, got {raw!r}") from None

@@ -1,0 +1,451 @@
+"""``rc``: serve the reference controller, and talk to one.
+
+``rc serve`` runs the controller (hypercorn on Trio). Every other command is a
+client of ``RC_URL`` (default ``http://127.0.0.1:8080``) with the user token
+``RC_USER_TOKEN``; ``--url`` and ``--token`` override them. Tables for people
+by default, ``--json`` for programs. Exit status: 0 ok, 1 the controller
+refused or could not be reached, 2 bad usage; ``rc run`` exits with the job's
+own status (see docs/controller.md). Errors are one line on stderr, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, cast
+
+import httpx
+import trio
+
+from rc_worker.controller import rc_format as fmt
+from rc_worker.controller.app import create_app
+from rc_worker.controller.serve import serve
+from rc_worker.controller.state import StoreConfig
+from rc_worker.controller.store import Store
+from rc_worker.durations import parse_duration
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+EXIT_KILLED = 137
+EXIT_NOT_RUN = 125
+FOLLOW_RETRIES = 5
+
+
+class CliError(Exception):
+    """A failure to report on stderr with an exit status (1: controller, 2: usage)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# --- argument parsing -----------------------------------------------------------------------
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _address(text: str) -> tuple[str, str]:
+    host, sep, device = text.partition("/")
+    if not sep or not host or not device or "/" in device:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST/DEVICE (e.g. box1/gpu0)")
+    return host, device
+
+
+def parse_worker_token(text: str) -> tuple[str, str]:
+    """``TOKEN=HOST`` (split at the last ``=``) or a bare ``TOKEN`` valid for any host."""
+    token, sep, host = text.rpartition("=")
+    if not sep or not token or not host:
+        return text, "*"
+    return token, host
+
+
+def _split_list(text: str) -> list[str]:
+    return [part for part in text.replace(",", " ").split() if part]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help=f"controller URL (default: $RC_URL or {DEFAULT_URL})")
+    common.add_argument("--token", help="user token (default: $RC_USER_TOKEN)")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    parser = argparse.ArgumentParser(prog="rc", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the reference controller")
+    p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (default %(default)s)")
+    p.add_argument(
+        "--worker-token",
+        action="append",
+        default=[],
+        metavar="TOKEN[=HOST]",
+        help="a worker token, for one host or (bare) for any; repeatable; also $RC_WORKER_TOKENS",
+    )
+    p.add_argument(
+        "--user-token",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="a user token; repeatable; also $RC_USER_TOKENS",
+    )
+    p.add_argument("--webhook", action="append", default=[], metavar="URL")
+    p.add_argument("--heartbeat-interval", type=_duration, default=10.0, metavar="D")
+    p.add_argument("--poll-wait", type=_duration, default=30.0, metavar="D")
+
+    for name, help_ in (("submit", "queue a job; prints its id"), ("run", "submit, follow, exit")):
+        p = sub.add_parser(name, parents=[common], help=help_)
+        p.add_argument("--select", default="", help="label selector, e.g. 'product=H100'")
+        p.add_argument("--device", type=_address, help="HOST/DEVICE to run on")
+        p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="K=V")
+        p.add_argument("--cwd")
+        p.add_argument("--max-runtime", type=_duration, metavar="D")
+        p.add_argument("--idle-timeout", type=_duration, metavar="D")
+        p.add_argument("--grace", type=_duration, default=10.0, metavar="D")
+        p.add_argument("--pty", action="store_true", help="run the job on a terminal")
+        p.add_argument("--stdin", action="store_true", help="stream this command's stdin to it")
+        p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+
+    p = sub.add_parser("ps", parents=[common], help="list jobs")
+    p.add_argument("--state", help="only jobs in this state")
+    p = sub.add_parser("show", parents=[common], help="show one job")
+    p.add_argument("job")
+    p = sub.add_parser("logs", parents=[common], help="print a job's output")
+    p.add_argument("job")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
+    p = sub.add_parser("cancel", parents=[common], help="cancel a job")
+    p.add_argument("job")
+    p.add_argument("--reason", default="")
+    sub.add_parser("devices", parents=[common], help="list devices")
+    for name, help_ in (("sheet", "print a device's usage sheet"), ("clear", "lift a quarantine")):
+        p = sub.add_parser(name, parents=[common], help=help_)
+        p.add_argument("device", type=_address, metavar="HOST/DEVICE")
+    p = sub.add_parser("idle", parents=[common], help="set a device's idle behaviour")
+    p.add_argument("device", type=_address, metavar="HOST/DEVICE")
+    p.add_argument("behavior", choices=["run", "hold", "drain"])
+    p = sub.add_parser("events", parents=[common], help="print events")
+    p.add_argument("--after", type=int, default=0, metavar="N")
+    p.add_argument("--follow", "-f", action="store_true")
+    return parser
+
+
+# --- client plumbing ------------------------------------------------------------------------
+
+
+def _raise_for(r: httpx.Response) -> None:
+    if r.is_success:
+        return
+    try:
+        body = r.json()
+        message = f"{body['error']}: {body['message']}"
+    except (ValueError, KeyError, TypeError):
+        message = f"HTTP {r.status_code}"
+    raise CliError(f"the controller answered {r.status_code}: {message}")
+
+
+async def _json(r: Awaitable[httpx.Response]) -> Any:
+    response = await r
+    _raise_for(response)
+    return response.json()
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+
+
+def _write_bytes(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+
+
+async def _follow(client: httpx.AsyncClient, job_id: str, offset: int = 0) -> None:
+    """Stream a job's output to stdout until it ends, resuming after a dropped connection."""
+    failures = 0
+    while True:
+        try:
+            async with client.stream(
+                "GET", f"/v1/jobs/{job_id}/output", params={"offset": offset, "follow": "true"}
+            ) as r:
+                if not r.is_success:
+                    await r.aread()
+                    _raise_for(r)
+                async for chunk in r.aiter_raw():
+                    offset += len(chunk)
+                    _write_bytes(chunk)
+            return
+        except httpx.TransportError:
+            failures += 1
+            if failures > FOLLOW_RETRIES:
+                raise
+            await trio.sleep(min(2.0**failures, 10.0))
+
+
+async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
+    source = cast(io.BufferedReader, sys.stdin.buffer)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        # A blocking read in a thread; abandoned (not waited for) if rc is stopped.
+        while data := await trio.to_thread.run_sync(
+            source.read1, 64 * 1024, abandon_on_cancel=True
+        ):
+            yield data
+
+    await _json(client.put(f"/v1/jobs/{job_id}/stdin", content=chunks(), timeout=None))
+
+
+def _submit_body(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise CliError(
+            f"rc {args.command}: give the command after --, e.g. rc {args.command} -- nvidia-smi", 2
+        )
+    return {
+        "command": cmd,
+        "select": args.select,
+        "device": None if args.device is None else "/".join(args.device),
+        "env": dict(args.env),
+        "cwd": args.cwd,
+        "max_runtime_s": args.max_runtime,
+        "idle_timeout_s": args.idle_timeout,
+        "grace_s": args.grace,
+        "pty": args.pty,
+        "stdin": args.stdin,
+    }
+
+
+def run_exit_status(job: Mapping[str, Any]) -> int:
+    """``rc run``'s exit status for a finished job (docs/controller.md)."""
+    state = job.get("state")
+    code = job.get("exit_code")
+    if state == "succeeded":
+        return 0
+    if state == "failed":
+        return code if isinstance(code, int) and 0 < code < 256 else 1
+    if state == "killed":
+        return EXIT_KILLED
+    return EXIT_NOT_RUN
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
+    job_id: str = (await _json(client.post("/v1/jobs", json=_submit_body(args))))["job_id"]
+    if args.command == "submit":
+        _out(json.dumps({"job_id": job_id}) if args.json else job_id)
+        if args.stdin:
+            await _feed_stdin(client, job_id)
+        return 0
+    print(f"rc: job {job_id}", file=sys.stderr)
+    try:
+        async with trio.open_nursery() as nursery:
+            if args.stdin:
+                nursery.start_soon(_feed_stdin, client, job_id)
+            await _follow(client, job_id)
+            nursery.cancel_scope.cancel()
+    except* KeyboardInterrupt:
+        print(
+            f"\nrc: job {job_id} keeps running; stop it with: rc cancel {job_id}", file=sys.stderr
+        )
+        raise
+    job = await _json(client.get(f"/v1/jobs/{job_id}"))
+    status = run_exit_status(job)
+    if args.json:
+        _out(json.dumps(job, indent=2))
+    elif job["state"] not in ("succeeded", "failed"):
+        why = job.get("reason") or job.get("error") or ""
+        print(f"rc: job {job_id} ended {job['state']}{': ' + why if why else ''}", file=sys.stderr)
+    return status
+
+
+async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
+    c = args.command
+    if c in ("submit", "run"):
+        return await _cmd_submit(client, args)
+    if c == "logs":
+        if args.follow:
+            await _follow(client, args.job)
+        else:
+            r = await client.get(f"/v1/jobs/{args.job}/output")
+            _raise_for(r)
+            _write_bytes(r.content)
+        return 0
+    body: Any
+    if c == "ps":
+        params = {"state": args.state} if args.state else {}
+        body = await _json(client.get("/v1/jobs", params=params))
+        text = fmt.jobs_table(body["jobs"])
+    elif c == "show":
+        body = await _json(client.get(f"/v1/jobs/{args.job}"))
+        text = fmt.job_details(body)
+    elif c == "cancel":
+        payload = {"reason": args.reason} if args.reason else {}
+        body = await _json(client.post(f"/v1/jobs/{args.job}/cancel", json=payload))
+        text = fmt.cancel_result(body)
+    elif c == "devices":
+        body = await _json(client.get("/v1/devices"))
+        text = fmt.devices_table(body["devices"])
+    elif c == "sheet":
+        body = await _json(client.get("/v1/devices/{}/{}/sheet".format(*args.device)))
+        text = fmt.sheet(body)
+    elif c == "clear":
+        body = await _json(client.post("/v1/devices/{}/{}/clear".format(*args.device)))
+        text = fmt.clear_result(body)
+    elif c == "idle":
+        path = "/v1/devices/{}/{}/idle-behavior".format(*args.device)
+        body = await _json(client.post(path, json={"idle_behavior": args.behavior}))
+        text = f"{body['address']}: idle behavior {body['idle_behavior']}"
+    elif c == "events":
+        return await _cmd_events(client, args)
+    else:  # pragma: no cover - argparse only lets known commands through
+        raise CliError(f"unknown command {c!r}", 2)
+    _out(json.dumps(body, indent=2) if args.json else text)
+    return 0
+
+
+async def _cmd_events(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
+    after = args.after
+    while True:
+        params = {"after": after, "wait_s": 30 if args.follow else 0}
+        body = await _json(client.get("/v1/events", params=params, timeout=60.0))
+        for event in body["events"]:
+            _out(json.dumps(event) if args.json else fmt.event_line(event))
+            after = event["seq"]
+        if not args.follow:
+            return 0
+
+
+# --- serve ----------------------------------------------------------------------------------
+
+
+def serve_settings(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[dict[str, str], list[str]]:
+    worker: dict[str, str] = {}
+    for text in [*_split_list(env.get("RC_WORKER_TOKENS", "")), *args.worker_token]:
+        token, host = parse_worker_token(text)
+        worker[token] = host
+    users = [*_split_list(env.get("RC_USER_TOKENS", "")), *args.user_token]
+    if not worker or not users:
+        raise CliError(
+            "rc serve: give at least one --worker-token TOKEN[=HOST] and one --user-token TOKEN "
+            "(or set RC_WORKER_TOKENS and RC_USER_TOKENS)",
+            2,
+        )
+    host, sep, port = args.listen.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise CliError(f"rc serve: --listen {args.listen!r} is not HOST:PORT", 2)
+    return worker, users
+
+
+async def run_serve(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """``rc serve ARGS``: serve until cancelled (or ``shutdown_trigger``); reports bound URLs."""
+    args = build_parser().parse_args(["serve", *argv])
+    worker, users = serve_settings(args, os.environ if env is None else env)
+    config = StoreConfig(heartbeat_interval_s=args.heartbeat_interval, poll_wait_s=args.poll_wait)
+    app = create_app(
+        store=Store(config), worker_tokens=worker, user_tokens=users, webhooks=args.webhook
+    )
+    await serve(app, args.listen, shutdown_trigger=shutdown_trigger, task_status=task_status)
+
+
+async def _serve_until_signalled(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def on_signals() -> None:
+                async for _ in signals:
+                    if stop.is_set():
+                        nursery.cancel_scope.cancel()  # a second signal: stop now
+                    stop.set()
+
+            nursery.start_soon(on_signals)
+            binds = await nursery.start(
+                lambda task_status: run_serve(
+                    argv, env=env, shutdown_trigger=stop.wait, task_status=task_status
+                )
+            )
+            print(f"rc: controller listening on {', '.join(binds)}", file=sys.stderr)
+            await stop.wait()
+    return 0
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+async def amain(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> int:
+    """Run one ``rc`` command; returns its exit status. ``transport`` is for tests."""
+    env = os.environ if env is None else env
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if args.command == "serve":
+            serve_settings(args, env)
+            return await _serve_until_signalled(argv[1:], env)
+        url = args.url or env.get("RC_URL") or DEFAULT_URL
+        token = args.token or env.get("RC_USER_TOKEN", "")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        timeout = httpx.Timeout(30.0, read=None)
+        async with httpx.AsyncClient(
+            base_url=url, headers=headers, transport=transport, timeout=timeout
+        ) as client:
+            return await _cmd_client(client, args)
+    except CliError as e:
+        print(f"rc: {e}", file=sys.stderr)
+        return e.status
+    except httpx.HTTPError as e:
+        where = args.url or env.get("RC_URL") or DEFAULT_URL
+        print(
+            f"rc: cannot reach the controller at {where}: {e or type(e).__name__}", file=sys.stderr
+        )
+        return 1
+    except OSError as e:
+        print(f"rc: {e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``rc`` console script."""
+    status = 130
+    try:
+        status = trio.run(amain, list(sys.argv[1:] if argv is None else argv))
+    except* KeyboardInterrupt:
+        pass
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

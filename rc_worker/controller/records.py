@@ -1,0 +1,210 @@
+"""The store's live, mutable records, and the snapshots it hands out of them.
+
+Only :mod:`rc_worker.controller.store` mutates these; everything else sees the
+frozen views of :mod:`rc_worker.controller.messages`.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from rc_worker.controller.messages import (
+    TERMINAL_STATES,
+    AttemptInfo,
+    DeviceInfo,
+    FaultInfo,
+    JobInfo,
+    JobSpec,
+    Verify,
+)
+from rc_worker.controller.selectors import Selector
+
+
+@attrs.define(eq=False)
+class Fault:
+    fault_id: str
+    kind: str
+    reason: str
+    """The device row's reason: ``interrupted`` (raised by the controller) or ``fault``."""
+    detail: str
+    job_id: str | None
+    attempt: int | None
+    raised_by: str
+    boot_id: str | None = None
+    """For ``interrupted``: the host's boot id when the job started, if known."""
+
+    def info(self) -> FaultInfo:
+        return FaultInfo(
+            fault_id=self.fault_id,
+            kind=self.kind,
+            reason=self.reason,
+            detail=self.detail,
+            job_id=self.job_id,
+            raised_by=self.raised_by,
+        )
+
+
+@attrs.define(eq=False)
+class Attempt:
+    number: int
+    host: str
+    device: str
+    status: str
+    """``assigned``, ``running``, ``requeued`` or ``finished``."""
+    last_heard: float
+    """Controller clock: assignment time, then the last heartbeat that mentioned this attempt."""
+    start_boot_id: str | None = None
+    adopted: bool = False
+    """Carried over a registration in ``recovery``: the worker owes its finish."""
+    note: str = ""
+
+    def info(self) -> AttemptInfo:
+        return AttemptInfo(self.number, self.host, self.device, self.status, self.note)
+
+
+@attrs.define(eq=False)
+class Job:
+    job_id: str
+    seq: int
+    spec: JobSpec
+    selector: Selector
+    submitted_at: float
+    state: str = "queued"
+    attempts: list[Attempt] = attrs.Factory(list)
+    cancel_reason: str | None = None
+    refusals: int = 0
+    output: bytearray = attrs.Factory(bytearray)
+    started_at: float | None = None
+    finished_at: float | None = None
+    finished_by: str | None = None
+    outcome: str | None = None
+    exit_code: int | None = None
+    killed: bool = False
+    reason: str = ""
+    error: str | None = None
+    output_bytes: int | None = None
+    fault_id: str | None = None
+    verify: Verify | None = None
+    sweep: dict[str, object] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def attempt(self) -> int:
+        return len(self.attempts)
+
+    @property
+    def current(self) -> Attempt | None:
+        """The attempt that requests may still name, or None while (re)queued."""
+        if not self.attempts or self.attempts[-1].status == "requeued":
+            return None
+        return self.attempts[-1]
+
+    def info(self) -> JobInfo:
+        cur = self.current
+        return JobInfo(
+            job_id=self.job_id,
+            state=self.state,
+            attempt=self.attempt,
+            spec=self.spec,
+            host=None if cur is None else cur.host,
+            device=None if cur is None else cur.device,
+            submitted_at=self.submitted_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            outcome=self.outcome,
+            exit_code=self.exit_code,
+            killed=self.killed,
+            reason=self.reason,
+            error=self.error,
+            output_bytes=self.output_bytes,
+            committed_bytes=len(self.output),
+            cancel_requested=self.cancel_reason,
+            fault_id=self.fault_id,
+            verify=self.verify,
+            sweep=None if self.sweep is None else dict(self.sweep),
+            attempts=tuple(a.info() for a in self.attempts),
+        )
+
+
+@attrs.define(eq=False)
+class Device:
+    host: str
+    name: str
+    present: bool = True
+    declared: dict[str, str] = attrs.Factory(dict)
+    facts: dict[str, str] = attrs.Factory(dict)
+    sheet: str | None = None
+    idle_behavior: str = "run"
+    faults: dict[str, Fault] = attrs.Factory(dict)
+    seen_faults: set[str] = attrs.Factory(set)
+    """Every fault id ever raised here, so a retried report cannot re-raise a cleared fault."""
+    cleared_pending: list[str] = attrs.Factory(list)
+    job: Job | None = None
+    """The job holding this device in the controller's view (assigned or running)."""
+    worker_state: str | None = None
+
+    @property
+    def state(self) -> str:
+        if not self.present:
+            return "absent"
+        if self.faults:
+            return "quarantined"
+        if self.job is not None:
+            return "busy"
+        return "free"
+
+    def first_fault(self) -> Fault | None:
+        return next(iter(self.faults.values()), None)
+
+    def labels(self, host: Host) -> dict[str, str]:
+        """What a selector sees: host facts, then device facts, then the operator's labels."""
+        own = {**self.facts, **self.declared}
+        view = {**host.facts, **own}
+        view.update({f"{self.name}.{k}": v for k, v in own.items()})
+        view.setdefault("host", host.name)
+        view.setdefault("device", self.name)
+        return view
+
+    def info(self, host: Host) -> DeviceInfo:
+        first = self.first_fault()
+        cur = None if self.job is None else self.job.current
+        return DeviceInfo(
+            host=self.host,
+            name=self.name,
+            state=self.state,
+            reason=None if first is None else first.reason,
+            fault_id=None if first is None else first.fault_id,
+            faults=tuple(f.info() for f in self.faults.values()),
+            labels=self.labels(host),
+            facts=dict(self.facts),
+            declared_labels=dict(self.declared),
+            idle_behavior=self.idle_behavior,
+            job_id=None if self.job is None else self.job.job_id,
+            attempt=None if cur is None else cur.number,
+            present=self.present,
+            host_state=host.state,
+            worker_state=self.worker_state,
+            cleared_pending=tuple(self.cleared_pending),
+        )
+
+
+@attrs.define(eq=False)
+class Host:
+    name: str
+    boot_id: str
+    last_seen: float
+    session: str | None = None
+    lost: bool = False
+    pid: int | None = None
+    worker_version: str = ""
+    require_manual_clear: bool = False
+    facts: dict[str, str] = attrs.Factory(dict)
+    sheet: str | None = None
+    devices: dict[str, Device] = attrs.Factory(dict)
+
+    @property
+    def state(self) -> str:
+        return "lost" if self.lost else "up"

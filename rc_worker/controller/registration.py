@@ -1,0 +1,116 @@
+"""What a registration decides about interrupted jobs and the devices they ran on.
+
+A registration means the worker process that supervised this host's jobs is
+gone (restarted, or forgotten by the controller), so every job it was running
+was interrupted. For each such job, and each device quarantined for one:
+
+- the boot id now differs from the one recorded when the job started: a reboot
+  proves nothing of it survives, the device is freed;
+- else the worker's ``recovery`` entry claims ``gone`` (and the worker does not
+  run with ``require_manual_clear``): freed;
+- else the device stays (or becomes) quarantined, reason ``interrupted``, until
+  an operator clears it.
+
+A job the controller believed running that the worker does not report in
+``recovery`` is finished ``lost``; one it does report stays running, and the
+worker owes its ``finish`` (the store finishes it ``lost`` itself if no
+heartbeat mentions it for ``report_timeout_s``). A fault raised at host loss
+for a device that had no started job is lifted: nothing the controller started
+can be on it. Sans-IO, like the store.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rc_worker.controller.messages import Recovery, RegisterRequest
+from rc_worker.controller.records import Device, Host
+
+if TYPE_CHECKING:
+    from rc_worker.controller.state import StoreState
+
+
+def reconcile_registration(store: StoreState, h: Host, req: RegisterRequest, now: float) -> None:
+    recovery = {r.job_id: r for r in req.recovery}
+    settled: set[tuple[str, str]] = set()
+
+    def proof(start_boot: str | None, rec: Recovery | None) -> str | None:
+        boot = start_boot if start_boot is not None else (None if rec is None else rec.boot_id)
+        if boot is not None and boot != req.boot_id:
+            return "reboot"
+        # A worker that must be cleared by hand never proves anything by claim, even if a
+        # buggy one sends "gone": the setting may only ever make things more cautious.
+        if rec is not None and rec.claim == "gone" and not req.require_manual_clear:
+            return "gone"
+        return None
+
+    def settle(
+        d: Device,
+        job_id: str,
+        attempt: int | None,
+        start_boot: str | None,
+        rec: Recovery | None,
+        detail: str,
+    ) -> None:
+        settled.add((d.name, job_id))
+        existing = [
+            f.fault_id
+            for f in d.faults.values()
+            if f.kind == "interrupted" and f.raised_by == "controller" and f.job_id == job_id
+        ]
+        why = proof(start_boot, rec)
+        if why is not None:
+            store.lift(d, existing, by=why)
+        elif not existing:
+            boot = start_boot if start_boot is not None else (None if rec is None else rec.boot_id)
+            store.controller_fault(d, job_id, attempt, boot, detail)
+
+    for job, att in store.running_on(h.name):
+        rec = recovery.get(job.job_id)
+        if rec is not None and rec.attempt not in (None, att.number):
+            rec = None
+        d = h.devices.get(att.device)
+        if d is not None:
+            settle(
+                d,
+                job.job_id,
+                att.number,
+                att.start_boot_id,
+                rec,
+                f"worker restarted while job {job.job_id} was running",
+            )
+        if rec is None:
+            store.lose_job(job, "the worker restarted and did not report the job")
+        else:
+            att.adopted = True
+            att.last_heard = now
+
+    for rec in req.recovery:
+        d = h.devices.get(rec.device)
+        if d is None or not d.present or (d.name, rec.job_id) in settled:
+            continue
+        known = store.known_job(rec.job_id)
+        start_boot = None
+        if known is not None:
+            for att in known.attempts:
+                if att.number == rec.attempt and att.host == h.name:
+                    start_boot = att.start_boot_id
+        settle(
+            d,
+            rec.job_id,
+            rec.attempt,
+            start_boot,
+            rec,
+            f"worker restarted with job {rec.job_id} in its journal ({rec.claim})",
+        )
+
+    for d in h.devices.values():
+        for fault in list(d.faults.values()):
+            if fault.kind != "interrupted" or fault.raised_by != "controller":
+                continue
+            if fault.job_id is None:
+                store.lift(d, [fault.fault_id], by="register")
+            elif (d.name, fault.job_id) not in settled:
+                settle(
+                    d, fault.job_id, fault.attempt, fault.boot_id, recovery.get(fault.job_id), ""
+                )

@@ -1,0 +1,187 @@
+"""Serving the reference controller: hypercorn on Trio, housekeeping, webhook delivery.
+
+:func:`serve` runs three things in one nursery:
+
+- the HTTP server (hypercorn's Trio worker) on the listen address;
+- :func:`housekeeping`, which applies the store's timers (lost hosts, unanswered
+  assignments) when they fall due, even when no request comes in to apply them
+  lazily;
+- :func:`deliver_webhooks`, when the app has webhook URLs: every event is POSTed
+  to every URL, in order, from a background task, so a slow or dead receiver
+  never holds up a request.
+
+Each takes ``task_status`` and reports ready only once it is, so callers start
+them with ``await nursery.start(...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, cast
+
+import httpx
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+
+from rc_worker.controller.context import Controller
+from rc_worker.controller.messages import Event
+
+__all__ = ["deliver_webhooks", "housekeeping", "serve"]
+
+log = logging.getLogger("rc_worker.controller.serve")
+
+HOUSEKEEPING_MAX_SLEEP_S: Final = 5.0
+"""Re-check at least this often, whatever the store's next timer says (belt and braces)."""
+WEBHOOK_TRIES: Final = 8
+WEBHOOK_BACKOFF_S: Final = (0.5, 60.0)
+WEBHOOK_TIMEOUT_S: Final = 10.0
+
+
+def _controller(app: Starlette) -> Controller:
+    ctl: Controller = app.state.controller
+    return ctl
+
+
+async def housekeeping(
+    app: Starlette, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Apply the store's timers as they fall due; runs until cancelled."""
+    ctl = _controller(app)
+    task_status.started()
+    while True:
+        seen = ctl.changes.version
+        now = ctl.tick()
+        await ctl.wait_change(seen, now + HOUSEKEEPING_MAX_SLEEP_S)
+
+
+async def deliver_webhooks(
+    app: Starlette,
+    client: httpx.AsyncClient,
+    *,
+    rng: random.Random | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """POST every event to every webhook URL of the app, in order; runs until cancelled.
+
+    Delivery is at least once and in order per URL. A failed POST (connection
+    error, timeout, 408, 429, 5xx) is retried with capped, jittered backoff up
+    to :data:`WEBHOOK_TRIES` times, then that event is skipped for that URL and
+    logged; any other 4xx skips it at once. Receivers that missed events catch
+    up from ``GET /v1/events?after=N``.
+    """
+    ctl = _controller(app)
+    rng = rng or random.Random()
+    async with trio.open_nursery() as nursery:
+        for url in ctl.webhooks:
+            nursery.start_soon(_deliver_to, ctl, client, url, rng)
+        task_status.started()
+
+
+async def _deliver_to(
+    ctl: Controller, client: httpx.AsyncClient, url: str, rng: random.Random
+) -> None:
+    after = 0
+    while True:
+        seen = ctl.changes.version
+        events = ctl.store.events(after, limit=100)
+        if not events:
+            await ctl.wait_change(seen, None)
+            continue
+        for event in events:
+            await _post_event(client, url, event, rng)
+            after = event.seq
+
+
+async def _post_event(
+    client: httpx.AsyncClient, url: str, event: Event, rng: random.Random
+) -> None:
+    low, high = WEBHOOK_BACKOFF_S
+    for attempt in range(1, WEBHOOK_TRIES + 1):
+        try:
+            r = await client.post(
+                url,
+                json=event.to_json(),
+                headers={"X-RC-Event": event.type, "X-RC-Event-Seq": str(event.seq)},
+                timeout=WEBHOOK_TIMEOUT_S,
+            )
+        except httpx.HTTPError as e:
+            problem = f"{type(e).__name__}: {e}"
+        else:
+            if r.is_success:
+                return
+            problem = f"status {r.status_code}"
+            if r.status_code < 500 and r.status_code not in (408, 429):
+                log.warning(
+                    "webhook %s refused event %d (%s); skipping it", url, event.seq, problem
+                )
+                return
+        if attempt == WEBHOOK_TRIES:
+            break
+        delay = rng.uniform(0, min(high, low * 2 ** (attempt - 1)))
+        log.info("webhook %s, event %d: %s; retrying in %.1fs", url, event.seq, problem, delay)
+        await trio.sleep(delay)
+    log.warning("webhook %s: giving up on event %d after %d tries", url, event.seq, WEBHOOK_TRIES)
+
+
+def hypercorn_config(listen: str) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [listen]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("rc_worker.controller.http")
+    # Long polls and followed output stay open well past hypercorn's defaults.
+    config.keep_alive_timeout = 75.0
+    config.graceful_timeout = 5.0
+    return config
+
+
+async def serve(
+    app: Starlette,
+    listen: str = "127.0.0.1:8080",
+    *,
+    webhook_client: httpx.AsyncClient | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``listen`` (``HOST:PORT``; port 0 picks a free one).
+
+    Reports the bound URLs (``["http://127.0.0.1:41234"]``) through
+    ``task_status`` once the socket listens. Runs until cancelled, or until
+    ``shutdown_trigger`` returns (then in-flight requests get a short grace).
+    """
+    ctl = _controller(app)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(housekeeping, app)
+        if ctl.webhooks:
+            if webhook_client is None:
+                webhook_client = await _own_client(nursery)
+            await nursery.start(deliver_webhooks, app, webhook_client)
+
+        async def http(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                cast(Any, app),
+                hypercorn_config(listen),
+                shutdown_trigger=shutdown_trigger,
+                task_status=task_status,
+            )
+            # hypercorn returns only after shutdown_trigger: take the background tasks down too.
+            nursery.cancel_scope.cancel()
+
+        binds: list[str] = await nursery.start(http)
+        log.info("controller listening on %s", ", ".join(binds))
+        task_status.started(binds)
+
+
+async def _own_client(nursery: trio.Nursery) -> httpx.AsyncClient:
+    """An httpx client that lives as long as ``nursery`` (closed when it is cancelled)."""
+
+    async def hold(task_status: trio.TaskStatus[httpx.AsyncClient]) -> None:
+        async with httpx.AsyncClient() as client:
+            task_status.started(client)
+            await trio.sleep_forever()
+
+    client: httpx.AsyncClient = await nursery.start(hold)
+    return client

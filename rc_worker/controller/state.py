@@ -1,0 +1,341 @@
+"""The store's state and the transitions that keep it consistent.
+
+:class:`StoreState` owns the records (hosts, devices, jobs, attempts, faults,
+events), the ids, change notification, and the primitive transitions every
+rule is built from: requeue, terminate (first terminal state wins), raise and
+lift a fault, lose a host, and the timers. :class:`~rc_worker.controller.store.Store`
+adds the public operations on top. Sans-IO: no Trio, no anyio; time comes in as
+``now``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from rc_worker.controller.errors import NotFound, StaleAttempt, UnknownSession
+from rc_worker.controller.messages import Event
+from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
+
+__all__ = ["StoreConfig", "StoreState"]
+
+
+@attrs.frozen
+class StoreConfig:
+    """Timings and bounds of the reference controller (documented in docs/controller.md)."""
+
+    heartbeat_interval_s: float = 10.0
+    missed_heartbeats: int = 3
+    poll_wait_s: float = 30.0
+    max_poll_wait_s: float = 60.0
+    report_timeout_s: float = 60.0
+    """An unstarted assignment, or a job carried over a registration in ``recovery``, that the
+    host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
+    max_refusals: int = 10
+    max_events: int = 100_000
+
+    @property
+    def lost_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.missed_heartbeats
+
+
+class StoreState:
+    """All controller state, in memory. One instance per controller process.
+
+    ``instance`` tags the ids this store hands out (jobs, sessions, faults) so
+    that ids from a previous controller process can never name a new object.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        instance: str | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config or StoreConfig()
+        self.instance = instance or secrets.token_hex(3)
+        self._wall = wall_clock
+        self._hosts: dict[str, Host] = {}
+        self._sessions: dict[str, Host] = {}
+        self._jobs: dict[str, Job] = {}
+        self._queue: list[tuple[int, str]] = []
+        self._live: dict[str, Job] = {}
+        self._events: deque[Event] = deque(maxlen=self.config.max_events)
+        self._counters: dict[str, int] = {}
+        self._event_seq = 0
+        self.version = 0
+        self._subscribers: list[Callable[[], None]] = []
+
+    # --- change notification ----------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` after every change; returns the function that unsubscribes."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback)
+
+    def _changed(self) -> None:
+        self.version += 1
+        for callback in list(self._subscribers):
+            callback()
+
+    def _next_id(self, prefix: str) -> str:
+        n = self._counters[prefix] = self._counters.get(prefix, 0) + 1
+        return f"{prefix}-{n}-{self.instance}"
+
+    def _emit(self, type_: str, **data: object) -> None:
+        self._event_seq += 1
+        self._events.append(Event(self._event_seq, type_, self._wall(), data))
+
+    # --- lookups ----------------------------------------------------------------------------
+
+    def _job(self, job_id: str) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id!r}", code="unknown_job")
+        return job
+
+    def _device(self, host: str, name: str) -> tuple[Host, Device]:
+        h = self._hosts.get(host)
+        d = None if h is None else h.devices.get(name)
+        if h is None or d is None:
+            raise NotFound(f"no device {host}/{name}", code="unknown_device")
+        return h, d
+
+    def _session(self, session: str, host: str | None = None) -> Host:
+        h = self._sessions.get(session)
+        if h is None or (host is not None and h.name != host):
+            raise UnknownSession(
+                f"session {session!r} is not known for host {host or '?'}; register again"
+            )
+        return h
+
+    def session_host(self, session: str) -> str:
+        """The host a live session belongs to; :class:`UnknownSession` if none."""
+        return self._session(session).name
+
+    def attempt_host(self, job_id: str, attempt: int) -> str:
+        """The host of a job's current attempt; :class:`StaleAttempt` if ``attempt`` is not it."""
+        return self._current(self._job(job_id), attempt).host
+
+    def _current(self, job: Job, attempt: int) -> Attempt:
+        cur = job.current
+        if cur is None or cur.number != attempt:
+            raise self._stale(job, attempt)
+        return cur
+
+    @staticmethod
+    def _stale(job: Job, attempt: int) -> StaleAttempt:
+        cur = job.current
+        return StaleAttempt(
+            f"attempt {attempt} of job {job.job_id} is not current "
+            f"(current: {'none, the job is queued again' if cur is None else cur.number})"
+        )
+
+    # --- timers -----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Apply every time-based rule due at ``now``: lost hosts, unanswered assignments."""
+        changed = False
+        for h in list(self._hosts.values()):
+            if h.session is not None and now >= h.last_seen + self.config.lost_after_s:
+                self._lose_host(h, now)
+                changed = True
+        for job in list(self._live.values()):
+            cur = job.current
+            if cur is None or now < cur.last_heard + self.config.report_timeout_s:
+                continue
+            if cur.status == "assigned":
+                self._requeue(job, "not started in time; offered again")
+                changed = True
+            elif cur.status == "running" and cur.adopted:
+                self._terminate(
+                    job, "lost", reason="the restarted worker never finished it", by="controller"
+                )
+                changed = True
+        if changed:
+            self._changed()
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has something to do, on the controller clock."""
+        deadlines = [
+            h.last_seen + self.config.lost_after_s
+            for h in self._hosts.values()
+            if h.session is not None
+        ]
+        for job in self._live.values():
+            cur = job.current
+            if cur is not None and (cur.status == "assigned" or cur.adopted):
+                deadlines.append(cur.last_heard + self.config.report_timeout_s)
+        return min(deadlines, default=None)
+
+    def _lose_host(self, h: Host, now: float) -> None:
+        assert h.session is not None
+        del self._sessions[h.session]
+        h.session = None
+        h.lost = True
+        lost: list[str] = []
+        requeued: list[str] = []
+        for d in h.devices.values():
+            if not d.present:
+                continue
+            job = d.job
+            cur = None if job is None else job.current
+            if job is not None and cur is not None and cur.status == "assigned":
+                self._requeue(job, "host lost before it started")
+                requeued.append(job.job_id)
+                job = None
+            detail = "host lost: no heartbeat"
+            if job is not None and cur is not None:
+                detail = f"host lost while job {job.job_id} was running"
+            self._raise_fault(
+                d,
+                Fault(
+                    fault_id=self._next_id("fc"),
+                    kind="interrupted",
+                    reason="interrupted",
+                    detail=detail,
+                    job_id=None if job is None else job.job_id,
+                    attempt=None if cur is None else cur.number,
+                    raised_by="controller",
+                    boot_id=None if cur is None else cur.start_boot_id,
+                ),
+            )
+            if job is not None:
+                self._terminate(job, "lost", reason="host lost: no heartbeat", by="controller")
+                lost.append(job.job_id)
+        self._emit("host_lost", host=h.name, jobs=lost, requeued=requeued)
+
+    # --- job transitions --------------------------------------------------------------------
+
+    def _requeue(self, job: Job, note: str) -> None:
+        cur = job.current
+        if cur is not None:
+            cur.status = "requeued"
+            cur.note = note
+            self._release(job, cur)
+        job.state = "queued"
+        self._live.pop(job.job_id, None)
+        bisect.insort(self._queue, (job.seq, job.job_id))
+
+    def _release(self, job: Job, att: Attempt) -> None:
+        h = self._hosts.get(att.host)
+        d = None if h is None else h.devices.get(att.device)
+        if d is not None and d.job is job:
+            d.job = None
+
+    def _terminate(
+        self,
+        job: Job,
+        outcome: str,
+        *,
+        by: str,
+        reason: str = "",
+        exit_code: int | None = None,
+        killed: bool = False,
+    ) -> bool:
+        """Record a terminal state; False (and no change) if one is already recorded."""
+        if job.terminal:
+            return False
+        if job.state == "queued":
+            self._queue.remove((job.seq, job.job_id))
+        job.state = outcome
+        job.outcome = outcome
+        job.reason = reason
+        job.exit_code = exit_code
+        job.killed = killed
+        job.finished_at = self._wall()
+        job.finished_by = by
+        self._live.pop(job.job_id, None)
+        cur = job.current
+        if cur is not None:
+            cur.status = "finished"
+            self._release(job, cur)
+        self._emit(
+            "job_finished",
+            job_id=job.job_id,
+            attempt=job.attempt,
+            outcome=outcome,
+            exit_code=exit_code,
+            reason=reason,
+            host=None if cur is None else cur.host,
+            device=None if cur is None else cur.device,
+            by=by,
+        )
+        return True
+
+    # --- faults -----------------------------------------------------------------------------
+
+    def _raise_fault(self, d: Device, fault: Fault) -> bool:
+        if fault.fault_id in d.seen_faults:
+            return False
+        d.seen_faults.add(fault.fault_id)
+        d.faults[fault.fault_id] = fault
+        self._emit(
+            "device_quarantined",
+            host=d.host,
+            device=d.name,
+            fault_id=fault.fault_id,
+            kind=fault.kind,
+            reason=fault.reason,
+            detail=fault.detail,
+            job_id=fault.job_id,
+        )
+        return True
+
+    def _lift(self, d: Device, fault_ids: Iterable[str], *, by: str) -> None:
+        ids = [f for f in fault_ids if d.faults.pop(f, None) is not None]
+        if not ids:
+            return
+        if by == "operator":
+            d.cleared_pending.extend(i for i in ids if i not in d.cleared_pending)
+        self._emit("device_cleared", host=d.host, device=d.name, fault_ids=ids, by=by)
+
+    def _worker_fault(
+        self, d: Device, fault_id: str, kind: str, detail: str, job_id: str | None
+    ) -> bool:
+        return self._raise_fault(
+            d,
+            Fault(fault_id, kind, "fault", detail, job_id, None, raised_by="worker"),
+        )
+
+    # --- for registration (rc_worker.controller.registration) -------------------------------
+
+    def running_on(self, host: str) -> list[tuple[Job, Attempt]]:
+        out = []
+        for job in self._live.values():
+            cur = job.current
+            if cur is not None and cur.host == host and cur.status == "running":
+                out.append((job, cur))
+        return out
+
+    def known_job(self, job_id: str) -> Job | None:
+        return self._jobs.get(job_id)
+
+    def controller_fault(
+        self, d: Device, job_id: str | None, attempt: int | None, boot_id: str | None, detail: str
+    ) -> None:
+        self._raise_fault(
+            d,
+            Fault(
+                self._next_id("fc"),
+                "interrupted",
+                "interrupted",
+                detail,
+                job_id,
+                attempt,
+                raised_by="controller",
+                boot_id=boot_id,
+            ),
+        )
+
+    def lift(self, d: Device, fault_ids: Iterable[str], *, by: str) -> None:
+        self._lift(d, fault_ids, by=by)
+
+    def lose_job(self, job: Job, reason: str) -> None:
+        self._terminate(job, "lost", by="controller", reason=reason)

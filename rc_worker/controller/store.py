@@ -1,0 +1,506 @@
+"""The reference controller's state: hosts, devices, jobs, attempts, output, faults, events.
+
+Sans-IO: plain synchronous code with no Trio or anyio import. Every method
+that makes a time-based decision takes ``now`` (the controller's monotonic or
+virtual clock) explicitly, so the whole controller runs under a mock clock and
+is property-tested directly. Wall-clock time is read only for the timestamps
+shown to people.
+
+Async code waits for a change with :meth:`Store.subscribe`: every mutation
+bumps :attr:`Store.version` and calls the subscribers, which the app turns
+into an event that wakes long polls and followers at once.
+
+The rules implemented here are written down in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+from collections.abc import Mapping, Sequence
+
+from rc_worker.controller.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    StaleAttempt,
+)
+from rc_worker.controller.messages import (
+    IDLE_BEHAVIORS,
+    JOB_STATES,
+    Assignment,
+    CancelOrder,
+    DeviceInfo,
+    DeviceStatus,
+    Event,
+    FaultRequest,
+    FinishRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    JobInfo,
+    JobSpec,
+    LabelsUpdate,
+    RegisterReply,
+    RegisterRequest,
+    SheetInfo,
+    SheetsUpdate,
+    StartRequest,
+)
+from rc_worker.controller.records import Attempt, Device, Host, Job
+from rc_worker.controller.registration import reconcile_registration
+from rc_worker.controller.selectors import SelectorError, parse_selector
+from rc_worker.controller.state import StoreConfig, StoreState
+
+__all__ = ["Store", "StoreConfig"]
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not name or "/" in name or name != name.strip():
+        raise BadRequest(
+            f"{kind} name {name!r} must be non-empty, without '/' or spaces at the ends"
+        )
+
+
+class Store(StoreState):
+    """The reference controller's state and every operation on it (see :class:`StoreState`)."""
+
+    # --- user side: jobs --------------------------------------------------------------------
+
+    def submit(
+        self,
+        command: Sequence[str],
+        *,
+        select: str = "",
+        device: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        max_runtime_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        grace_s: float = 10.0,
+        pty: bool = False,
+        stdin: bool = False,
+    ) -> str:
+        """Queue a job; returns its id. Raises BadRequest / NotFound (unknown ``device``)."""
+        if isinstance(command, str) or not command or not all(isinstance(a, str) for a in command):
+            raise BadRequest("command: must be a non-empty list of strings")
+        try:
+            selector = parse_selector(select)
+        except SelectorError as e:
+            raise BadRequest(f"select: {e}") from None
+        if device is not None:
+            host, sep, name = device.partition("/")
+            if not sep or not host or not name or "/" in name:
+                raise BadRequest(f"device: {device!r} is not of the form host/device")
+            self._device(host, name)
+        for key in env or {}:
+            if not key or "=" in key:
+                raise BadRequest(f"env: {key!r} is not a valid variable name")
+        for field, value in (("max_runtime_s", max_runtime_s), ("idle_timeout_s", idle_timeout_s)):
+            if value is not None and value <= 0:
+                raise BadRequest(f"{field}: must be positive or null")
+        if grace_s < 0:
+            raise BadRequest("grace_s: must not be negative")
+        spec = JobSpec(
+            command=tuple(command),
+            select=str(selector),
+            device=device,
+            env=dict(env or {}),
+            cwd=cwd,
+            max_runtime_s=max_runtime_s,
+            idle_timeout_s=idle_timeout_s,
+            grace_s=grace_s,
+            pty=pty,
+            stdin=stdin,
+        )
+        job_id = self._next_id("j")
+        job = Job(job_id, self._counters["j"], spec, selector, submitted_at=self._wall())
+        self._jobs[job_id] = job
+        bisect.insort(self._queue, (job.seq, job_id))
+        self._changed()
+        return job_id
+
+    def job(self, job_id: str) -> JobInfo:
+        return self._job(job_id).info()
+
+    def jobs(self, state: str | None = None) -> list[JobInfo]:
+        if state is not None and state not in JOB_STATES:
+            raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
+        return [j.info() for j in self._jobs.values() if state is None or j.state == state]
+
+    def output(self, job_id: str, offset: int = 0) -> bytes:
+        """The job's committed output from ``offset``."""
+        return bytes(self._job(job_id).output[offset:])
+
+    def committed(self, job_id: str) -> int:
+        return len(self._job(job_id).output)
+
+    def cancel(self, job_id: str, reason: str = "cancelled") -> JobInfo:
+        """Cancel a job: at once if it has not started, else via the heartbeat's ``cancel``.
+
+        A finished job is left as it is (cancelling is idempotent).
+        """
+        job = self._job(job_id)
+        if job.terminal or job.cancel_reason is not None:
+            return job.info()
+        job.cancel_reason = reason or "cancelled"
+        if job.state != "running":
+            self._terminate(job, "killed", reason=job.cancel_reason, killed=True, by="controller")
+        self._changed()
+        return job.info()
+
+    # --- user side: devices and events ------------------------------------------------------
+
+    def devices(self) -> list[DeviceInfo]:
+        return [d.info(h) for h in self._hosts.values() for d in h.devices.values()]
+
+    def device(self, host: str, name: str) -> DeviceInfo:
+        h, d = self._device(host, name)
+        return d.info(h)
+
+    def sheet(self, host: str, name: str) -> SheetInfo:
+        h, d = self._device(host, name)
+        return SheetInfo(host, name, h.sheet, d.sheet)
+
+    def clear(self, host: str, name: str) -> list[str]:
+        """Lift every current fault of a device (an operator's ``clear``); returns their ids."""
+        _, d = self._device(host, name)
+        ids = list(d.faults)
+        if ids:
+            self._lift(d, ids, by="operator")
+            self._changed()
+        return ids
+
+    def set_idle_behavior(self, host: str, name: str, behavior: str) -> DeviceInfo:
+        if behavior not in IDLE_BEHAVIORS:
+            raise BadRequest(f"idle_behavior: {behavior!r} is not one of drain, hold, run")
+        h, d = self._device(host, name)
+        if d.idle_behavior != behavior:
+            d.idle_behavior = behavior
+            self._changed()
+        return d.info(h)
+
+    def events(self, after: int = 0, limit: int | None = None) -> list[Event]:
+        """Events with ``seq > after``, oldest first (the oldest may have been dropped)."""
+        out: list[Event] = []
+        if not self._events:
+            return out
+        start = max(0, after - self._events[0].seq + 1)
+        for i in range(start, len(self._events)):
+            if limit is not None and len(out) >= limit:
+                break
+            out.append(self._events[i])
+        return out
+
+    @property
+    def last_event_seq(self) -> int:
+        return self._event_seq
+
+    # --- worker side ------------------------------------------------------------------------
+
+    def register(self, host: str, req: RegisterRequest, *, now: float) -> RegisterReply:
+        """A worker process (re)registers: a new session, and the rules of docs/protocol.md."""
+        _check_name("host", host)
+        names = [decl.name for decl in req.devices]
+        for name in names:
+            _check_name("device", name)
+            if "." in name:
+                raise BadRequest(f"devices: device name {name!r} must not contain '.'")
+        if len(set(names)) != len(names):
+            raise BadRequest("devices: device names must be unique")
+        h = self._hosts.get(host)
+        if h is None:
+            h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
+        if h.session is not None:
+            del self._sessions[h.session]
+        h.session = f"{self._next_id('s')}-{secrets.token_hex(4)}"
+        self._sessions[h.session] = h
+        h.lost = False
+        h.last_seen = now
+        h.pid = req.pid
+        h.worker_version = req.worker_version
+        h.require_manual_clear = req.require_manual_clear
+        wanted = {decl.name: decl for decl in req.devices}
+        for name, d in h.devices.items():
+            d.present = name in wanted
+        for name, decl in wanted.items():
+            d = h.devices.setdefault(name, Device(host, name))
+            d.declared = dict(decl.declared_labels)
+        self._apply_labels(h, req.labels)
+        self._apply_sheets(h, req.sheets)
+        for job in list(self._live.values()):
+            cur = job.current
+            if cur is not None and cur.host == host and cur.status == "assigned":
+                self._requeue(job, "the worker registered again before starting it")
+        reconcile_registration(self, h, req, now)
+        h.boot_id = req.boot_id
+        self._changed()
+        return RegisterReply(
+            session=h.session,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            poll_wait_s=self.config.poll_wait_s,
+            devices={name: self._status(h.devices[name]) for name in wanted},
+        )
+
+    @staticmethod
+    def _status(d: Device) -> DeviceStatus:
+        first = d.first_fault()
+        return DeviceStatus(
+            state="quarantined" if d.faults else "free",
+            reason=None if first is None else first.reason,
+            fault_id=None if first is None else first.fault_id,
+            faults=tuple(d.faults),
+            idle_behavior=d.idle_behavior,
+        )
+
+    def heartbeat(self, host: str, req: HeartbeatRequest, *, now: float) -> HeartbeatReply:
+        h = self._session(req.session, host)
+        h.last_seen = now
+        cancel: dict[tuple[str, int], CancelOrder] = {}
+        for name, report in req.devices.items():
+            d = h.devices.get(name)
+            if d is None:
+                continue
+            d.worker_state = report.state
+            d.cleared_pending = [f for f in d.cleared_pending if f in report.faults]
+            if report.job_id is None or report.attempt is None:
+                continue
+            job = self._jobs.get(report.job_id)
+            cur = None if job is None else job.current
+            if job is not None and cur is not None and cur.number == report.attempt:
+                cur.last_heard = now
+            if report.state not in ("acquiring", "running") or job is None:
+                continue
+            why = None
+            if cur is None or cur.number != report.attempt:
+                why = "stale attempt: the job was offered again"
+            elif job.terminal and job.finished_by == "controller":
+                why = job.reason or f"job already ended ({job.state})"
+            if why is not None:
+                cancel[(job.job_id, report.attempt)] = CancelOrder(job.job_id, report.attempt, why)
+        for job in self._live.values():
+            cur = job.current
+            if cur is not None and cur.host == host and job.cancel_reason is not None:
+                cancel[(job.job_id, cur.number)] = CancelOrder(
+                    job.job_id, cur.number, job.cancel_reason
+                )
+        return HeartbeatReply(
+            cancel=tuple(cancel.values()),
+            idle_behavior={n: d.idle_behavior for n, d in h.devices.items() if d.present},
+            cleared={
+                n: tuple(d.cleared_pending) for n, d in h.devices.items() if d.cleared_pending
+            },
+        )
+
+    def poll(
+        self, host: str, session: str, ready: Sequence[str], *, now: float
+    ) -> list[Assignment]:
+        """Assign at most one queued job to each ready device; never waits."""
+        h = self._session(session, host)
+        out: list[Assignment] = []
+        changed = False
+        for name in dict.fromkeys(ready):
+            d = h.devices.get(name)
+            if d is None or not d.present:
+                continue
+            held = d.job
+            cur = None if held is None else held.current
+            if held is not None and cur is not None and cur.status == "assigned":
+                # Ready again with an unstarted offer outstanding: the offer never reached
+                # the worker (a lost poll response). Offer it again as a new attempt.
+                self._requeue(held, "the device was reported ready again; offered again")
+                changed = True
+            if d.job is not None or d.faults or d.idle_behavior != "run":
+                continue
+            job = self._pick(h, d)
+            if job is None:
+                continue
+            self._queue.remove((job.seq, job.job_id))
+            att = Attempt(job.attempt + 1, host, name, "assigned", last_heard=now)
+            job.attempts.append(att)
+            job.state = "assigned"
+            d.job = job
+            self._live[job.job_id] = job
+            out.append(Assignment(job.job_id, att.number, name, job.spec))
+            changed = True
+        if changed:
+            self._changed()
+        return out
+
+    def _pick(self, h: Host, d: Device) -> Job | None:
+        labels = d.labels(h)
+        address = f"{h.name}/{d.name}"
+        for _, job_id in self._queue:
+            job = self._jobs[job_id]
+            if job.spec.device is not None and job.spec.device != address:
+                continue
+            if job.selector.matches(labels):
+                return job
+        return None
+
+    def start(self, job_id: str, req: StartRequest, *, now: float) -> JobInfo:
+        h = self._session(req.session)
+        job = self._job(job_id)
+        if job.cancel_reason is not None and job.attempts and req.attempt == job.attempt:
+            raise Conflict(f"job {job_id} was cancelled: {job.cancel_reason}", code="cancelled")
+        cur = self._current(job, req.attempt)
+        self._check_placement(job, cur, h, req.device)
+        if job.terminal:
+            raise StaleAttempt(f"job {job_id} already ended ({job.state}); do not run it")
+        if cur.status == "assigned":
+            cur.status = "running"
+            cur.start_boot_id = req.boot_id
+            cur.last_heard = now
+            job.state = "running"
+            job.started_at = self._wall()
+            self._changed()
+        return job.info()
+
+    @staticmethod
+    def _check_placement(job: Job, cur: Attempt, h: Host, device: str) -> None:
+        if cur.host != h.name:
+            raise Forbidden(f"attempt {cur.number} of job {job.job_id} is not on host {h.name}")
+        if cur.device != device:
+            raise BadRequest(
+                f"device: attempt {cur.number} of job {job.job_id} is on {cur.device}, not {device}"
+            )
+
+    def append_output(self, job_id: str, attempt: int, offset: int, data: bytes) -> int:
+        """Idempotent append; returns the committed length. Conflict ``gap`` above it."""
+        job = self._job(job_id)
+        self._current(job, attempt)
+        committed = len(job.output)
+        if offset < 0:
+            raise BadRequest("offset: must not be negative")
+        if offset > committed:
+            raise Conflict(
+                f"offset {offset} is above the committed {committed}; resend from {committed}",
+                code="gap",
+                extra={"committed": committed},
+            )
+        if offset + len(data) > committed:
+            job.output += data[committed - offset :]
+            self._changed()
+        return len(job.output)
+
+    def finish(self, job_id: str, req: FinishRequest, *, now: float) -> JobInfo:
+        h = self._session(req.session)
+        job = self._job(job_id)
+        d = h.devices.get(req.device)
+        cur = job.current
+        if cur is None or cur.number != req.attempt:
+            # A fault is a fact about the device, not the attempt: keep it even from a
+            # stale finish, or the worker holds a quarantine nobody can ever clear.
+            if d is not None and req.fault_id is not None and self._finish_fault(job, d, req):
+                self._changed()
+            raise self._stale(job, req.attempt)
+        self._check_placement(job, cur, h, req.device)
+        assert d is not None
+        first = not job.terminal
+        changed = False
+        if req.fault_id is not None or (first and req.verify is not None and not req.verify.ok):
+            changed = self._finish_fault(job, d, req) or changed
+        if first:
+            self._record_finish(job, cur, req)
+            changed = True
+        if changed:
+            self._changed()
+        return job.info()
+
+    def _finish_fault(self, job: Job, d: Device, req: FinishRequest) -> bool:
+        verify_failed = req.verify is not None and not req.verify.ok
+        remaining = (req.sweep or {}).get("remaining")
+        if verify_failed:
+            kind = "verify_failed"
+            detail = req.verify.reason if req.verify is not None else ""
+        elif remaining:
+            kind, detail = "dirty", f"processes left after the sweep: {remaining}"
+        else:
+            kind, detail = "fault", req.reason or "reported at finish"
+        fault_id = req.fault_id or self._next_id("fc")
+        raised = self._worker_fault(d, fault_id, kind, detail, job.job_id)
+        if raised and verify_failed:
+            self._emit(
+                "verify_failed",
+                host=d.host,
+                device=d.name,
+                job_id=job.job_id,
+                fault_id=fault_id,
+                reason=detail,
+            )
+        if raised and job.fault_id is None:
+            job.fault_id = fault_id
+        return raised
+
+    def _record_finish(self, job: Job, cur: Attempt, req: FinishRequest) -> None:
+        job.output_bytes = req.output_bytes
+        job.verify = req.verify
+        job.sweep = None if req.sweep is None else dict(req.sweep)
+        job.error = req.error
+        if req.outcome != "refused":
+            self._terminate(
+                job,
+                req.outcome,
+                by="worker",
+                reason=req.reason,
+                exit_code=req.exit_code,
+                killed=req.killed,
+            )
+            return
+        if cur.status == "running":
+            self._terminate(job, "error", by="worker", reason="refused after it had started")
+        elif job.cancel_reason is not None:
+            self._terminate(job, "killed", by="controller", reason=job.cancel_reason, killed=True)
+        else:
+            job.refusals += 1
+            if job.refusals >= self.config.max_refusals:
+                self._terminate(
+                    job, "error", by="controller", reason=f"refused {job.refusals} times"
+                )
+            else:
+                self._requeue(job, f"refused: {req.reason or 'acquire hook failed'}")
+
+    def raise_fault(self, host: str, device: str, req: FaultRequest, *, now: float) -> DeviceInfo:
+        h = self._session(req.session, host)
+        d = h.devices.get(device)
+        if d is None:
+            raise NotFound(f"no device {host}/{device}", code="unknown_device")
+        if self._worker_fault(d, req.fault_id, req.kind, req.reason, req.job_id):
+            if req.kind == "verify_failed":
+                self._emit(
+                    "verify_failed",
+                    host=host,
+                    device=device,
+                    job_id=req.job_id,
+                    fault_id=req.fault_id,
+                    reason=req.reason,
+                )
+            self._changed()
+        return d.info(h)
+
+    def put_labels(self, host: str, session: str, update: LabelsUpdate, *, now: float) -> None:
+        self._apply_labels(self._session(session, host), update)
+        self._changed()
+
+    def put_sheets(self, host: str, session: str, update: SheetsUpdate, *, now: float) -> None:
+        self._apply_sheets(self._session(session, host), update)
+        self._changed()
+
+    @staticmethod
+    def _apply_labels(h: Host, update: LabelsUpdate) -> None:
+        if update.host is not None:
+            h.facts = dict(update.host)
+        for name, facts in update.devices.items():
+            d = h.devices.get(name)
+            if d is not None:
+                prefix = f"{name}."
+                d.facts = {k.removeprefix(prefix): v for k, v in facts.items()}
+
+    @staticmethod
+    def _apply_sheets(h: Host, update: SheetsUpdate) -> None:
+        if update.host_given:
+            h.sheet = update.host
+        for name, text in update.devices.items():
+            d = h.devices.get(name)
+            if d is not None:
+                d.sheet = text

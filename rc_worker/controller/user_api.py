@@ -1,0 +1,165 @@
+"""The endpoints people call through the ``rc`` client (docs/protocol.md)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rc_worker.controller import wire
+from rc_worker.controller.context import Controller, controller_of, json_body, query_int
+from rc_worker.controller.errors import ApiError, BadRequest
+
+MAX_EVENTS_PER_PAGE = 1000
+MAX_EVENTS_WAIT_S = 60.0
+STREAM_CHUNK = 64 * 1024
+
+
+def _user(request: Request) -> Controller:
+    ctl = controller_of(request)
+    ctl.require_user(request)
+    ctl.tick()
+    return ctl
+
+
+async def submit(request: Request) -> Response:
+    ctl = _user(request)
+    kwargs = wire.submit(await json_body(request))
+    job_id = ctl.store.submit(**kwargs)
+    return JSONResponse({"job_id": job_id})
+
+
+async def list_jobs(request: Request) -> Response:
+    ctl = _user(request)
+    jobs = ctl.store.jobs(request.query_params.get("state"))
+    return JSONResponse({"jobs": [j.to_json() for j in jobs]})
+
+
+async def get_job(request: Request) -> Response:
+    ctl = _user(request)
+    return JSONResponse(ctl.store.job(request.path_params["job_id"]).to_json())
+
+
+async def get_output(request: Request) -> Response:
+    ctl = _user(request)
+    job_id = request.path_params["job_id"]
+    offset = query_int(request, "offset", 0)
+    if offset < 0:
+        raise BadRequest("offset: must not be negative")
+    job = ctl.store.job(job_id)
+    if request.query_params.get("follow", "").lower() not in ("1", "true", "yes"):
+        return Response(
+            ctl.store.output(job_id, offset),
+            media_type="application/octet-stream",
+            headers={"X-RC-Job-State": job.state, "X-RC-Committed": str(job.committed_bytes)},
+        )
+    return StreamingResponse(
+        _follow(ctl, job_id, offset),
+        media_type="application/octet-stream",
+        headers={"X-RC-Job-State": job.state},
+    )
+
+
+async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[bytes]:
+    pos = offset
+    while True:
+        seen = ctl.changes.version
+        ctl.tick()
+        # Read the output and the job's state with no await in between, so bytes committed
+        # just before the finish are always sent before the stream ends.
+        data = ctl.store.output(job_id, pos)[:STREAM_CHUNK]
+        if data:
+            pos += len(data)
+            yield data
+            continue
+        if ctl.store.job(job_id).terminal:
+            return
+        await ctl.wait_change(seen, None)
+
+
+async def put_stdin(request: Request) -> Response:
+    ctl = _user(request)
+    job_id = request.path_params["job_id"]
+    try:
+        # Closed here, not left to the garbage collector, when the job ends mid-upload.
+        async with aclosing(request.stream()) as body:
+            try:
+                accepted = await ctl.stdin.feed(ctl, job_id, body)
+            except ApiError:
+                # Read and drop the rest: an HTTP/1.1 client sends its whole body before it
+                # reads the answer, and would otherwise see a broken connection, not this error.
+                async for _ in body:
+                    pass
+                raise
+    except ClientDisconnect:
+        return JSONResponse({"error": "disconnected", "message": "upload dropped"}, 400)
+    return JSONResponse({"accepted": accepted})
+
+
+async def cancel(request: Request) -> Response:
+    ctl = _user(request)
+    f = await json_body(request, empty_ok=True)
+    reason = f.opt_str("reason") or "cancelled"
+    return JSONResponse(ctl.store.cancel(request.path_params["job_id"], reason).to_json())
+
+
+async def list_devices(request: Request) -> Response:
+    ctl = _user(request)
+    return JSONResponse({"devices": [d.to_json() for d in ctl.store.devices()]})
+
+
+def _address(request: Request) -> tuple[str, str]:
+    return request.path_params["host"], request.path_params["device"]
+
+
+async def get_sheet(request: Request) -> Response:
+    ctl = _user(request)
+    return JSONResponse(ctl.store.sheet(*_address(request)).to_json())
+
+
+async def clear(request: Request) -> Response:
+    ctl = _user(request)
+    host, device = _address(request)
+    cleared = ctl.store.clear(host, device)
+    return JSONResponse({"cleared": cleared, "device": ctl.store.device(host, device).to_json()})
+
+
+async def idle_behavior(request: Request) -> Response:
+    ctl = _user(request)
+    behavior = (await json_body(request)).req_str("idle_behavior")
+    return JSONResponse(ctl.store.set_idle_behavior(*_address(request), behavior).to_json())
+
+
+async def events(request: Request) -> Response:
+    ctl = _user(request)
+    after = query_int(request, "after", 0)
+    limit = min(query_int(request, "limit", MAX_EVENTS_PER_PAGE), MAX_EVENTS_PER_PAGE)
+    wait_s = min(float(query_int(request, "wait_s", 0)), MAX_EVENTS_WAIT_S)
+    deadline = ctl.now() + wait_s
+    while True:
+        seen = ctl.changes.version
+        now = ctl.tick()
+        found = ctl.store.events(after, limit)
+        if found or now >= deadline:
+            break
+        await ctl.wait_change(seen, deadline)
+    return JSONResponse({"events": [e.to_json() for e in found], "last": ctl.store.last_event_seq})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/jobs", submit, methods=["POST"]),
+        Route("/v1/jobs", list_jobs, methods=["GET"]),
+        Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
+        Route("/v1/jobs/{job_id}/output", get_output, methods=["GET"]),
+        Route("/v1/jobs/{job_id}/stdin", put_stdin, methods=["PUT"]),
+        Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
+        Route("/v1/devices", list_devices, methods=["GET"]),
+        Route("/v1/devices/{host}/{device}/sheet", get_sheet, methods=["GET"]),
+        Route("/v1/devices/{host}/{device}/clear", clear, methods=["POST"]),
+        Route("/v1/devices/{host}/{device}/idle-behavior", idle_behavior, methods=["POST"]),
+        Route("/v1/events", events, methods=["GET"]),
+    ]

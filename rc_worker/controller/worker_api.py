@@ -1,0 +1,189 @@
+"""The endpoints a worker calls (docs/protocol.md, "Endpoints used by the worker")."""
+
+from __future__ import annotations
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rc_worker.controller import wire
+from rc_worker.controller.context import (
+    Controller,
+    Principal,
+    controller_of,
+    json_body,
+    query_int,
+    read_body,
+)
+from rc_worker.controller.errors import ApiError, Conflict
+from rc_worker.controller.messages import Assignment
+
+MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
+
+
+def _ok() -> JSONResponse:
+    return JSONResponse({"ok": True})
+
+
+async def register(request: Request) -> Response:
+    ctl = controller_of(request)
+    host = request.path_params["host"]
+    ctl.require_worker(request, host)
+    req = wire.register(await json_body(request))
+    now = ctl.tick()
+    return JSONResponse(ctl.store.register(host, req, now=now).to_json())
+
+
+async def heartbeat(request: Request) -> Response:
+    ctl = controller_of(request)
+    host = request.path_params["host"]
+    ctl.require_worker(request, host)
+    req = wire.heartbeat(await json_body(request))
+    now = ctl.tick()
+    return JSONResponse(ctl.store.heartbeat(host, req, now=now).to_json())
+
+
+async def poll(request: Request) -> Response:
+    ctl = controller_of(request)
+    host = request.path_params["host"]
+    ctl.require_worker(request, host)
+    session, ready, wait_s = wire.poll(await json_body(request))
+    cfg = ctl.store.config
+    wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
+    deadline = ctl.now() + wait
+    assignments: list[Assignment] = []
+    error: ApiError | None = None
+    async with anyio.create_task_group() as tg:
+        # A worker that hung up must not be handed work nobody will read.
+        tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+        try:
+            while True:
+                seen = ctl.changes.version
+                now = ctl.tick()
+                assignments = ctl.store.poll(host, session, ready, now=now)
+                if assignments or now >= deadline:
+                    break
+                await ctl.wait_change(seen, deadline)
+        except ApiError as e:
+            # Caught here, not outside: out of the task group it would arrive wrapped.
+            error = e
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return JSONResponse({"assignments": [a.to_json() for a in assignments]})
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+def _check_session_host(ctl: Controller, p: Principal, session: str) -> None:
+    ctl.check_host(p, ctl.store.session_host(session))
+
+
+def _check_optional_session(ctl: Controller, p: Principal, request: Request) -> None:
+    # Output and stdin are addressed by attempt; a session, when sent, must still be live.
+    session = request.query_params.get("session")
+    if session is not None:
+        _check_session_host(ctl, p, session)
+
+
+async def start(request: Request) -> Response:
+    ctl = controller_of(request)
+    p = ctl.require_worker(request)
+    req = wire.start(await json_body(request))
+    _check_session_host(ctl, p, req.session)
+    now = ctl.tick()
+    ctl.store.start(request.path_params["job_id"], req, now=now)
+    return _ok()
+
+
+async def output(request: Request) -> Response:
+    ctl = controller_of(request)
+    p = ctl.require_worker(request)
+    job_id = request.path_params["job_id"]
+    attempt = query_int(request, "attempt")
+    offset = query_int(request, "offset")
+    ctl.tick()
+    _check_optional_session(ctl, p, request)
+    ctl.check_host(p, ctl.store.attempt_host(job_id, attempt))
+    data = await read_body(request, MAX_OUTPUT_CHUNK)
+    committed = ctl.store.append_output(job_id, attempt, offset, data)
+    return JSONResponse({"committed": committed})
+
+
+async def finish(request: Request) -> Response:
+    ctl = controller_of(request)
+    p = ctl.require_worker(request)
+    req = wire.finish(await json_body(request))
+    _check_session_host(ctl, p, req.session)
+    now = ctl.tick()
+    job = ctl.store.finish(request.path_params["job_id"], req, now=now)
+    return JSONResponse({"ok": True, "state": job.state})
+
+
+async def labels(request: Request) -> Response:
+    ctl = controller_of(request)
+    host = request.path_params["host"]
+    ctl.require_worker(request, host)
+    f = await json_body(request)
+    session, update = f.req_str("session"), wire.labels_update(f)
+    now = ctl.tick()
+    ctl.store.put_labels(host, session, update, now=now)
+    return _ok()
+
+
+async def sheets(request: Request) -> Response:
+    ctl = controller_of(request)
+    host = request.path_params["host"]
+    ctl.require_worker(request, host)
+    f = await json_body(request)
+    session, update = f.req_str("session"), wire.sheets_update(f)
+    now = ctl.tick()
+    ctl.store.put_sheets(host, session, update, now=now)
+    return _ok()
+
+
+async def fault(request: Request) -> Response:
+    ctl = controller_of(request)
+    host = request.path_params["host"]
+    ctl.require_worker(request, host)
+    req = wire.fault(await json_body(request))
+    now = ctl.tick()
+    device = ctl.store.raise_fault(host, request.path_params["device"], req, now=now)
+    return JSONResponse({"ok": True, "state": device.state})
+
+
+async def stdin(request: Request) -> Response:
+    ctl = controller_of(request)
+    p = ctl.require_worker(request)
+    job_id = request.path_params["job_id"]
+    attempt = query_int(request, "attempt")
+    ctl.tick()
+    _check_optional_session(ctl, p, request)
+    ctl.check_host(p, ctl.store.attempt_host(job_id, attempt))
+    if not ctl.store.job(job_id).spec.stdin:
+        raise Conflict(f"job {job_id} was not submitted with stdin", code="no_stdin")
+    return StreamingResponse(
+        ctl.stdin.drain(ctl, job_id, attempt), media_type="application/octet-stream"
+    )
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/hosts/{host}/register", register, methods=["POST"]),
+        Route("/v1/hosts/{host}/heartbeat", heartbeat, methods=["POST"]),
+        Route("/v1/hosts/{host}/poll", poll, methods=["POST"]),
+        Route("/v1/hosts/{host}/labels", labels, methods=["PUT"]),
+        Route("/v1/hosts/{host}/sheets", sheets, methods=["PUT"]),
+        Route("/v1/hosts/{host}/devices/{device}/fault", fault, methods=["POST"]),
+        Route("/v1/jobs/{job_id}/start", start, methods=["POST"]),
+        Route("/v1/jobs/{job_id}/output", output, methods=["POST"]),
+        Route("/v1/jobs/{job_id}/finish", finish, methods=["POST"]),
+        Route("/v1/jobs/{job_id}/stdin", stdin, methods=["GET"]),
+    ]

@@ -1,0 +1,216 @@
+"""The rc command: against a controller served on 127.0.0.1:0, and in-process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import trio
+from starlette.applications import Starlette
+
+from rc_worker.controller import Store, rc_cli
+
+from .helpers import USER_TOKEN, FakeWorker
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[str]:
+    """``rc serve`` on a free port; yields its URL."""
+    argv = ["--listen", "127.0.0.1:0", "--worker-token", "wt=box1", "--user-token", "ut"]
+    async with trio.open_nursery() as nursery:
+        [url] = await nursery.start(
+            lambda task_status: rc_cli.run_serve(argv, env={}, task_status=task_status)
+        )
+        yield url
+        nursery.cancel_scope.cancel()
+
+
+async def rc(*argv: str, url: str = "http://rc", token: str = "ut", **kw: object) -> int:
+    env = {"RC_URL": url, "RC_USER_TOKEN": token}
+    return await rc_cli.amain(list(argv), env=env, **kw)  # type: ignore[arg-type]
+
+
+async def test_rc_against_a_served_controller(
+    served: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with httpx.AsyncClient(base_url=served) as http:
+        w = FakeWorker(http, "box1", token="wt")
+        with trio.fail_after(30):
+            await w.register()
+            status: list[int] = []
+
+            async def run() -> None:
+                status.append(
+                    await rc("run", "--env", "A=1", "--", "sh", "-c", "exit 3", url=served)
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                [a] = await w.poll(wait_s=10)
+                assert a["command"] == ["sh", "-c", "exit 3"]
+                assert a["env"] == {"A": "1"}
+                await w.start(a)
+                await w.output(a, 0, b"working\n")
+                await w.finish(a, "failed", exit_code=3, output_bytes=8)
+            assert status == [3]
+            out = capsys.readouterr()
+            assert out.out == "working\n"
+            assert f"job {a['job_id']}" in out.err
+
+            assert await rc("ps", url=served) == 0
+            table = capsys.readouterr().out
+            assert table.splitlines()[0].split() == ["JOB", "STATE", "ATTEMPT", "DEVICE", "COMMAND"]
+            assert a["job_id"] in table
+            assert "failed (3)" in table
+
+            assert await rc("logs", a["job_id"], url=served) == 0
+            assert capsys.readouterr().out == "working\n"
+            assert await rc("devices", "--json", url=served) == 0
+            [device] = json.loads(capsys.readouterr().out)["devices"]
+            assert device["address"] == "box1/gpu0"
+
+
+async def test_rc_serve_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with trio.fail_after(10):
+        assert await rc_cli.amain(["serve", "--listen", "127.0.0.1:0"], env={}) == 2
+        assert "--worker-token" in capsys.readouterr().err
+        assert (
+            await rc_cli.amain(
+                ["serve", "--listen", "nowhere", "--worker-token", "w", "--user-token", "u"], env={}
+            )
+            == 2
+        )
+        assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_worker_tokens_from_args_and_env() -> None:
+    args = rc_cli.build_parser().parse_args(
+        ["serve", "--worker-token", "abc=box1", "--worker-token", "any", "--user-token", "u"]
+    )
+    worker, users = rc_cli.serve_settings(
+        args, {"RC_WORKER_TOKENS": "e1=box2, e2", "RC_USER_TOKENS": "u2,u3"}
+    )
+    assert worker == {"e1": "box2", "e2": "*", "abc": "box1", "any": "*"}
+    assert users == ["u2", "u3", "u"]
+    assert rc_cli.parse_worker_token("tok==box1") == ("tok=", "box1")
+    assert rc_cli.parse_worker_token("padded==") == ("padded==", "*")
+
+
+async def test_unreachable_controller_is_one_line_and_exit_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with trio.fail_after(30):
+        assert await rc("ps", url="http://127.0.0.1:9") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rc: cannot reach the controller at http://127.0.0.1:9")
+    assert "Traceback" not in err
+
+
+async def test_main_entry_point_returns_a_status(capsys: pytest.CaptureFixture[str]) -> None:
+    with trio.fail_after(30):
+        status = await trio.to_thread.run_sync(rc_cli.main, ["idle", "box1/gpu0", "nap"])
+    assert status == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.fixture
+def transport(app: Starlette) -> httpx.ASGITransport:
+    return httpx.ASGITransport(app=app)
+
+
+async def test_client_commands_in_process(
+    transport: httpx.ASGITransport,
+    client: httpx.AsyncClient,
+    store: Store,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    w = FakeWorker(client, labels={"host": {}, "devices": {"gpu0": {"product": "H100"}}})
+    with trio.fail_after(10):
+        await w.register()
+        assert (
+            await rc(
+                "submit",
+                "--select",
+                "product=H100",
+                "--max-runtime",
+                "1m",
+                "--",
+                "nvidia-smi",
+                token=USER_TOKEN,
+                transport=transport,
+            )
+            == 0
+        )
+        job = capsys.readouterr().out.strip()
+        assert store.job(job).spec.max_runtime_s == 60
+        assert (
+            await rc(
+                "submit",
+                "--json",
+                "--device",
+                "box1/gpu0",
+                "--",
+                "x",
+                token=USER_TOKEN,
+                transport=transport,
+            )
+            == 0
+        )
+        pinned = json.loads(capsys.readouterr().out)["job_id"]
+        assert await rc("show", job, token=USER_TOKEN, transport=transport) == 0
+        assert "nvidia-smi" in capsys.readouterr().out
+        assert await rc("cancel", pinned, token=USER_TOKEN, transport=transport) == 0
+        assert "killed" in capsys.readouterr().out
+        await w.post(
+            "/v1/hosts/box1/devices/gpu0/fault",
+            {"session": w.session, "fault_id": "f-1", "kind": "dirty"},
+        )
+        assert await rc("devices", token=USER_TOKEN, transport=transport) == 0
+        assert "quarantined" in capsys.readouterr().out
+        assert await rc("clear", "box1/gpu0", token=USER_TOKEN, transport=transport) == 0
+        assert "cleared f-1" in capsys.readouterr().out
+        assert await rc("idle", "box1/gpu0", "drain", token=USER_TOKEN, transport=transport) == 0
+        assert "drain" in capsys.readouterr().out
+        assert await rc("sheet", "box1/gpu0", token=USER_TOKEN, transport=transport) == 0
+        assert "no usage sheet" in capsys.readouterr().out
+        assert await rc("events", "--after", "0", token=USER_TOKEN, transport=transport) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split()[3] for line in lines] == [
+            "job_finished",
+            "device_quarantined",
+            "device_cleared",
+        ]
+
+
+async def test_client_errors_in_process(
+    transport: httpx.ASGITransport, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with trio.fail_after(10):
+        assert await rc("show", "j-nope", token=USER_TOKEN, transport=transport) == 1
+        assert "unknown_job" in capsys.readouterr().err
+        assert await rc("ps", token="wrong", transport=transport) == 1
+        assert "401" in capsys.readouterr().err
+        assert await rc("submit", token=USER_TOKEN, transport=transport) == 2
+        assert "give the command after --" in capsys.readouterr().err
+        assert await rc("submit", "--max-runtime", "soon", "--", "x", transport=transport) == 2
+        assert await rc("clear", "gpu0", transport=transport) == 2
+        err = capsys.readouterr().err
+        assert "HOST/DEVICE" in err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("job", "status"),
+    [
+        ({"state": "succeeded", "exit_code": 0}, 0),
+        ({"state": "failed", "exit_code": 7}, 7),
+        ({"state": "failed", "exit_code": None}, 1),
+        ({"state": "killed", "exit_code": None}, rc_cli.EXIT_KILLED),
+        ({"state": "lost", "exit_code": None}, rc_cli.EXIT_NOT_RUN),
+        ({"state": "rejected", "exit_code": None}, rc_cli.EXIT_NOT_RUN),
+    ],
+)
+def test_run_exit_status(job: dict[str, object], status: int) -> None:
+    assert rc_cli.run_exit_status(job) == status

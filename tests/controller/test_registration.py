@@ -1,0 +1,192 @@
+"""The register rules for interrupted jobs and the devices they ran on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from rc_worker.controller.errors import BadRequest, StaleAttempt
+from rc_worker.controller.messages import (
+    DeviceDecl,
+    FinishRequest,
+    Recovery,
+    RegisterReply,
+    RegisterRequest,
+)
+from rc_worker.controller.store import Store, StoreConfig
+
+from .storekit import assign, finish, register, start
+
+
+def interrupted(
+    claim: str | None = None, *, manual: bool = False, boot: str = "boot-1"
+) -> tuple[Store, str, RegisterReply]:
+    """A host with a running job whose worker restarts: (store, job id, register reply)."""
+    store = Store(instance="t")
+    session = register(store, boot="boot-1")
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a, boot="boot-1")
+    recovery = [] if claim is None else [Recovery("gpu0", job, 1, "boot-1", claim)]
+    reply = store.register(
+        "box1",
+        _request(recovery, boot=boot, manual=manual),
+        now=1,
+    )
+    return store, job, reply
+
+
+def _request(
+    recovery: Sequence[Recovery],
+    *,
+    boot: str,
+    manual: bool = False,
+    devices: Sequence[str] = ("gpu0",),
+) -> RegisterRequest:
+    return RegisterRequest(
+        boot_id=boot,
+        devices=tuple(DeviceDecl(d) for d in devices),
+        recovery=tuple(recovery),
+        require_manual_clear=manual,
+    )
+
+
+def test_proven_reboot_frees_the_device() -> None:
+    store, job, reply = interrupted(None, boot="boot-2")
+    assert reply.devices["gpu0"].state == "free"
+    assert store.job(job).state == "lost"  # not reported: finished lost
+    assert store.device("box1", "gpu0").state == "free"
+
+
+def test_gone_claim_frees_the_device_and_the_worker_owes_the_finish() -> None:
+    store, job, reply = interrupted("gone")
+    assert reply.devices["gpu0"].state == "free"
+    assert store.job(job).state == "running"  # reported: the worker sends its lost
+    session = reply.session
+    store.finish(job, FinishRequest(session, 1, "gpu0", "lost", reason="worker restarted"), now=2)
+    assert store.job(job).state == "lost"
+    assert store.device("box1", "gpu0").state == "free"
+
+
+@pytest.mark.parametrize("claim", ["unknown", "alive"])
+def test_unproven_claims_keep_the_device_quarantined(claim: str) -> None:
+    store, _job, reply = interrupted(claim)
+    status = reply.devices["gpu0"]
+    assert (status.state, status.reason) == ("quarantined", "interrupted")
+    assert status.fault_id is not None
+    d = store.device("box1", "gpu0")
+    assert (d.state, d.fault_id) == ("quarantined", status.fault_id)
+    assert store.poll("box1", reply.session, ["gpu0"], now=2) == []
+    assert store.clear("box1", "gpu0") == [status.fault_id]
+    assert store.device("box1", "gpu0").state == "busy"  # still holding the adopted job
+
+
+def test_not_reported_and_not_rebooted_is_lost_and_quarantined() -> None:
+    store, job, reply = interrupted(None)
+    assert store.job(job).state == "lost"
+    assert reply.devices["gpu0"].state == "quarantined"
+
+
+def test_require_manual_clear_never_frees_by_claim() -> None:
+    _store, _, reply = interrupted("gone", manual=True)
+    assert reply.devices["gpu0"].state == "quarantined"
+
+
+def test_require_manual_clear_still_frees_on_a_proven_reboot() -> None:
+    _store, _, reply = interrupted("unknown", manual=True, boot="boot-2")
+    assert reply.devices["gpu0"].state == "free"
+
+
+def test_adopted_job_not_finished_in_time_is_lost() -> None:
+    store = Store(StoreConfig(report_timeout_s=60, heartbeat_interval_s=1000), instance="t")
+    session = register(store)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    store.register(
+        "box1", _request([Recovery("gpu0", job, 1, "boot-1", "gone")], boot="boot-1"), now=10
+    )
+    store.tick(69)
+    assert store.job(job).state == "running"
+    store.tick(70)
+    assert store.job(job).state == "lost"
+
+
+def test_host_lost_then_back_after_reboot() -> None:
+    store = Store(StoreConfig(heartbeat_interval_s=10), instance="t")
+    session = register(store, devices=("gpu0", "gpu1"), boot="boot-1", now=0)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    store.tick(30)
+    assert store.device("box1", "gpu0").reason == "interrupted"
+    reply = store.register("box1", _request([], boot="boot-2", devices=("gpu0", "gpu1")), now=40)
+    assert {n: s.state for n, s in reply.devices.items()} == {"gpu0": "free", "gpu1": "free"}
+    assert store.job(job).state == "lost"
+    cleared = [e.data for e in store.events() if e.type == "device_cleared"]
+    assert {(c["device"], c["by"]) for c in cleared} == {("gpu0", "reboot"), ("gpu1", "register")}
+
+
+def test_host_lost_then_back_without_proof_keeps_the_job_device_quarantined() -> None:
+    store = Store(StoreConfig(heartbeat_interval_s=10), instance="t")
+    session = register(store, devices=("gpu0", "gpu1"), boot="boot-1", now=0)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    store.tick(30)
+    reply = store.register("box1", _request([], boot="boot-1", devices=("gpu0", "gpu1")), now=40)
+    # gpu1 ran nothing, so nothing of ours can be on it; gpu0 ran the job.
+    assert reply.devices["gpu0"].state == "quarantined"
+    assert reply.devices["gpu1"].state == "free"
+    # A later registration that proves the job gone lifts it.
+    recovery = [Recovery("gpu0", job, 1, "boot-1", "gone")]
+    reply = store.register(
+        "box1", _request(recovery, boot="boot-1", devices=("gpu0", "gpu1")), now=41
+    )
+    assert reply.devices["gpu0"].state == "free"
+
+
+def test_recovery_for_a_job_the_controller_does_not_know() -> None:
+    # The controller restarted too: it knows nothing, so only the worker's word counts.
+    store = Store(instance="new")
+    alive = _request([Recovery("gpu0", "j-9-old", 1, "boot-1", "alive")], boot="boot-1")
+    assert store.register("box1", alive, now=0).devices["gpu0"].state == "quarantined"
+    store2 = Store(instance="new2")
+    gone = _request([Recovery("gpu0", "j-9-old", 1, "boot-1", "gone")], boot="boot-1")
+    assert store2.register("box1", gone, now=0).devices["gpu0"].state == "free"
+    store3 = Store(instance="new3")
+    rebooted = _request([Recovery("gpu0", "j-9-old", 1, "boot-0", "unknown")], boot="boot-1")
+    assert store3.register("box1", rebooted, now=0).devices["gpu0"].state == "free"
+
+
+def test_assigned_but_unstarted_jobs_are_offered_again_at_register() -> None:
+    store = Store(instance="t")
+    session = register(store)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    session = register(store)
+    assert store.job(job).state == "queued"
+    with pytest.raises(StaleAttempt):
+        start(store, session, a)
+    assert assign(store, session).attempt == 2
+
+
+def test_worker_faults_survive_a_registration() -> None:
+    store = Store(instance="t")
+    session = register(store)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    finish(store, session, a, fault_id="f-1", remaining=[7])
+    reply = store.register("box1", _request([], boot="boot-2"), now=5)
+    assert (reply.devices["gpu0"].state, reply.devices["gpu0"].fault_id) == ("quarantined", "f-1")
+    assert store.job(job).state == "succeeded"
+
+
+def test_bad_names() -> None:
+    store = Store(instance="t")
+    with pytest.raises(BadRequest, match=r"'\.'"):
+        store.register("box1", _request([], boot="b", devices=("gpu.0",)), now=0)
+    with pytest.raises(BadRequest, match="unique"):
+        store.register("box1", _request([], boot="b", devices=("gpu0", "gpu0")), now=0)
