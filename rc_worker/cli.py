@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -101,7 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level != "debug":
         # One line per HTTP request drowns the worker's own account of itself.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except BrokenPipeError:
+        # `rc-worker ... | head`: the reader has what it wanted. Point stdout
+        # at /dev/null so the interpreter's final flush is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     return code
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -67,13 +66,8 @@ def run_probe(args: argparse.Namespace) -> int:
         text = json.dumps(probe_pass_json(probe_pass), indent=2)
     else:
         text = probe_pass_table(probe_pass, host=config.host)
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        # `rc-worker probe | head`: the reader has what it wanted. Point
-        # stdout at /dev/null so the interpreter's final flush is quiet too.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    # A reader that closes the pipe early (`| head`) is handled in cli.main.
+    print(text, flush=True)
     return 0
 
 
