@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Mapping
@@ -967,6 +968,37 @@ def test_resolved_json_masks_the_token_and_uses_seconds(tmp_path: Path) -> None:
 
 def test_resolved_json_without_a_token(tmp_path: Path) -> None:
     assert resolved_json(_load(tmp_path, "devices: [gpu0]\n"))["token"] is None
+
+
+# --- the shipped example ---------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_the_example_config_loads_and_uses_every_key() -> None:
+    path = EXAMPLES / "worker.yaml"
+    config = load_config(path, environ={})
+    # Its relative directories and hooks are the ones shipped next to it.
+    assert config.probe_dir == str(EXAMPLES / "probe.d")
+    assert config.verify_dir == str(EXAMPLES / "verify.d")
+    assert config.sheet_dir == str(EXAMPLES / "sheets")
+    assert (EXAMPLES / "sheets" / "host.md").is_file()
+    assert (EXAMPLES / "sheets" / "host.d" / "gpu0.md").is_file()
+    assert "gpu0" in config.device_names
+    for device in config.devices:
+        for hook in (device.on_acquire, device.on_release):
+            if hook is not None:
+                assert Path(hook).parent == EXAMPLES / "hooks"
+                assert os.access(hook, os.X_OK), hook
+    verify_scripts = sorted((EXAMPLES / "verify.d").iterdir())
+    assert len(verify_scripts) >= 2
+    assert all(os.access(script, os.X_OK) for script in verify_scripts)
+    # Every key appears, set or (token_file, host) commented out.
+    text = path.read_text(encoding="utf-8")
+    written = set(re.findall(r"^[ \t]*(?:#[ \t]*)?(?:- )?([a-z_]+):", text, re.MULTILINE))
+    for cls in (Config, DeviceConfig, HooksConfig):
+        missing = {f.name for f in attrs.fields(cls)} - written
+        assert not missing, f"examples/worker.yaml does not show {sorted(missing)}"
 
 
 # --- property: any valid Config survives YAML and the loader ----------------------
