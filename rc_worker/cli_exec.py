@@ -226,7 +226,7 @@ async def _supervise(spec: JobSpec, separate_stderr: bool) -> tuple[Result, int 
                 result = await run_job(spec, stdout, handle=handle)
                 nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
+        with trio.move_on_after(1.0, shield=True):
             await stdout.aclose()
             if stderr is not None:
                 await stderr.aclose()

@@ -365,6 +365,7 @@ class _Supervisor:
         self.idle_scope = trio.CancelScope()
         self.open_outputs = 0
         self.output_done = trio.Event()
+        self.cleaned_up = False
 
     async def run(self) -> Result:
         try:
@@ -373,8 +374,7 @@ class _Supervisor:
                 try:
                     await self._wait_main()
                 finally:
-                    with trio.move_on_after(self._cleanup_budget(), shield=True):
-                        await self._clean_up()
+                    await self._clean_up()
                 with trio.move_on_after(DRAIN_SECONDS):
                     await self.output_done.wait()
                 if not self.output_done.is_set():
@@ -386,7 +386,10 @@ class _Supervisor:
                     )
                 nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True):
+            # Idempotent: normally done above, but no path out of here may
+            # leave a started process behind.
+            await self._clean_up()
+            with trio.move_on_after(1.0, shield=True):
                 await self._close_streams()
         return self._result()
 
@@ -477,16 +480,21 @@ class _Supervisor:
     # -- after it ran --
 
     async def _clean_up(self) -> None:
-        if self.proc.returncode is None and not self.killed:
-            # Reached by an exception (an outer cancellation, a failing sink)
-            # rather than a limit: the job is being abandoned, still killed.
-            self.killed = True
-            self.reason = self.reason or REASON_CANCELLED
-        await self._teardown()
-        if self.spec.sweep_job_id is not None:
-            self.sweep = await sweep_job_survivors(
-                self.spec.sweep_job_id, grace=self.spec.grace_ceiling, host=self.host
-            )
+        """Kill or tear down the group, then sweep: once, shielded, bounded."""
+        if self.cleaned_up:
+            return
+        self.cleaned_up = True
+        with trio.move_on_after(self._cleanup_budget(), shield=True):
+            if self.proc.returncode is None and not self.killed:
+                # Reached by an exception (an outer cancellation, a failing
+                # sink) rather than a limit: the job is abandoned, still killed.
+                self.killed = True
+                self.reason = self.reason or REASON_CANCELLED
+            await self._teardown()
+            if self.spec.sweep_job_id is not None:
+                self.sweep = await sweep_job_survivors(
+                    self.spec.sweep_job_id, grace=self.spec.grace_ceiling, host=self.host
+                )
 
     def _signal(self, sig: int) -> bool:
         delivered = self.host.signal_group(self.pgid, sig)
