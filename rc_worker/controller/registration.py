@@ -1,8 +1,11 @@
 """What a registration decides about interrupted jobs and the devices they ran on.
 
-A registration means the worker process that supervised this host's jobs is
-gone (restarted, or forgotten by the controller), so every job it was running
-was interrupted. For each such job, and each device quarantined for one:
+A registration by a new worker process (a different pid or boot id than the
+last one, or any ``recovery`` entries) means the process that supervised this
+host's jobs is gone, so every job it was running was interrupted. (The same
+live process registering again after an ``unknown_session`` interrupted
+nothing: its jobs stay as they are.) For each interrupted job, and each device
+quarantined for one:
 
 - the boot id now differs from the one recorded when the job started: a reboot
   proves nothing of it survives, the device is freed;
@@ -30,7 +33,9 @@ if TYPE_CHECKING:
     from rc_worker.controller.state import StoreState
 
 
-def reconcile_registration(store: StoreState, h: Host, req: RegisterRequest, now: float) -> None:
+def reconcile_registration(
+    store: StoreState, h: Host, req: RegisterRequest, now: float, *, same_process: bool
+) -> None:
     recovery = {r.job_id: r for r in req.recovery}
     settled: set[tuple[str, str]] = set()
 
@@ -66,6 +71,12 @@ def reconcile_registration(store: StoreState, h: Host, req: RegisterRequest, now
             store.controller_fault(d, job_id, attempt, boot, detail)
 
     for job, att in store.running_on(h.name):
+        if same_process:
+            # Still supervised by the process that registered again: it owes the finish,
+            # and if its heartbeats never mention the job the store finishes it lost.
+            att.adopted = True
+            att.last_heard = now
+            continue
         rec = recovery.get(job.job_id)
         if rec is not None and rec.attempt not in (None, att.number):
             rec = None

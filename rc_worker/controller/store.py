@@ -209,6 +209,14 @@ class Store(StoreState):
         if len(set(names)) != len(names):
             raise BadRequest("devices: device names must be unique")
         h = self._hosts.get(host)
+        # The same live process registering again (after an unknown_session) interrupted
+        # nothing: same boot, same pid, and no journal of a previous process to recover.
+        same_process = (
+            h is not None
+            and h.pid is not None
+            and (h.pid, h.boot_id) == (req.pid, req.boot_id)
+            and not req.recovery
+        )
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
         if h.session is not None:
@@ -230,9 +238,10 @@ class Store(StoreState):
         self._apply_sheets(h, req.sheets)
         for job in list(self._live.values()):
             cur = job.current
-            if cur is not None and cur.host == host and cur.status == "assigned":
-                self._requeue(job, "the worker registered again before starting it")
-        reconcile_registration(self, h, req, now)
+            if cur is None or cur.host != host or cur.status != "assigned" or same_process:
+                continue
+            self._requeue(job, "a new worker process registered before starting it")
+        reconcile_registration(self, h, req, now, same_process=same_process)
         h.boot_id = req.boot_id
         self._changed()
         return RegisterReply(

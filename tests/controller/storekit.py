@@ -30,6 +30,7 @@ def register(
     recovery: Sequence[Recovery] = (),
     manual: bool = False,
     labels: LabelsUpdate | None = None,
+    pid: int | None = None,
 ) -> str:
     reply = store.register(
         host,
@@ -39,6 +40,7 @@ def register(
             labels=labels or LabelsUpdate(),
             recovery=tuple(recovery),
             require_manual_clear=manual,
+            pid=pid,
         ),
         now=now,
     )

@@ -9,6 +9,7 @@ import pytest
 from rc_worker.controller.errors import BadRequest, StaleAttempt
 from rc_worker.controller.messages import (
     DeviceDecl,
+    DeviceReport,
     FinishRequest,
     Recovery,
     RegisterReply,
@@ -16,7 +17,7 @@ from rc_worker.controller.messages import (
 )
 from rc_worker.controller.store import Store, StoreConfig
 
-from .storekit import assign, finish, register, start
+from .storekit import assign, finish, heartbeat, register, start
 
 
 def interrupted(
@@ -190,3 +191,43 @@ def test_bad_names() -> None:
         store.register("box1", _request([], boot="b", devices=("gpu.0",)), now=0)
     with pytest.raises(BadRequest, match="unique"):
         store.register("box1", _request([], boot="b", devices=("gpu0", "gpu0")), now=0)
+
+
+def test_the_same_live_process_registering_again_interrupts_nothing() -> None:
+    store = Store(StoreConfig(report_timeout_s=60, heartbeat_interval_s=1000), instance="t")
+    session = register(store, devices=("gpu0", "gpu1"), pid=77)
+    running, offered = store.submit(["r"]), store.submit(["o"])
+    a = assign(store, session, ready=["gpu0"])
+    start(store, session, a)
+    b = assign(store, session, ready=["gpu1"])
+    session = register(store, devices=("gpu0", "gpu1"), pid=77, now=5)  # after unknown_session
+    assert store.job(running).state == "running"
+    assert store.job(offered).state == "assigned"
+    assert store.device("box1", "gpu0").state == "busy"
+    start(store, session, b)
+    # Its heartbeats keep mentioning the job it runs; the finish comes later.
+    heartbeat(store, session, now=50, devices={"gpu0": DeviceReport("running", running, 1)})
+    store.tick(100)
+    finish(store, session, a, now=100)
+    assert store.job(running).state == "succeeded"
+
+
+def test_a_new_process_with_the_same_pid_but_a_journal_is_a_restart() -> None:
+    store = Store(instance="t")
+    session = register(store, pid=1)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    register(store, pid=1, recovery=[Recovery("gpu0", job, 1, "boot-1", "unknown")])
+    assert store.device("box1", "gpu0").reason == "interrupted"
+
+
+def test_a_new_pid_is_a_restart() -> None:
+    store = Store(instance="t")
+    session = register(store, pid=1)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    register(store, pid=2)
+    assert store.job(job).state == "lost"
+    assert store.device("box1", "gpu0").reason == "interrupted"
