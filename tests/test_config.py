@@ -561,6 +561,19 @@ def test_the_table_is_big_enough() -> None:
     assert len({case[0] for case in _BAD}) == len(_BAD)
 
 
+def test_the_public_names() -> None:
+    import rc_worker
+
+    assert rc_worker.load_config is load_config
+    assert rc_worker.Config is Config
+    assert rc_worker.DeviceConfig is DeviceConfig
+    assert rc_worker.HooksConfig is HooksConfig
+    assert rc_worker.ConfigError is ConfigError
+    for cls in (Config, DeviceConfig, HooksConfig):
+        assert attrs.has(cls)
+        assert cls.__setattr__ is not object.__setattr__  # frozen
+
+
 def test_config_error_is_an_rc_worker_error() -> None:
     from rc_worker.errors import RcWorkerError
 
