@@ -62,6 +62,9 @@ class Pids:
         self._seen.setdefault(pid, _start_time(pid))
         return pid
 
+    def add_from(self, pidfile: Path) -> int:
+        return self.add(int(pidfile.read_text()))
+
     def kill_all(self) -> None:
         for pid, started in self._seen.items():
             if started is not None and _start_time(pid) == started:
@@ -311,9 +314,13 @@ async def test_escaped_child_with_job_id_is_swept(pids: Pids, tmp_path: Path) ->
         sweep_job_id=job_id,
         grace_ceiling=0.5,
     )
-    with trio.fail_after(GUARD):
-        result = await run_job(job, Collect())
-    escaped = pids.add(int(pidfile.read_text()))
+    try:
+        with trio.fail_after(GUARD):
+            result = await run_job(job, Collect())
+    finally:
+        with contextlib.suppress(OSError):
+            pids.add_from(pidfile)
+    escaped = int(pidfile.read_text())
     assert escaped in result.sweep.found
     assert escaped not in result.sweep.remaining
     assert result.sweep.scanned
@@ -334,9 +341,13 @@ async def test_escaped_child_without_sweep_cannot_hang_the_report(
         'while [ ! -s "$1" ]; do sleep 0.01; done; echo done'
     )
     out = Collect()
-    with trio.fail_after(GUARD):
-        result = await run_job(sh(script, str(pidfile)), out)
-    escaped = pids.add(int(pidfile.read_text()))
+    try:
+        with trio.fail_after(GUARD):
+            result = await run_job(sh(script, str(pidfile)), out)
+    finally:
+        with contextlib.suppress(OSError):
+            pids.add_from(pidfile)
+    escaped = int(pidfile.read_text())
     assert result == Result(exit_code=0)
     assert out.data == b"done\n"
     assert alive(escaped)  # nobody asked for a sweep
@@ -435,7 +446,7 @@ async def test_a_gibibyte_of_output_keeps_memory_flat() -> None:
 
     _reset_peak_rss()
     before = max(_current_rss_kib(), _peak_rss_kib())
-    with trio.fail_after(120):
+    with trio.fail_after(GUARD):
         result = await run_job(JobSpec(["head", "-c", "1G", "/dev/zero"], env=ENV), count)
     growth_mib = (_peak_rss_kib() - before) / 1024
     assert result == Result(exit_code=0)
