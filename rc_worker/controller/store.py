@@ -351,6 +351,12 @@ class Store(StoreState):
         h = self._session(req.session)
         job = self._job(job_id)
         if job.cancel_reason is not None and job.attempts and req.attempt == job.attempt:
+            if job.state == "running":
+                # A retried start after a cancel: refused, so nothing will run. End it here
+                # (if the first start did spawn it, the heartbeat's cancel stops that).
+                reason = job.cancel_reason
+                self._terminate(job, "killed", by="controller", reason=reason, killed=True)
+                self._changed()
             raise Conflict(f"job {job_id} was cancelled: {job.cancel_reason}", code="cancelled")
         cur = self._current(job, req.attempt)
         self._check_placement(job, cur, h, req.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from rc_worker.controller.serve import WEBHOOK_TRIES, deliver_webhooks, housekee
 from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, FakeWorker, auth
 
 
-async def test_serve_on_a_free_port() -> None:
+async def test_serve_on_a_free_port_streams_output_while_the_job_runs() -> None:
     store = Store(instance="t")
     app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
     with trio.fail_after(20):
@@ -28,11 +29,23 @@ async def test_serve_on_a_free_port() -> None:
                 w = FakeWorker(client)
                 await w.register()
                 job = store.submit(["x"])
-                await w.run_one(output=b"over the wire\n")
-                r = await client.get(
-                    f"/v1/jobs/{job}/output", params={"follow": "true"}, headers=auth(USER_TOKEN)
-                )
-                assert r.content == b"over the wire\n"
+                [a] = await w.poll(wait_s=5)
+                await w.start(a)
+                await w.output(a, 0, b"first\n")
+                async with client.stream(
+                    "GET",
+                    f"/v1/jobs/{job}/output",
+                    params={"follow": "true"},
+                    headers=auth(USER_TOKEN),
+                ) as r:
+                    chunks = r.aiter_raw()
+                    # Over HTTP the follower gets bytes while the job is still running.
+                    assert await chunks.__anext__() == b"first\n"
+                    assert store.job(job).state == "running"
+                    await w.output(a, 6, b"second\n")
+                    assert await chunks.__anext__() == b"second\n"
+                    await w.finish(a, output_bytes=13)
+                    assert [c async for c in chunks] == []
             nursery.cancel_scope.cancel()
 
 
@@ -141,3 +154,39 @@ async def test_a_webhook_that_never_answers_is_skipped_after_its_tries(
             await last_seen.wait()
             nursery.cancel_scope.cancel()
     assert tries == [1] * WEBHOOK_TRIES + [2, 3]
+
+
+async def test_stdin_streams_over_http() -> None:
+    store = Store(instance="t")
+    app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
+    second_chunk, uploaded = trio.Event(), trio.Event()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            [url] = await nursery.start(serve, app, "127.0.0.1:0")
+            async with httpx.AsyncClient(base_url=url) as client:
+                w = FakeWorker(client)
+                await w.register()
+                job = store.submit(["cat"], stdin=True)
+                [a] = await w.poll(wait_s=5)
+                await w.start(a)
+
+                async def body() -> AsyncIterator[bytes]:
+                    yield b"line 1\n"
+                    await second_chunk.wait()
+                    yield b"line 2\n"
+
+                async def upload() -> None:
+                    r = await client.put(
+                        f"/v1/jobs/{job}/stdin", content=body(), headers=auth(USER_TOKEN)
+                    )
+                    assert r.json() == {"accepted": 14}
+                    uploaded.set()
+
+                nursery.start_soon(upload)
+                async with client.stream("GET", a["stdin"]["url"], headers=w.headers) as r:
+                    chunks = r.aiter_raw()
+                    assert await chunks.__anext__() == b"line 1\n"  # before the upload ends
+                    second_chunk.set()
+                    assert b"".join([c async for c in chunks]) == b"line 2\n"
+                await uploaded.wait()
+            nursery.cancel_scope.cancel()

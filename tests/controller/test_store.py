@@ -322,3 +322,17 @@ def test_subscribers_hear_every_change() -> None:
     unsubscribe()
     store.submit(["y"])
     assert calls == [1, 2]
+
+
+def test_a_retried_start_after_a_cancel_ends_the_job() -> None:
+    store = Store(instance="t")
+    session = register(store)
+    job = store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    store.cancel(job, "stop")
+    with pytest.raises(Conflict) as e:
+        start(store, session, a)
+    assert e.value.code == "cancelled"
+    info = store.job(job)
+    assert (info.state, info.reason) == ("killed", "stop")
