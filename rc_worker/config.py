@@ -137,8 +137,15 @@ def load_config(
     """
     env = os.environ if environ is None else environ
     file = config_path(path, env)
-    config = config_parse.parse_file(file)
-    return _apply_environ(config, env)
+    config = _apply_environ(config_parse.parse_file(file), env)
+    if config.controller_url is not None and config.token is None:
+        # Checked after the overrides: RC_TOKEN may be what supplies it.
+        raise ConfigError(
+            f"{file}:1:1: token: controller_url is set but no worker token is; "
+            "expected token, token_file or the RC_TOKEN variable (leave controller_url "
+            "out for an embedded controller)"
+        )
+    return config
 
 
 def load_config_text(text: str, *, name: str = "<string>", base_dir: str = ".") -> Config:

@@ -865,6 +865,17 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
     assert load_config(path, environ=empty) == load_config(path, environ={})
 
 
+def test_a_real_controller_needs_a_token_from_the_file_or_rc_token(tmp_path: Path) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text("devices: [gpu0]\ncontroller_url: http://ctl:8080\n")
+    with pytest.raises(ConfigError, match=r"w\.yaml:1:1: token: controller_url is set but no"):
+        load_config(path, environ={})
+    assert load_config(path, environ={"RC_TOKEN": "t"}).token == "t"
+    path.write_text("devices: [gpu0]\n")
+    with pytest.raises(ConfigError, match="no worker token"):
+        load_config(path, environ={"RC_CONTROLLER_URL": "http://ctl:8080"})
+
+
 def test_rc_token_overrides_a_token_file(tmp_path: Path) -> None:
     _write(tmp_path, "file-token\n", "worker.token")
     path = _write(tmp_path, "devices: [gpu0]\ntoken_file: worker.token\n")
@@ -1094,6 +1105,13 @@ def _to_yaml(data: Any, how: str) -> str:
     yaml.default_flow_style = False
     yaml.dump(data, out)
     return out.getvalue()
+
+
+# A worker that talks to a real controller needs a token (checked after the
+# environment overrides); keep the generated configs valid.
+_configs = _configs.map(
+    lambda c: c if c.controller_url is None or c.token else attrs.evolve(c, token="t0k3n")
+)
 
 
 @given(config=_configs, how=st.sampled_from(["json", "yaml"]), via_token_file=st.booleans())
