@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -113,7 +114,14 @@ class Controller:
         if until is None:
             await event.wait()
             return
-        with anyio.move_on_after(max(0.0, until - self.now())):
+        # An absolute deadline on the loop's clock, not a delay: the clock (a MockClock's
+        # autojump) then stops exactly at `until`, so the tick that follows sees it due.
+        if self.clock is not _default_clock:
+            loop_now = anyio.current_time()
+            # Never a deadline that has already passed while the controller's is still ahead:
+            # that would wake at once, tick nothing, and spin.
+            until = max(loop_now + (until - self.now()), math.nextafter(loop_now, math.inf))
+        with anyio.CancelScope(deadline=until):
             await event.wait()
 
     # --- auth -------------------------------------------------------------------------------

@@ -182,30 +182,23 @@ class StoreState:
         lost: list[str] = []
         requeued: list[str] = []
         for d in h.devices.values():
-            if not d.present:
-                continue
             job = d.job
             cur = None if job is None else job.current
             if job is not None and cur is not None and cur.status == "assigned":
                 self._requeue(job, "host lost before it started")
                 requeued.append(job.job_id)
-                job = None
-            detail = "host lost: no heartbeat"
-            if job is not None and cur is not None:
-                detail = f"host lost while job {job.job_id} was running"
-            self._raise_fault(
-                d,
-                Fault(
-                    fault_id=self._next_id("fc"),
-                    kind="interrupted",
-                    reason="interrupted",
-                    detail=detail,
-                    job_id=None if job is None else job.job_id,
-                    attempt=None if cur is None else cur.number,
-                    raised_by="controller",
-                    boot_id=None if cur is None else cur.start_boot_id,
-                ),
-            )
+                job = cur = None
+            if d.present:
+                detail = "host lost: no heartbeat"
+                if job is not None:
+                    detail = f"host lost while job {job.job_id} was running"
+                self.controller_fault(
+                    d,
+                    None if job is None else job.job_id,
+                    None if cur is None else cur.number,
+                    None if cur is None else cur.start_boot_id,
+                    detail,
+                )
             if job is not None:
                 self._terminate(job, "lost", reason="host lost: no heartbeat", by="controller")
                 lost.append(job.job_id)
@@ -292,8 +285,9 @@ class StoreState:
         ids = [f for f in fault_ids if d.faults.pop(f, None) is not None]
         if not ids:
             return
-        if by == "operator":
-            d.cleared_pending.extend(i for i in ids if i not in d.cleared_pending)
+        # Listed in heartbeat `cleared` whoever lifted them: a worker may hold an id it
+        # learned at an earlier registration, and frees the device only when told.
+        d.cleared_pending.extend(i for i in ids if i not in d.cleared_pending)
         self._emit("device_cleared", host=d.host, device=d.name, fault_ids=ids, by=by)
 
     def _worker_fault(

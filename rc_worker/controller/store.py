@@ -128,9 +128,10 @@ class Store(StoreState):
             raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
         return [j.info() for j in self._jobs.values() if state is None or j.state == state]
 
-    def output(self, job_id: str, offset: int = 0) -> bytes:
-        """The job's committed output from ``offset``."""
-        return bytes(self._job(job_id).output[offset:])
+    def output(self, job_id: str, offset: int = 0, limit: int | None = None) -> bytes:
+        """The job's committed output from ``offset`` (at most ``limit`` bytes)."""
+        end = None if limit is None else offset + limit
+        return bytes(self._job(job_id).output[offset:end])
 
     def committed(self, job_id: str) -> int:
         return len(self._job(job_id).output)

@@ -70,7 +70,7 @@ async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[by
         ctl.tick()
         # Read the output and the job's state with no await in between, so bytes committed
         # just before the finish are always sent before the stream ends.
-        data = ctl.store.output(job_id, pos)[:STREAM_CHUNK]
+        data = ctl.store.output(job_id, pos, STREAM_CHUNK)
         if data:
             pos += len(data)
             yield data

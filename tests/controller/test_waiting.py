@@ -7,9 +7,9 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from rc_worker.controller import Store
+from rc_worker.controller import Store, create_app
 
-from .helpers import FakeWorker
+from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, FakeWorker, auth
 
 
 async def test_long_poll_wakes_on_submit(
@@ -180,3 +180,27 @@ async def test_events_long_poll(
             store.cancel(store.submit(["x"]))
     assert [e["type"] for e in got] == ["job_finished"]
     assert trio.current_time() < 30
+
+
+async def test_a_custom_clock_drives_the_timers(autojump_clock: trio.testing.MockClock) -> None:
+    # A controller clock that is not the loop's (here: offset by a day) still times out right.
+    store = Store(instance="t")
+    app = create_app(
+        store=store,
+        worker_tokens=WORKER_TOKENS,
+        user_tokens=USER_TOKENS,
+        clock=lambda: trio.current_time() + 86_400,
+    )
+    with trio.fail_after(1000):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://rc"
+        ) as client:
+            w = FakeWorker(client)
+            await w.register()
+            t0 = trio.current_time()
+            assert await w.poll(wait_s=7) == []
+            assert trio.current_time() - t0 == 7
+            r = await client.get("/v1/events", params={"wait_s": 60}, headers=auth(USER_TOKEN))
+            # The wait ended when the host was lost (30 s after its registration).
+            assert [e["type"] for e in r.json()["events"]] == ["device_quarantined", "host_lost"]
+            assert trio.current_time() - t0 == 30
