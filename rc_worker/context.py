@@ -29,6 +29,7 @@ class WorkerContext:
     environ: Mapping[str, str]
     poke_poller: Callable[[], None]
     draining: bool = False
+    stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
 
     def job_key(self, a: Assignment) -> str:

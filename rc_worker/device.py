@@ -167,6 +167,12 @@ class DeviceSupervisor:
         self._cancel_text = None
         self._last_job_id = a.job_id
         key = self.ctx.job_key(a)
+        if self.ctx.stopping:
+            # Taken just before the worker was told to stop: not started, so
+            # hand it back; a refused attempt is requeued as a new one.
+            self.ctx.report(a, not_run_report(a, "refused", "the worker is shutting down"))
+            self._settle()
+            return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):
             return
         self.lease.acquired()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rc_worker.model import Assignment, Outcome, VerifyResult
+from rc_worker.supervise import Result
 from rc_worker.sweep import SweepReport
 
 
@@ -19,30 +20,35 @@ def sweep_json(sweep: SweepReport | None) -> dict[str, Any] | None:
     }
 
 
-def outcome_of(exit_code: int | None, killed: bool, error: str | None) -> Outcome:
+def outcome_of(exit_code: int | None, killed: bool, error: str | None, reason: str) -> Outcome:
+    """The protocol outcome of a job's ``Result``.
+
+    A job stopped before its process was spawned has ``error`` set and a stop
+    ``reason``: it was killed by its owner, not unable to start.
+    """
+    if killed or (error is not None and reason):
+        return Outcome.KILLED
     if error is not None:
         return Outcome.ERROR
-    if killed:
-        return Outcome.KILLED
     return Outcome.SUCCEEDED if exit_code == 0 else Outcome.FAILED
 
 
 def finish_report(
     a: Assignment,
-    result: Any,
+    result: Result,
     *,
     verify: VerifyResult,
     fault_id: str | None,
     output_bytes: int,
 ) -> dict[str, Any]:
     """The finish of a job that was spawned (or tried to be)."""
-    outcome = outcome_of(result.exit_code, result.killed, result.error)
+    outcome = outcome_of(result.exit_code, result.killed, result.error, result.reason)
     return {
         "attempt": a.attempt,
         "device": a.device,
         "outcome": str(outcome),
         "exit_code": result.exit_code,
-        "killed": result.killed,
+        "killed": outcome is Outcome.KILLED,
         "reason": result.reason,
         "error": result.error,
         "output_bytes": output_bytes,

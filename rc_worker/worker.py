@@ -75,7 +75,6 @@ class Worker:
         self._ctx: WorkerContext | None = None
         self._poll_wake = trio.Event()
         self._drained = trio.Event()
-        self._stopping = False
         self._heartbeat_interval = config.heartbeat_interval
         self._poll_wait = config.poll_wait
         self._reprobe = trio.Event()
@@ -104,10 +103,10 @@ class Worker:
     def stop(self) -> None:
         """Drain, but stop running jobs first (each with its grace ceiling)."""
         self.drain()
-        if self._stopping or self._ctx is None:
+        if self._ctx is None or self._ctx.stopping:
             return
         log.info("stopping: running jobs are cancelled")
-        self._stopping = True
+        self._ctx.stopping = True
         for dev in self.devices.values():
             dev.stop_for_shutdown()
 
@@ -199,7 +198,7 @@ class Worker:
     async def _drain_deadline(self) -> None:
         # shutdown_grace bounds the drain: past it, running jobs are stopped.
         await trio.sleep(self.config.shutdown_grace)
-        if not self._stopping:
+        if self._ctx is not None and not self._ctx.stopping:
             log.warning(
                 "drain still running after shutdown_grace (%gs); stopping jobs",
                 self.config.shutdown_grace,
