@@ -24,10 +24,19 @@ from rc_worker.retry import Backoff, is_transient_status, parse_retry_after
 log = logging.getLogger("rc_worker.client")
 
 RegisterFn = Callable[["ControllerClient"], Awaitable[None]]
+# A request body, or a function giving it afresh at every try.
+Payload = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 
 # How long past the long-poll's own wait a poll may take before it counts as
 # a timeout: the controller answers at wait_s; this is slack for the network.
 POLL_SLACK_S = 15.0
+
+# The retry schedule (retry.Backoff): the first ceiling and the cap, in
+# seconds. Read at every request rather than fixed at construction, and
+# module-level, because the worker builds its own client: a test harness
+# shrinks them for a whole worker (monkeypatch); production never changes them.
+RETRY_BASE_S = 0.2
+RETRY_CAP_S = 30.0
 
 
 class ControllerClient:
@@ -66,8 +75,22 @@ class ControllerClient:
         self._generation += 1
         return body
 
-    async def heartbeat(self, devices: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", f"/v1/hosts/{self.host}/heartbeat", {"devices": devices})
+    async def heartbeat(
+        self, devices: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    ) -> dict[str, Any]:
+        """Report device states; pass a callable to have them read afresh at every try.
+
+        A heartbeat retried through an outage, or resent after registering
+        again, must not carry the states of before: the controller drops a
+        pending ``cleared`` for a fault a heartbeat does not report, so a
+        stale one (sent before the worker learned of the fault at register)
+        would lose the operator's clear for good.
+        """
+
+        def body() -> Mapping[str, Any]:
+            return {"devices": devices() if callable(devices) else devices}
+
+        return await self._call("POST", f"/v1/hosts/{self.host}/heartbeat", body)
 
     async def poll(self, ready: list[str], wait_s: float) -> list[Any]:
         body = await self._call(
@@ -149,14 +172,14 @@ class ControllerClient:
         self,
         method: str,
         path: str,
-        payload: Mapping[str, Any] | None = None,
+        payload: Payload | None = None,
         *,
         content: bytes | None = None,
         params: Mapping[str, Any] | None = None,
         session: bool = True,
         read_timeout: float | None = None,
     ) -> dict[str, Any]:
-        backoff = Backoff(rng=self._rng)
+        backoff = Backoff(base=RETRY_BASE_S, cap=RETRY_CAP_S, rng=self._rng)
         while True:
             generation = self._generation
             try:
@@ -166,8 +189,22 @@ class ControllerClient:
             except UnknownSession:
                 if not session or self._on_unknown_session is None:
                     raise
-                await self._reregister(generation)
-                continue
+                try:
+                    await self._reregister(generation)
+                    continue
+                except ControllerError as e:
+                    # The register was refused, not this request: raising
+                    # here would read as "this finish was refused for good"
+                    # and the caller would drop a report the controller never
+                    # saw. Keep it, and try registering again later.
+                    delay = backoff.next_delay()
+                    log.error(
+                        "%s %s: registering again was refused (%s); retrying in %.1fs",
+                        method,
+                        path,
+                        e,
+                        delay,
+                    )
             except _Transient as e:
                 delay = backoff.next_delay(e.retry_after)
                 log.info(
@@ -178,13 +215,13 @@ class ControllerClient:
                     delay,
                     backoff.attempts,
                 )
-                await trio.sleep(delay)
+            await trio.sleep(delay)
 
     async def _once(
         self,
         method: str,
         path: str,
-        payload: Mapping[str, Any] | None,
+        payload: Payload | None,
         content: bytes | None,
         params: Mapping[str, Any] | None,
         session: bool,
@@ -192,7 +229,7 @@ class ControllerClient:
     ) -> dict[str, Any]:
         json_body: dict[str, Any] | None = None
         if payload is not None:
-            json_body = dict(payload)
+            json_body = dict(payload() if callable(payload) else payload)
             if session:
                 json_body["session"] = self.session
         query = dict(params or {})

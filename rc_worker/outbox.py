@@ -17,12 +17,16 @@ from typing import Any
 import attrs
 import trio
 
+from rc_worker import client as client_module
 from rc_worker.client import ControllerClient
 from rc_worker.errors import ControllerError
+from rc_worker.retry import Backoff
 from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json, write_json_durably
 
 log = logging.getLogger("rc_worker.outbox")
 
+# The most output bytes one request carries, and so the most the shipper ever
+# holds in memory per job, whatever the job's rate or the controller's speed.
 CHUNK = 1 << 20
 
 
@@ -53,12 +57,15 @@ class Outbox:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for jd in job_dirs(self._root):
-                journal = read_json(jd.journal)
-                if jd.key in self._deliveries or journal is None or not jd.finish.exists():
+                if jd.key in self._deliveries or not jd.finish.exists():
                     continue
-                self._spawn(_Delivery(jd, str(journal["job_id"]), int(journal["attempt"])))
+                ident = _identity(jd)
+                if ident is None:
+                    log.error("cannot tell which job %s is; leaving it for an operator", jd.path)
+                    continue
+                self._spawn(_Delivery(jd, *ident))
             for path in _pending_fault_files(self._root):
-                nursery.start_soon(self._deliver_fault, path)
+                self._start_fault(path)
             task_status.started()
             await trio.sleep_forever()
 
@@ -96,11 +103,17 @@ class Outbox:
         """Record a fault report durably, then deliver it."""
         path = self._root / "faults" / f"{device}.{report['fault_id']}.json"
         write_json_durably(path, {"device": device, "report": dict(report)})
-        assert self._nursery is not None
+        self._start_fault(path)
+
+    def _start_fault(self, path: Path) -> None:
+        assert self._nursery is not None, "Outbox.run must be started first"
+        # Counted as pending now, not when its task first runs: a drain that
+        # looked in between would otherwise see nothing owed and stop the
+        # worker with the fault undelivered.
+        self._pending_faults.append(path)
         self._nursery.start_soon(self._deliver_fault, path)
 
     async def _deliver_fault(self, path: Path) -> None:
-        self._pending_faults.append(path)
         try:
             data = read_json(path)
             if data is None:
@@ -139,6 +152,7 @@ class Outbox:
         Returns the committed offset, or None when the controller refused
         the output for good (the finish is still sent).
         """
+        stalled = Backoff(base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S)
         try:
             # An empty append asks where the controller is: after a restart
             # the worker resumes there instead of resending from zero.
@@ -147,7 +161,23 @@ class Outbox:
                 size = d.spool.size if d.spool is not None else d.job_dir.output_size()
                 if committed < size:
                     chunk = d.job_dir.read_output(committed, CHUNK)
-                    committed = await self._client.output(d.job_id, d.attempt, committed, chunk)
+                    answer = await self._client.output(d.job_id, d.attempt, committed, chunk)
+                    if chunk and answer == committed:
+                        # A controller that answers 200 without taking the
+                        # bytes would otherwise be resent them in a tight loop.
+                        delay = stalled.next_delay()
+                        log.warning(
+                            "job %s: the controller took none of %d bytes at offset %d; "
+                            "resending in %.1fs",
+                            d.job_dir.key,
+                            len(chunk),
+                            committed,
+                            delay,
+                        )
+                        await trio.sleep(delay)
+                    else:
+                        stalled.attempts = 0
+                    committed = answer
                 elif d.spool is not None and not d.spool.closed:
                     await d.spool.wait_changed()
                 else:
@@ -158,6 +188,22 @@ class Outbox:
                 while not d.spool.closed:
                     await d.spool.wait_changed()
             return None
+
+
+def _identity(jd: JobDir) -> tuple[str, int] | None:
+    """The job id and attempt of a directory: from its journal, else from its name.
+
+    A report of an attempt that never ran is written before its journal, so a
+    crash between the two leaves a finish with no journal; the directory's
+    name (``<job_id>.<attempt>``) still says whose it is.
+    """
+    journal = read_json(jd.journal)
+    if journal is not None:
+        return str(journal["job_id"]), int(journal["attempt"])
+    job_id, _, attempt = jd.key.rpartition(".")
+    if not job_id or not attempt.isdigit():
+        return None
+    return job_id, int(attempt)
 
 
 def _pending_fault_files(root: Path) -> list[Path]:

@@ -1,8 +1,9 @@
 """After a crash: prove, or refuse to claim, that an interrupted job left nothing behind.
 
 At start, before registering, every job directory whose journal says the
-job was spawned and that has no finish report is a job the previous worker
-process never saw end. For each one:
+job was spawned is a job the controller may still believe running: either
+the previous worker process never saw it end, or it ended and its finish was
+not yet acknowledged. For each one:
 
 - a different boot id proves a reboot: nothing of it can be running;
 - otherwise the RC_JOB_ID sweep looks for it, and removes what it finds.
@@ -12,8 +13,9 @@ process never saw end. For each one:
 - with ``require_manual_clear`` the claim is always ``unknown``: the setting
   only ever makes the worker more cautious.
 
-Its spooled output is then shipped and the job finished as ``lost``; the
-claims go to the controller at register, which decides the device's state.
+Its spooled output is then shipped and the job finished as ``lost`` (or
+with the finish already on disk, its real outcome); the claims go to the
+controller at register, which decides the device's state.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import attrs
 from rc_worker.host import Host
 from rc_worker.model import Claim
 from rc_worker.reports import lost_report, sweep_json
-from rc_worker.spool import job_dirs, read_json, write_json_durably
+from rc_worker.spool import JobDir, job_dirs, read_json, write_json_durably
 from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
 
 log = logging.getLogger("rc_worker.recovery")
@@ -71,21 +73,35 @@ def decide_claim(sweep: SweepReport, *, reboot: bool, require_manual_clear: bool
 async def recover(
     root: Path, *, boot_id: str, require_manual_clear: bool, host: Host | None = None
 ) -> list[Recovered]:
+    """Claim, for every journal entry of a spawned job, what is left of it.
+
+    Covers jobs whose ``finish`` is already on disk but was never
+    acknowledged, too: the controller still believes them running, and a
+    register that left them out would have it finish them ``lost`` and
+    quarantine their device, although their real finish is about to arrive.
+    """
     found: list[Recovered] = []
     for job_dir in job_dirs(root):
-        journal = read_json(job_dir.journal)
         claimed = read_json(job_dir.path / RECOVERY_FILE)
         if claimed is not None:
             # Recovered by an earlier start that stopped before its finish
             # was acknowledged: the claim stands, and is sent again.
-            found.append(_from_json(claimed))
+            entry = _from_json(claimed)
+            if require_manual_clear and entry.claim is not Claim.UNKNOWN:
+                # Switched on since that start: it still only tightens.
+                entry = attrs.evolve(entry, claim=Claim.UNKNOWN)
+            if not job_dir.finish.exists():
+                _write_lost(job_dir, entry)
+            found.append(entry)
             continue
-        if job_dir.finish.exists():
-            continue  # finished, not yet delivered: the outbox sends it
+        journal = read_json(job_dir.journal)
+        finished = job_dir.finish.exists()
         if journal is None or not journal.get("spawned"):
-            # Nothing was spawned (the crash came between creating the
-            # directory and the journal): there is nothing to recover.
-            job_dir.remove()
+            if not finished:
+                # Nothing was spawned (the crash came between creating the
+                # directory and the journal): there is nothing to recover.
+                job_dir.remove()
+            # Else the report of an attempt that never ran: the outbox sends it.
             continue
         job_id, attempt = str(journal["job_id"]), int(journal["attempt"])
         device, then = str(journal["device"]), str(journal.get("boot_id", ""))
@@ -96,10 +112,13 @@ async def recover(
             sweep = await sweep_job_survivors(job_id, grace=RECOVERY_GRACE, host=host)
         claim = decide_claim(sweep, reboot=reboot, require_manual_clear=require_manual_clear)
         log.warning(
-            "job %s attempt %d on %s was interrupted by the worker's stop: %s, claim %s%s",
+            "job %s attempt %d on %s %s: %s, claim %s%s",
             job_id,
             attempt,
             device,
+            "ended, but its finish was not yet acknowledged when the worker stopped"
+            if finished
+            else "was interrupted by the worker's stop",
             "reboot proven"
             if reboot
             else f"swept (found {list(sweep.found)}, "
@@ -108,15 +127,28 @@ async def recover(
             " (require_manual_clear)" if require_manual_clear else "",
         )
         entry = Recovered(device, job_id, attempt, then, claim, sweep, reboot)
+        # The finish first: a crash between the two writes then leaves a job
+        # that is simply recovered again, never a claim without a report.
+        if not finished:
+            _write_lost(job_dir, entry)
         write_json_durably(
             job_dir.path / RECOVERY_FILE, {**entry.register_entry(), "reboot": reboot}
         )
-        write_json_durably(
-            job_dir.finish,
-            lost_report(job_id, attempt, device, sweep=sweep, output_bytes=job_dir.output_size()),
-        )
         found.append(entry)
     return found
+
+
+def _write_lost(job_dir: JobDir, entry: Recovered) -> None:
+    write_json_durably(
+        job_dir.finish,
+        lost_report(
+            entry.job_id,
+            entry.attempt,
+            entry.device,
+            sweep=entry.sweep,
+            output_bytes=job_dir.output_size(),
+        ),
+    )
 
 
 def _from_json(data: dict[str, Any]) -> Recovered:

@@ -128,19 +128,26 @@ class OutputSpool:
         self.size = os.fstat(self._fd).st_size
         self._cap = cap
         self.truncated = 0
+        # Whether the marker is written: decided by what was cut, not by the
+        # size, so a job that writes exactly ``cap`` bytes and then more still
+        # gets its marker, and the marker itself never counts against the cap.
+        self._marked = False
         self.closed = False
         self._changed = trio.Event()
 
     async def __call__(self, data: bytes) -> None:
         if self.closed or not data:
             return
-        room = self._cap - self.size
-        if room <= 0:
+        if self._marked:
             self.truncated += len(data)
+            await trio.lowlevel.checkpoint()
             return
+        room = self._cap - self.size
         if len(data) > room:
+            room = max(room, 0)
             self.truncated += len(data) - room
             data = data[:room] + TRUNCATION_MARKER.format(cap=self._cap).encode()
+            self._marked = True
         self._write_all(data)
         self._notify()
         await trio.lowlevel.checkpoint()

@@ -11,8 +11,13 @@ against it over ``httpx.ASGITransport`` (no sockets), and hands back a
         assert system.output(job_id) == b"hello\\n"
 
 The worker runs for real: real processes, the real clock. Leaving the block
-drains the worker (jobs finish, reports are delivered) unless ``stop()``
-or a cancellation came first.
+drains the worker (jobs finish, reports are delivered) unless ``stop()``,
+``crash()`` or a cancellation came first.
+
+``transport_wrapper`` wraps the transport between worker and controller
+(fault injection: drop, delay or fail requests); ``crash()`` abandons the
+worker as a crash would, leaving its state directory for the next
+``local_system`` on the same config (and ``store``) to recover.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ USER_TOKEN = "rc-test-user-token"
 
 __all__ = ["USER_TOKEN", "WORKER_TOKEN", "LocalSystem", "local_system", "make_config"]
 
+TransportWrapper = Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]
+"""Given the transport to the controller, returns the one the worker uses."""
+
 
 @attrs.define(eq=False)
 class LocalSystem:
@@ -46,6 +54,23 @@ class LocalSystem:
     http: httpx.AsyncClient
     worker: Worker
     config: Config
+    _worker_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope, alias="worker_scope")
+    _worker_done: trio.Event = attrs.field(factory=trio.Event, alias="worker_done")
+
+    @property
+    def crashed(self) -> bool:
+        return self._worker_scope.cancel_called
+
+    async def crash(self) -> None:
+        """Abandon the worker now, without draining, as if its process had died.
+
+        Its tasks are cancelled: running jobs are killed on the way out (the
+        shielded kill path), and whatever was not yet reported stays in the
+        state directory, exactly as after a crash. The controller is not told.
+        Returns once the worker has stopped; the block carries on.
+        """
+        self._worker_scope.cancel()
+        await self._worker_done.wait()
 
     def submit(self, command: list[str], **fields: Any) -> str:
         """Queue a job at the controller; ``fields`` as ``Store.submit`` takes them."""
@@ -93,8 +118,14 @@ async def local_system(
     store: Store | None = None,
     host: Host | None = None,
     environ: Mapping[str, str] | None = None,
+    transport_wrapper: TransportWrapper | None = None,
 ) -> AsyncIterator[LocalSystem]:
-    """A reference controller and one worker, in this Trio run."""
+    """A reference controller and one worker, in this Trio run.
+
+    ``transport_wrapper``, when given, receives the ASGI transport to the
+    controller and returns the one the worker uses (tests wrap it to inject
+    faults).
+    """
     if store is None:
         store = Store(
             StoreConfig(
@@ -105,18 +136,33 @@ async def local_system(
         store=store, worker_tokens={WORKER_TOKEN: config.host}, user_tokens=[USER_TOKEN]
     )
     config = attrs.evolve(config, token=WORKER_TOKEN)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://controller"
-    ) as http:
+    transport: httpx.AsyncBaseTransport = httpx.ASGITransport(app=app)
+    if transport_wrapper is not None:
+        transport = transport_wrapper(transport)
+    async with httpx.AsyncClient(transport=transport, base_url="http://controller") as http:
         worker = Worker(config, http=http, host=host, environ=environ)
+        system = LocalSystem(store=store, http=http, worker=worker, config=config)
         async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
+            await nursery.start(_run_worker, system)
             try:
-                yield LocalSystem(store=store, http=http, worker=worker, config=config)
+                yield system
             except BaseException:
                 nursery.cancel_scope.cancel()
                 raise
-            worker.drain()
+            if not system.crashed:
+                worker.drain()
+
+
+async def _run_worker(
+    system: LocalSystem, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    # The worker runs in a scope of its own so that crash() can end it
+    # without cancelling the test's block, which runs in the outer nursery.
+    try:
+        with system._worker_scope:
+            await system.worker.run(task_status=task_status)
+    finally:
+        system._worker_done.set()
 
 
 def make_config(
