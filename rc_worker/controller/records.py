@@ -141,7 +141,9 @@ class Device:
     faults: dict[str, Fault] = attrs.Factory(dict)
     seen_faults: set[str] = attrs.Factory(set)
     """Every fault id ever raised here, so a retried report cannot re-raise a cleared fault."""
-    cleared_pending: list[str] = attrs.Factory(list)
+    cleared_pending: dict[str, int] = attrs.Factory(dict)
+    """Lifted fault ids still listed in heartbeat ``cleared``, each with how many heartbeats
+    in a row have reported this device without it."""
     job: Job | None = None
     """The job holding this device in the controller's view (assigned or running)."""
     worker_state: str | None = None

@@ -101,6 +101,10 @@ def reconcile_registration(
         if d is None or not d.present or (d.name, rec.job_id) in settled:
             continue
         known = store.known_job(rec.job_id)
+        if known is not None and known.finished_by == "worker":
+            # Its finish came after its process tree was gone and swept: a journal entry
+            # resent for it proves nothing new, and must not quarantine the device again.
+            continue
         start_boot = None
         if known is not None:
             for att in known.attempts:

@@ -38,6 +38,9 @@ class StoreConfig:
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
     max_refusals: int = 10
     max_events: int = 100_000
+    cleared_omissions: int = 3
+    """A lifted fault id leaves heartbeat ``cleared`` once this many heartbeats in a row have
+    reported its device without it."""
 
     @property
     def lost_after_s(self) -> float:
@@ -287,7 +290,8 @@ class StoreState:
             return
         # Listed in heartbeat `cleared` whoever lifted them: a worker may hold an id it
         # learned at an earlier registration, and frees the device only when told.
-        d.cleared_pending.extend(i for i in ids if i not in d.cleared_pending)
+        for i in ids:
+            d.cleared_pending[i] = 0
         self._emit("device_cleared", host=d.host, device=d.name, fault_ids=ids, by=by)
 
     def _worker_fault(

@@ -211,12 +211,14 @@ class Store(StoreState):
             raise BadRequest("devices: device names must be unique")
         h = self._hosts.get(host)
         # The same live process registering again (after an unknown_session) interrupted
-        # nothing: same boot, same pid, and no journal of a previous process to recover.
+        # nothing: same boot, same pid, and no journal entry for a job running here, which
+        # a new process (even one given the same pid) would have for every such job.
+        running_here = {job.job_id for job, _ in self.running_on(host)}
         same_process = (
             h is not None
             and h.pid is not None
             and (h.pid, h.boot_id) == (req.pid, req.boot_id)
-            and not req.recovery
+            and not any(r.job_id in running_here for r in req.recovery)
         )
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
@@ -272,7 +274,7 @@ class Store(StoreState):
             if d is None:
                 continue
             d.worker_state = report.state
-            d.cleared_pending = [f for f in d.cleared_pending if f in report.faults]
+            self._age_cleared(d, report.faults)
             if report.job_id is None or report.attempt is None:
                 continue
             job = self._jobs.get(report.job_id)
@@ -301,6 +303,17 @@ class Store(StoreState):
                 n: tuple(d.cleared_pending) for n, d in h.devices.items() if d.cleared_pending
             },
         )
+
+    def _age_cleared(self, d: Device, reported: Sequence[str]) -> None:
+        # Dropped only after several heartbeats in a row stop reporting an id: one stale or
+        # reordered heartbeat (a retried body from before a registration) cannot lose a clear.
+        for fault_id in list(d.cleared_pending):
+            if fault_id in reported:
+                d.cleared_pending[fault_id] = 0
+                continue
+            d.cleared_pending[fault_id] += 1
+            if d.cleared_pending[fault_id] >= self.config.cleared_omissions:
+                del d.cleared_pending[fault_id]
 
     def poll(
         self, host: str, session: str, ready: Sequence[str], *, now: float

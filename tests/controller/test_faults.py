@@ -55,13 +55,17 @@ def test_clear_and_cleared_ids_in_heartbeats_until_the_worker_stops_reporting_th
     assert store.clear("box1", "gpu0") == ["f-1", "f-2"]
     assert store.device("box1", "gpu0").state == "free"
     quarantined = DeviceReport("quarantined", faults=("f-1", "f-2"))
+    # A stale heartbeat (built before the worker knew the faults) does not lose the clear.
+    assert heartbeat(store, session, devices={"gpu0": DeviceReport("free")}).cleared == {
+        "gpu0": ("f-1", "f-2")
+    }
     reply = heartbeat(store, session, devices={"gpu0": quarantined})
     assert reply.cleared == {"gpu0": ("f-1", "f-2")}
-    reply = heartbeat(
-        store, session, devices={"gpu0": DeviceReport("quarantined", faults=("f-2",))}
-    )
-    assert reply.cleared == {"gpu0": ("f-2",)}
-    assert heartbeat(store, session, devices={"gpu0": DeviceReport("free")}).cleared == {}
+    free = {"gpu0": DeviceReport("free")}
+    assert heartbeat(store, session, devices=free).cleared == {"gpu0": ("f-1", "f-2")}
+    assert heartbeat(store, session).cleared == {"gpu0": ("f-1", "f-2")}  # not mentioned
+    assert heartbeat(store, session, devices=free).cleared == {"gpu0": ("f-1", "f-2")}
+    assert heartbeat(store, session, devices=free).cleared == {}
     assert store.clear("box1", "gpu0") == []
     assert event_types(store).count("device_cleared") == 1
 

@@ -231,3 +231,21 @@ def test_a_new_pid_is_a_restart() -> None:
     register(store, pid=2)
     assert store.job(job).state == "lost"
     assert store.device("box1", "gpu0").reason == "interrupted"
+
+
+def test_resent_claims_for_jobs_the_worker_finished_change_nothing() -> None:
+    store = Store(instance="t")
+    session = register(store, pid=5)
+    old = store.submit(["old"])
+    a = assign(store, session)
+    start(store, session, a)
+    finish(store, session, a)
+    running = store.submit(["new"])
+    b = assign(store, session)
+    start(store, session, b)
+    # The same process registers again and (needlessly) resends an old journal entry.
+    session = register(store, pid=5, recovery=[Recovery("gpu0", old, 1, "boot-1", "unknown")])
+    assert store.job(running).state == "running"
+    assert store.device("box1", "gpu0").faults == ()
+    finish(store, session, b)
+    assert store.job(running).state == "succeeded"
