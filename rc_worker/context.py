@@ -13,6 +13,7 @@ import attrs
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config, child_environ
 from rc_worker.host import Host
+from rc_worker.metrics import WorkerMetrics
 from rc_worker.model import Assignment, job_key
 from rc_worker.outbox import Outbox
 from rc_worker.spool import JobDir, write_json_durably
@@ -28,6 +29,7 @@ class WorkerContext:
     boot_id: str
     environ: Mapping[str, str]
     poke_poller: Callable[[], None]
+    metrics: WorkerMetrics = attrs.field(factory=WorkerMetrics)
     draining: bool = False
     stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
@@ -69,6 +71,7 @@ class WorkerContext:
             {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
         )
         self.outbox.deliver_report(job_dir, job_id, attempt)
+        self.metrics.jobs_finished.labels(str(report["outcome"])).inc()
 
     def child_env(self, device: str, job_id: str | None) -> dict[str, str]:
         """The environment of a hook or verify script for ``device``."""

@@ -97,10 +97,29 @@ class DeviceSupervisor:
             self._poke()
 
     def add_fault(self, fault_id: str, why: str) -> None:
+        """Hold a fault the controller raised (an interrupted job, at register)."""
         if fault_id not in self.lease.faults:
             log.warning("device %s: quarantined (%s, fault %s)", self.name, why, fault_id)
+            self.ctx.metrics.quarantines.labels("interrupted").inc()
         self.lease.add_fault(fault_id)
         self._poke()
+
+    def _quarantine(
+        self, kind: str, reason: str, *, job_id: str | None = None, report: bool = True
+    ) -> str:
+        """Raise a fault of this worker's own; ``report`` sends it with ``fault``
+        (a fault outside a finish), else the caller puts it in the finish."""
+        fault_id = new_fault_id()
+        log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
+        self.ctx.metrics.quarantines.labels(kind).inc()
+        if report:
+            body: dict[str, Any] = {"fault_id": fault_id, "kind": kind, "reason": reason}
+            if job_id is not None:
+                body["job_id"] = job_id
+            self.ctx.outbox.fault(self.name, body)
+        self.lease.add_fault(fault_id)
+        self._poke()
+        return fault_id
 
     def clear_faults(self, cleared: set[str]) -> None:
         if cleared & self.lease.faults:
@@ -112,6 +131,18 @@ class DeviceSupervisor:
 
     def poke(self) -> None:
         self._poke()
+
+    def status(self) -> dict[str, Any]:
+        """This device as ``GET /status`` shows it."""
+        entry = self.heartbeat_entry()
+        entry.update(
+            idle_behavior=str(self.lease.idle_behavior),
+            held=self.lease.held,
+            faults=sorted(self.lease.faults),
+        )
+        if self.lease.state is S.LINGERING and self.lease.idle_behavior is IdleBehavior.RUN:
+            entry["linger_left_s"] = round(max(0.0, self._linger_until - trio.current_time()), 3)
+        return entry
 
     def heartbeat_entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"state": str(self.lease.state)}
@@ -184,6 +215,7 @@ class DeviceSupervisor:
             a, result, verify=verify, fault_id=fault_id, output_bytes=output_bytes
         )
         self.ctx.outbox.finish(key, report)
+        self.ctx.metrics.jobs_finished.labels(report["outcome"]).inc()
         log.info(
             "device %s: job %s attempt %d %s (exit %s)%s",
             self.name,
@@ -204,13 +236,14 @@ class DeviceSupervisor:
         assert self.config.on_acquire is not None
         with trio.CancelScope() as scope:
             self._acquire_scope = scope
-            outcome = await run_hook(
-                "on_acquire",
-                self.config.on_acquire,
-                time_limit=self.config.timeout,
-                env=self.ctx.child_env(self.name, a.job_id),
-                host=self.ctx.host,
-            )
+            with self.ctx.metrics.hook_seconds.labels("on_acquire").time():
+                outcome = await run_hook(
+                    "on_acquire",
+                    self.config.on_acquire,
+                    time_limit=self.config.timeout,
+                    env=self.ctx.child_env(self.name, a.job_id),
+                    host=self.ctx.host,
+                )
         self._acquire_scope = None
         if scope.cancelled_caught:
             # Cancelled, not failed: nothing is quarantined, but a half-run
@@ -221,18 +254,8 @@ class DeviceSupervisor:
             self.lease.to(S.RELEASING)
             return False
         if not outcome.ok:
-            fault_id = new_fault_id()
             self.ctx.report(a, not_run_report(a, "refused", outcome.reason))
-            self.ctx.outbox.fault(
-                self.name,
-                {
-                    "fault_id": fault_id,
-                    "kind": "hook_failed",
-                    "reason": outcome.reason,
-                    "job_id": a.job_id,
-                },
-            )
-            self.lease.add_fault(fault_id)
+            self._quarantine("hook_failed", outcome.reason, job_id=a.job_id)
             self.lease.to(S.QUARANTINED)
             return False
         return True
@@ -279,30 +302,35 @@ class DeviceSupervisor:
             sweep_job_id=a.job_id,
             pty=a.pty,
         )
+        began = trio.current_time()
         try:
             result = await run_job(spec, spool, host=self.ctx.host, handle=handle)
         finally:
             self._handle = None
             spool.close()
+        self.ctx.metrics.job_seconds.observe(trio.current_time() - began)
+        self.ctx.metrics.swept.inc(len(result.sweep.found))
         self.lease.to(S.VERIFYING)
         env = {
             **self.ctx.child_env(self.name, a.job_id),
             "RC_JOB_EXIT_CODE": "" if result.exit_code is None else str(result.exit_code),
         }
-        verify = await run_verify(
-            self.ctx.config.verify_dir,
-            script_timeout=self.ctx.config.verify_timeout,
-            pass_budget=self.ctx.config.verify_pass_budget,
-            env=env,
-            host=self.ctx.host,
-        )
+        with self.ctx.metrics.verify_seconds.time():
+            verify = await run_verify(
+                self.ctx.config.verify_dir,
+                script_timeout=self.ctx.config.verify_timeout,
+                pass_budget=self.ctx.config.verify_pass_budget,
+                env=env,
+                host=self.ctx.host,
+            )
         fault_id = None
         if not verify.ok:
-            fault_id = new_fault_id()
-            self.add_fault(fault_id, verify.reason)
+            fault_id = self._quarantine("verify_failed", verify.reason, report=False)
         elif result.sweep.remaining:
-            fault_id = new_fault_id()
-            self.add_fault(fault_id, f"processes {list(result.sweep.remaining)} survived SIGKILL")
+            survivors = list(result.sweep.remaining)
+            fault_id = self._quarantine(
+                "dirty", f"processes {survivors} survived SIGKILL", report=False
+            )
         return result, verify, fault_id, spool.size
 
     def _settle(self) -> None:
@@ -314,21 +342,17 @@ class DeviceSupervisor:
 
     async def _release(self) -> None:
         if self.config.on_release:
-            outcome = await run_hook(
-                "on_release",
-                self.config.on_release,
-                time_limit=self.config.timeout,
-                env=self.ctx.child_env(self.name, self._last_job_id),
-                host=self.ctx.host,
-            )
-            if not outcome.ok:
-                fault_id = new_fault_id()
-                self.ctx.outbox.fault(
-                    self.name,
-                    {"fault_id": fault_id, "kind": "hook_failed", "reason": outcome.reason},
+            with self.ctx.metrics.hook_seconds.labels("on_release").time():
+                outcome = await run_hook(
+                    "on_release",
+                    self.config.on_release,
+                    time_limit=self.config.timeout,
+                    env=self.ctx.child_env(self.name, self._last_job_id),
+                    host=self.ctx.host,
                 )
+            if not outcome.ok:
                 self.lease.released()
-                self.lease.add_fault(fault_id)
+                self._quarantine("hook_failed", outcome.reason, job_id=self._last_job_id)
                 self.lease.to(S.QUARANTINED)
                 return
         self.lease.released()

@@ -36,14 +36,16 @@ from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
 from rc_worker.errors import AssignmentError, ControllerError
 from rc_worker.host import Host, LinuxHost
-from rc_worker.labels import labels_payload
-from rc_worker.model import IdleBehavior, assignment_identity, parse_assignment
+from rc_worker.labels import ProbeResult, labels_payload
+from rc_worker.metrics import StateSnapshot, WorkerMetrics
+from rc_worker.model import IdleBehavior, assignment_identity, job_key, parse_assignment
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Recovered, recover
 from rc_worker.reports import not_run_report
 from rc_worker.sheets import SheetReader
 from rc_worker.spool import ensure_state_dir
+from rc_worker.status import serve_status, status_app
 
 log = logging.getLogger("rc_worker.worker")
 
@@ -83,6 +85,10 @@ class Worker:
         self.registered = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._labels: dict[str, Any] = {"host": {}, "devices": {}}
+        self._last_probe: list[dict[str, Any]] = []
+        self.metrics = WorkerMetrics()
+        self.metrics.watch(self._state_snapshot)
+        self.status_urls: list[str] = []
 
     # -- control ------------------------------------------------------------
 
@@ -151,20 +157,28 @@ class Worker:
                 boot_id=boot_id,
                 environ=self._environ,
                 poke_poller=self._poke_poller,
+                metrics=self.metrics,
             )
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
-            first = await self._prober.gather()
-            self._apply_probe(first.result)
-            self.recovered = await recover(
-                root,
-                boot_id=boot_id,
-                require_manual_clear=self.config.require_manual_clear,
-                host=self.host,
-            )
-            await self._register(client)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.config.status_listen is not None:
+                    # Up before register, so /healthz can say "not registered"
+                    # through a controller outage.
+                    app = status_app(self.status, self.metrics)
+                    self.status_urls = await nursery.start(
+                        serve_status, app, self.config.status_listen
+                    )
+                    log.info("status and metrics at %s", ", ".join(self.status_urls))
+                self._apply_probe(await self._gather())
+                self.recovered = await recover(
+                    root,
+                    boot_id=boot_id,
+                    require_manual_clear=self.config.require_manual_clear,
+                    host=self.host,
+                )
+                await self._register(client)
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():
                     await nursery.start(dev.run)
@@ -205,6 +219,35 @@ class Worker:
             )
             self.stop()
 
+    # -- what it says about itself ---------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The worker's own account of itself (``GET /status``)."""
+        ctx = self._ctx
+        return {
+            "version": __version__,
+            "host": self.config.host,
+            "session": ctx.client.session if ctx is not None else None,
+            "registered": self.registered.is_set(),
+            "draining": self.draining,
+            "stopping": ctx is not None and ctx.stopping,
+            "devices": {name: dev.status() for name, dev in self.devices.items()},
+            "reports_pending": ctx.outbox.pending() if ctx is not None else 0,
+            "recovered": [r.register_entry() for r in self.recovered],
+            "labels": self._labels,
+            "last_probe": self._last_probe,
+        }
+
+    def _state_snapshot(self) -> StateSnapshot:
+        return StateSnapshot(
+            devices={
+                name: (dev.lease.state, dev.lease.idle_behavior)
+                for name, dev in self.devices.items()
+            },
+            reports_pending=self._ctx.outbox.pending() if self._ctx is not None else 0,
+            registered=self.registered.is_set(),
+        )
+
     # -- register -------------------------------------------------------------
 
     async def _register(self, client: ControllerClient) -> None:
@@ -218,7 +261,13 @@ class Worker:
             ],
             "labels": self._labels,
             "sheets": self._sheets.read(),
-            "recovery": [r.register_entry() for r in self.recovered],
+            # Only claims whose lost finish is still undelivered: a
+            # re-registration must not repeat what the controller settled.
+            "recovery": [
+                r.register_entry()
+                for r in self.recovered
+                if (self._ctx.root / "jobs" / job_key(r.job_id, r.attempt)).exists()
+            ],
             "require_manual_clear": self.config.require_manual_clear,
         }
         answer = await client.register(payload)
@@ -352,8 +401,7 @@ class Worker:
             with trio.move_on_after(self.config.probe_interval):
                 await self._reprobe.wait()
             self._reprobe = trio.Event()
-            result = (await self._prober.gather()).result
-            self._apply_probe(result)
+            self._apply_probe(await self._gather())
             await self._send_labels(client)
             if self._sheets.changed():
                 try:
@@ -367,7 +415,19 @@ class Worker:
         except ControllerError as e:
             log.error("labels refused: %s", e)
 
-    def _apply_probe(self, result: Any) -> None:
+    async def _gather(self) -> ProbeResult:
+        with self.metrics.probe_seconds.time():
+            probe_pass = await self._prober.gather()
+        for source in probe_pass.sources:
+            if not source.ok:
+                self.metrics.probe_failures.labels(source.name).inc()
+        self._last_probe = [
+            {"name": s.name, "ok": s.ok, "why": s.why, "seconds": round(s.seconds, 3)}
+            for s in probe_pass.sources
+        ]
+        return probe_pass.result
+
+    def _apply_probe(self, result: ProbeResult) -> None:
         assert self._ctx is not None
         self._labels = labels_payload(result)
         for name, facts in result.device.items():

@@ -1,0 +1,122 @@
+"""The status and metrics endpoint (``status_listen``), and ``rc-worker status``.
+
+``GET /status`` is the worker's own account of itself as JSON (devices,
+their states, jobs and faults, pending reports, the last probe pass);
+``GET /metrics`` is Prometheus text; ``GET /healthz`` answers 200 once the
+worker is registered. Served with hypercorn on Trio, on the address the
+operator chose; it is read-only and never touches the controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, cast
+
+import httpx
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from rc_worker.config import load_config
+from rc_worker.errors import ConfigError
+from rc_worker.metrics import WorkerMetrics
+
+
+def status_app(snapshot: Callable[[], dict[str, Any]], metrics: WorkerMetrics) -> Starlette:
+    async def status(_: Request) -> Response:
+        return JSONResponse(snapshot())
+
+    async def healthz(_: Request) -> Response:
+        ok = bool(snapshot().get("registered"))
+        return PlainTextResponse("ok\n" if ok else "not registered\n", 200 if ok else 503)
+
+    async def prometheus(_: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(
+        routes=[
+            Route("/status", status),
+            Route("/healthz", healthz),
+            Route("/metrics", prometheus),
+        ]
+    )
+
+
+async def serve_status(
+    app: Starlette,
+    listen: str,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``listen`` until cancelled; reports the bound URLs."""
+    config = HypercornConfig()
+    config.bind = [listen]
+    config.accesslog = None
+    config.errorlog = None
+    await hypercorn_serve(cast(Any, app), config, task_status=task_status)
+
+
+# -- rc-worker status ---------------------------------------------------------
+
+
+def configure(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "status", help="show a running worker's devices and jobs (from its status_listen)"
+    )
+    parser.add_argument("--config", dest="path", help="config file (to find status_listen)")
+    parser.add_argument("--url", help="the status endpoint, e.g. http://127.0.0.1:9100")
+    parser.add_argument("--json", action="store_true", help="print the raw status JSON")
+    parser.set_defaults(func=status_main)
+
+
+def status_main(args: argparse.Namespace) -> int:
+    url = args.url
+    if url is None:
+        try:
+            config = load_config(args.path)
+        except ConfigError as e:
+            print(f"rc-worker: {e}", file=sys.stderr)
+            return 2
+        if config.status_listen is None:
+            print(
+                "rc-worker: the config sets no status_listen; set it (e.g. "
+                "status_listen: 127.0.0.1:9100) and restart the worker, or pass --url",
+                file=sys.stderr,
+            )
+            return 2
+        url = "http://" + config.status_listen
+    try:
+        response = httpx.get(url.rstrip("/") + "/status", timeout=10.0)
+        response.raise_for_status()
+        data = response.json()
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"rc-worker: cannot read the worker's status at {url}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(format_status(data))
+    return 0
+
+
+def format_status(data: dict[str, Any]) -> str:
+    flags = [k for k in ("draining", "stopping") if data.get(k)]
+    lines = [
+        f"host {data.get('host')}  session {data.get('session') or '-'}"
+        + (f"  ({', '.join(flags)})" if flags else ""),
+        f"reports pending: {data.get('reports_pending', 0)}",
+        f"{'DEVICE':<12} {'STATE':<12} {'IDLE':<6} {'JOB':<24} FAULTS",
+    ]
+    for name, dev in sorted(data.get("devices", {}).items()):
+        job = f"{dev['job_id']}#{dev['attempt']}" if dev.get("job_id") else "-"
+        faults = ",".join(dev.get("faults", [])) or "-"
+        lines.append(f"{name:<12} {dev['state']:<12} {dev['idle_behavior']:<6} {job:<24} {faults}")
+    return "\n".join(lines)

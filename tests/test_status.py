@@ -1,0 +1,76 @@
+"""The status and metrics endpoint on status_listen, and rc-worker status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from rc_worker.cli import main
+from rc_worker.status import format_status
+from rc_worker.testing import local_system, make_config
+
+
+async def test_status_metrics_and_health_describe_the_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config(tmp_path, devices=("gpu0", "gpu1"), status_listen="127.0.0.1:0")
+    with trio.fail_after(30):
+        async with local_system(config) as system:
+            [url] = system.worker.status_urls
+            job_id = system.submit(["echo", "hi"], device="test-host/gpu1")
+            assert (await system.wait_job(job_id)).state == "succeeded"
+            async with httpx.AsyncClient(base_url=url) as http:
+                status = (await http.get("/status")).json()
+                metrics = (await http.get("/metrics")).text
+                health = await http.get("/healthz")
+            code = await trio.to_thread.run_sync(main, ["status", "--url", url, "--json"])
+    assert status["host"] == "test-host"
+    assert status["registered"] is True
+    assert set(status["devices"]) == {"gpu0", "gpu1"}
+    assert status["devices"]["gpu0"]["state"] == "free"
+    assert status["devices"]["gpu0"]["idle_behavior"] == "run"
+    assert status["last_probe"][0]["name"] == "builtin"
+    assert health.status_code == 200
+    assert 'rc_worker_jobs_finished_total{outcome="succeeded"} 1.0' in metrics
+    assert 'rc_worker_devices{state="free"}' in metrics
+    assert "rc_worker_job_run_seconds_count 1.0" in metrics
+    assert "rc_worker_registered 1.0" in metrics
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["host"] == "test-host"
+
+
+def test_status_table_shows_jobs_and_faults() -> None:
+    text = format_status(
+        {
+            "host": "h1",
+            "session": "s-1",
+            "draining": True,
+            "reports_pending": 2,
+            "devices": {
+                "gpu0": {"state": "running", "idle_behavior": "run", "job_id": "j-1", "attempt": 2},
+                "gpu1": {"state": "quarantined", "idle_behavior": "hold", "faults": ["f-7"]},
+            },
+        }
+    )
+    assert "(draining)" in text
+    assert "j-1#2" in text
+    assert "f-7" in text
+    assert "reports pending: 2" in text
+
+
+def test_status_without_status_listen_names_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text("devices: [gpu0]\n")
+    assert main(["status", "--config", str(path)]) == 2
+    assert "set it (e.g. status_listen: 127.0.0.1:9100)" in capsys.readouterr().err
+
+
+def test_status_of_a_worker_that_is_not_there(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--url", "http://127.0.0.1:9"]) == 1
+    assert "cannot read the worker's status" in capsys.readouterr().err
