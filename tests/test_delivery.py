@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
+import httpx
 import pytest
 import trio
 from faults import (
@@ -86,15 +87,20 @@ def spool_file(config: Config, job_id: str, attempt: int = 1) -> Path:
 class Wrap:
     """A ``transport_wrapper`` that keeps the FaultyTransport it made."""
 
-    def __init__(self, plan: Mapping[str, Sequence[Fault]] | None = None) -> None:
+    def __init__(
+        self,
+        plan: Mapping[str, Sequence[Fault]] | None = None,
+        *,
+        outages: Mapping[str, Fault] | None = None,
+    ) -> None:
         self._plan = plan
+        self._outages = outages or {}
         self.faults: FaultyTransport | None = None
 
-    def __call__(self, inner: object) -> FaultyTransport:
-        import httpx
-
-        assert isinstance(inner, httpx.AsyncBaseTransport)
+    def __call__(self, inner: httpx.AsyncBaseTransport) -> FaultyTransport:
         self.faults = FaultyTransport(inner, self._plan)
+        for endpoint, fault in self._outages.items():
+            self.faults.outage(endpoint, fault)
         return self.faults
 
     @property
@@ -484,16 +490,12 @@ async def test_a_private_token_file_draws_no_warning(
     assert not [r for r in caplog.records if "token file" in r.getMessage()]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker bug: Worker._heartbeat_loop computes the heartbeat body once and the "
-    "client retries it unchanged, across an outage and a re-registration; the stale body "
-    "(without the fault learned at register) makes the controller drop the pending "
-    "clear. Fix: pass a callable to ControllerClient.heartbeat (supported) in worker.py",
-)
 async def test_a_heartbeat_stale_from_before_a_re_register_does_not_lose_a_clear(
     tmp_path: Path,
 ) -> None:
+    """A heartbeat body built before the worker learned of a quarantine (it
+    was retried through the outage) arrives after the operator's clear; the
+    clear must still reach the worker."""
     store = Store(StoreConfig(heartbeat_interval_s=0.3, missed_heartbeats=3, poll_wait_s=5.0))
     config = make_config(tmp_path)
     go = tmp_path / "go"
@@ -522,3 +524,39 @@ async def test_a_heartbeat_stale_from_before_a_re_register_does_not_lose_a_clear
                 lambda: sum(e.status == 200 for e in wrap.t.exchanges("heartbeat")) >= 3
             )
             assert not system.worker.devices["gpu0"].lease.faults
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="worker bug: a fault report still on disk at start (undelivered) does not "
+    "quarantine its device in the worker, which offers it as ready and runs a job on it "
+    "before the controller has heard of the fault. Fix in worker.py: add each pending "
+    "fault in state_dir/faults to its device before polling",
+)
+async def test_a_fault_still_on_disk_at_start_keeps_its_device_quarantined(
+    tmp_path: Path,
+) -> None:
+    hook = tmp_path / "release.sh"
+    hook.write_text("#!/bin/sh\nexit 3\n")
+    hook.chmod(0o755)
+    device = DeviceConfig(name="gpu0", on_release=str(hook), release_linger=0.0)
+    config = make_config(tmp_path, devices=(device,))
+    store = steady_store()
+    first = Wrap()
+    with trio.fail_after(40):
+        async with local_system(config, store=store, transport_wrapper=first) as system:
+            first.t.outage("fault", Fault.REFUSED)
+            await system.wait_job(system.submit(JOB))
+            await first.t.wait_until(lambda: len(first.t.exchanges("fault")) >= 2)
+            await system.crash()
+        # The controller is still unreachable for faults when the worker comes back.
+        second = Wrap(outages={"fault": Fault.REFUSED})
+        second_job = store.submit(["echo", "on a dirty device"])
+        async with local_system(config, store=store, transport_wrapper=second) as system:
+            await second.t.wait_until(lambda: len(second.t.exchanges("heartbeat")) >= 2)
+            assert store.job(second_job).state == "queued"
+            assert system.worker.devices["gpu0"].lease.faults
+            second.t.restore("fault")
+            await wait_for(system, lambda: system.device("gpu0").state == "quarantined")
+            store.clear("test-host", "gpu0")
+            assert (await system.wait_job(second_job)).state == "succeeded"

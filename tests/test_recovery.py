@@ -381,16 +381,12 @@ async def test_a_gone_claim_frees_the_device(tmp_path: Path) -> None:
     assert not list((Path(config.state_dir) / "jobs").iterdir())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker bug: Worker._register resends self.recovered (claims whose finish was "
-    "acknowledged long ago) at every re-registration; the controller then takes the live "
-    "worker for a new process and finishes its running jobs lost. Fix in worker.py: send "
-    "only the entries whose job directory is still on disk",
-)
 async def test_re_registering_later_does_not_resend_settled_recovery_claims(
     tmp_path: Path,
 ) -> None:
+    """After its recovered job's finish is acknowledged, a worker that must
+    register again (unknown_session) claims nothing more: it is the same live
+    process, and the job it is running keeps its real outcome."""
     store = steady_store()
     config = make_config(tmp_path)
     go = tmp_path / "go"
