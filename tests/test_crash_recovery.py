@@ -15,6 +15,7 @@ workers by their pid, the job's leftovers by the test's own unique job id.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -30,6 +31,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from rc_worker.config import WORKER_ENV_VARS
 from rc_worker.controller import Store, StoreConfig, create_app
 from rc_worker.controller.serve import hypercorn_config
+from rc_worker.host import LinuxHost
 
 HOST = "crash-host"
 RC_WORKER = Path(sys.executable).with_name("rc-worker")
@@ -205,6 +207,13 @@ async def crash_mid_job(h: Harness) -> tuple[str, list[int]]:
     h.job_ids.append(job_id)
     worker = await h.start_worker()
     await wait_store(h.store, lambda: h.store.committed(job_id) == len(b"one\n"))
+    # The journal was on disk before the job's process existed.
+    journal = json.loads((h.state / "jobs" / f"{job_id}.1" / "journal.json").read_text())
+    assert journal["job_id"] == job_id
+    assert journal["attempt"] == 1
+    assert journal["device"] == "gpu0"
+    assert journal["boot_id"] == LinuxHost().boot_id()
+    assert isinstance(journal["started_at"], float)
     h.gate.closed = True
     go.touch()
     spool = h.state / "jobs" / f"{job_id}.1" / "output"
