@@ -97,10 +97,10 @@ class DeviceSupervisor:
             self._poke()
 
     def add_fault(self, fault_id: str, why: str) -> None:
-        """Hold a fault the controller raised (an interrupted job, at register)."""
+        """Hold a fault raised elsewhere: by the controller (at register), or
+        by an earlier worker process (a report still on disk)."""
         if fault_id not in self.lease.faults:
             log.warning("device %s: quarantined (%s, fault %s)", self.name, why, fault_id)
-            self.ctx.metrics.quarantines.labels("interrupted").inc()
         self.lease.add_fault(fault_id)
         self._poke()
 

@@ -99,6 +99,24 @@ class Outbox:
     def pending(self) -> int:
         return len(self._deliveries) + len(self._pending_faults)
 
+    def faults_on_disk(self) -> list[tuple[str, str, str]]:
+        """``(device, fault_id, reason)`` of every fault report not yet acknowledged.
+
+        A fault the controller has not heard of is still a fault: its device
+        must stay quarantined across a restart until the report lands and an
+        operator clears it.
+        """
+        found = []
+        for path in _pending_fault_files(self._root):
+            data = read_json(path)
+            if data is None or not isinstance(data.get("report"), dict):
+                continue
+            report = data["report"]
+            found.append(
+                (str(data.get("device")), str(report.get("fault_id")), str(report.get("reason")))
+            )
+        return found
+
     def fault(self, device: str, report: Mapping[str, Any]) -> None:
         """Record a fault report durably, then deliver it."""
         path = self._root / "faults" / f"{device}.{report['fault_id']}.json"

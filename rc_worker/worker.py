@@ -161,6 +161,9 @@ class Worker:
             )
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
+            for device, fault_id, reason in outbox.faults_on_disk():
+                if device in self.devices:
+                    self.devices[device].add_fault(fault_id, f"undelivered fault: {reason}")
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if self.config.status_listen is not None:
@@ -282,8 +285,11 @@ class Worker:
                 dev = self.devices.get(name)
                 if dev is None or not isinstance(info, Mapping):
                     continue
-                if info.get("state") == "quarantined" and info.get("fault_id"):
-                    dev.add_fault(str(info["fault_id"]), str(info.get("reason") or "controller"))
+                if info.get("state") == "quarantined":
+                    ids = info.get("faults") or [info.get("fault_id")]
+                    for fault_id in ids:
+                        if isinstance(fault_id, str) and fault_id:
+                            dev.add_fault(fault_id, str(info.get("reason") or "controller"))
                 self._set_idle(dev, info.get("idle_behavior"))
         self.registered.set()
 
@@ -292,13 +298,17 @@ class Worker:
     async def _heartbeat_loop(self, client: ControllerClient) -> None:
         while True:
             await trio.sleep(self._heartbeat_interval)
-            states = {name: dev.heartbeat_entry() for name, dev in self.devices.items()}
             try:
-                answer = await client.heartbeat(states)
+                # Read afresh at each try: a retried heartbeat must not carry
+                # the states of before the outage.
+                answer = await client.heartbeat(self._heartbeat_states)
             except ControllerError as e:
                 log.error("heartbeat refused: %s", e)
                 continue
             self._apply_heartbeat(answer)
+
+    def _heartbeat_states(self) -> dict[str, Any]:
+        return {name: dev.heartbeat_entry() for name, dev in self.devices.items()}
 
     def _apply_heartbeat(self, answer: Mapping[str, Any]) -> None:
         for cancel in answer.get("cancel") or ():

@@ -526,13 +526,6 @@ async def test_a_heartbeat_stale_from_before_a_re_register_does_not_lose_a_clear
             assert not system.worker.devices["gpu0"].lease.faults
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker bug: a fault report still on disk at start (undelivered) does not "
-    "quarantine its device in the worker, which offers it as ready and runs a job on it "
-    "before the controller has heard of the fault. Fix in worker.py: add each pending "
-    "fault in state_dir/faults to its device before polling",
-)
 async def test_a_fault_still_on_disk_at_start_keeps_its_device_quarantined(
     tmp_path: Path,
 ) -> None:

@@ -142,7 +142,14 @@ class Store(StoreState):
         A finished job is left as it is (cancelling is idempotent).
         """
         job = self._job(job_id)
-        if job.terminal or job.cancel_reason is not None:
+        if job.cancel_reason is not None:
+            return job.info()
+        if job.terminal:
+            # Declared lost by the controller, it may still run on a worker that was only
+            # cut off: the cancel is kept for that worker's heartbeats; the state stays.
+            if job.state == "lost" and job.finished_by == "controller":
+                job.cancel_reason = reason or "cancelled"
+                self._changed()
             return job.info()
         job.cancel_reason = reason or "cancelled"
         if job.state != "running":
@@ -286,8 +293,12 @@ class Store(StoreState):
             why = None
             if cur is None or cur.number != report.attempt:
                 why = "stale attempt: the job was offered again"
-            elif job.terminal and job.finished_by == "controller":
+            elif job.cancel_reason is not None:
+                why = job.cancel_reason
+            elif job.terminal and report.state == "acquiring":
                 why = job.reason or f"job already ended ({job.state})"
+            # A job declared lost while its worker was only cut off is left to run: its
+            # output is still taken, and its device stays quarantined until cleared anyway.
             if why is not None:
                 cancel[(job.job_id, report.attempt)] = CancelOrder(job.job_id, report.attempt, why)
         for job in self._live.values():

@@ -149,17 +149,23 @@ def test_unknown_session_for_another_host() -> None:
         heartbeat(store, session, host="box2")
 
 
-def test_heartbeat_tells_the_worker_to_stop_a_job_the_controller_gave_up_on() -> None:
+def test_a_job_lost_while_its_worker_was_cut_off_runs_on_unless_cancelled() -> None:
     store = Store(StoreConfig(heartbeat_interval_s=10), instance="t")
-    session = register(store, now=0)
-    job, _ = running_job(store, session)
+    session = register(store, now=0, pid=9)
+    job, a = running_job(store, session)
     store.tick(30)
     assert store.job(job).state == "lost"
     # The worker was only cut off; it comes back, still running the job, and says so.
-    session = register(store, now=31)
-    reply = heartbeat(store, session, now=31, devices={"gpu0": DeviceReport("running", job, 1)})
-    assert [c.job_id for c in reply.cancel] == [job]
-    assert "host lost" in reply.cancel[0].reason
+    session = register(store, now=31, pid=9)
+    running = {"gpu0": DeviceReport("running", job, 1)}
+    assert heartbeat(store, session, now=31, devices=running).cancel == ()
+    store.append_output(job, 1, 0, b"still going")  # its output is still taken
+    store.cancel(job, "stop it")  # ...but a user's cancel still reaches it
+    reply = heartbeat(store, session, now=32, devices=running)
+    assert [(c.job_id, c.reason) for c in reply.cancel] == [(job, "stop it")]
+    finish(store, session, a, "killed")
+    assert store.job(job).state == "lost"
+    assert store.output(job) == b"still going"
 
 
 def test_register_supersedes_the_old_session() -> None:
