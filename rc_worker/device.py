@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -56,6 +57,10 @@ class DeviceSupervisor:
         self._handle: JobHandle | None = None
         self._linger_until = math.inf
         self._last_job_id: str | None = None
+        # The key of the last attempt whose finish was recorded, so an error
+        # after that point does not record a second one.
+        self._finished: str | None = None
+        self.scope = trio.CancelScope()
 
     # -- inputs from the worker (sync, never block) ------------------------
 
@@ -162,15 +167,21 @@ class DeviceSupervisor:
     # -- the device's own task --------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        """The device's own task. Its cancel scope is the device: cancelling
+        it abandons this device alone (its job is killed, shielded and bounded)."""
+        with trio.CancelScope() as self.scope:
+            task_status.started()
+            await self._loop()
+
+    async def _loop(self) -> None:
         while True:
             state = self.lease.state
             if self._pending is not None:
                 assignment, needs_acquire = self._pending
                 self._pending = None
-                await self._serve(assignment, needs_acquire)
+                await self._isolated(self._serve(assignment, needs_acquire), assignment)
             elif state is S.RELEASING:
-                await self._release()
+                await self._isolated(self._release(), None)
             elif state is S.LINGERING and self._linger_over():
                 self.lease.to(S.RELEASING)
             elif self.ctx.draining and state in (S.FREE, S.QUARANTINED):
@@ -178,6 +189,43 @@ class DeviceSupervisor:
                 return
             else:
                 await self._wait_for_change()
+
+    async def _isolated(self, step: Coroutine[Any, Any, None], a: Assignment | None) -> None:
+        """Run one lease step so that a bug in it costs this device, not the worker.
+
+        An unexpected error (a full disk under the spool, say) is logged, the
+        attempt in hand is finished as ``error``, and the device quarantined
+        with a fault an operator must clear: after a bug nothing is known
+        about what is left on it.
+        """
+        try:
+            await step
+        except Exception as exc:
+            log.exception("device %s: internal error; quarantining the device", self.name)
+            detail = f"internal worker error: {type(exc).__name__}: {exc}"
+            if a is not None and self._finished != self.ctx.job_key(a):
+                self._finish_after_error(a, detail)
+            fault_id = new_fault_id()
+            self.ctx.metrics.quarantines.labels("dirty").inc()
+            self.ctx.outbox.fault(
+                self.name, {"fault_id": fault_id, "kind": "dirty", "reason": detail}
+            )
+            self.lease.fail(fault_id)
+            self._handle = None
+            self._acquire_scope = None
+            self.ctx.poke_poller()
+
+    def _finish_after_error(self, a: Assignment, detail: str) -> None:
+        key = self.ctx.job_key(a)
+        report = not_run_report(a, "error", "", error=detail)
+        try:
+            if self.ctx.outbox.tracking(key):
+                report["output_bytes"] = JobDir(self.ctx.root, key).output_size()
+                self.ctx.outbox.finish(key, report)
+            else:
+                self.ctx.report(a, report)
+        except Exception:
+            log.exception("device %s: cannot record the finish of job %s", self.name, a.job_id)
 
     def _linger_over(self) -> bool:
         if self.ctx.draining or self.lease.idle_behavior is IdleBehavior.DRAIN:
@@ -228,8 +276,8 @@ class DeviceSupervisor:
         # The device is offered again only once the controller has the
         # outcome, so it never sees a device ready while a job it assigned
         # there still looks running.
-        with trio.CancelScope(shield=self.ctx.draining):
-            await self.ctx.outbox.delivered(key)
+        self._finished = key
+        await self.ctx.outbox.delivered(key)
         self._settle()
 
     async def _acquire(self, a: Assignment) -> bool:

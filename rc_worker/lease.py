@@ -120,3 +120,14 @@ class Lease:
 
     def released(self) -> None:
         self.held = False
+
+    def fail(self, fault_id: str) -> None:
+        """Quarantine from any state: the worker hit a bug serving this device.
+
+        The one transition outside ``LEGAL``, because after an unexpected
+        error nothing is known about the device except that it must not be
+        offered until someone has looked.
+        """
+        self.faults.add(fault_id)
+        self.state = S.QUARANTINED
+        self.job = None

@@ -96,6 +96,10 @@ class Outbox:
         if delivery is not None:
             await delivery.done.wait()
 
+    def tracking(self, key: str) -> bool:
+        """Whether a delivery for this job attempt is under way."""
+        return key in self._deliveries
+
     def pending(self) -> int:
         return len(self._deliveries) + len(self._pending_faults)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 import trio
 
 from rc_worker.config import DeviceConfig
-from rc_worker.model import VERIFY_REASON_PREFIX
+from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.testing import LocalSystem, local_system, make_config
 
 
@@ -386,3 +388,41 @@ async def test_a_fault_on_one_device_leaves_the_other_serving(tmp_path: Path) ->
             system.store.cancel(first)
             other = system.submit(["echo", "ok"], device="test-host/gpu1")
             assert (await system.wait_job(other)).state == "succeeded"
+
+
+async def test_a_bug_while_serving_one_device_quarantines_it_and_spares_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import rc_worker.device
+
+    real_verify = rc_worker.device.run_verify
+
+    async def verify_that_breaks_on_gpu0(*args: Any, **kwargs: Any) -> VerifyResult:
+        if kwargs["env"]["RC_DEVICE"] == "gpu0":
+            raise RuntimeError("boom")
+        return await real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(rc_worker.device, "run_verify", verify_that_breaks_on_gpu0)
+    with trio.fail_after(30):
+        async with local_system(config(tmp_path, "gpu0", "gpu1")) as system:
+            broken = system.submit(["echo", "out"], device="test-host/gpu0")
+            info = await system.wait_job(broken)
+            assert info.state == "error"
+            assert info.error is not None
+            assert "internal worker error: RuntimeError: boom" in info.error
+            assert system.output(broken) == b"out\n"
+            await wait_device(system, "gpu0", "quarantined")
+            assert system.device("gpu0").faults[0].kind == "dirty"
+            fine = system.submit(["echo", "ok"], device="test-host/gpu1")
+            assert (await system.wait_job(fine)).state == "succeeded"
+
+
+async def test_shutdown_grace_bounds_the_drain(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with local_system(config(tmp_path, shutdown_grace=0.5)) as system:
+            job_id = system.submit(["sh", "-c", "echo a; exec sleep 30"], grace_s=0.5)
+            await system.wait_until(lambda: system.output(job_id) == b"a\n")
+            system.worker.drain()
+            info = await system.wait_job(job_id)
+            assert info.state == "killed"
+            assert "shutting down" in info.reason
