@@ -113,3 +113,18 @@ async def test_sigquit_stops_at_once(tmp_path: Path) -> None:
             w.proc.send_signal(signal.SIGQUIT)
             assert await w.proc.wait() == 0
             assert w.store.job(job_id).state == "killed"
+
+
+async def test_sighup_reprobes_and_rereads_the_sheets(tmp_path: Path) -> None:
+    sheets = tmp_path / "sheets"
+    sheets.mkdir()
+    (sheets / "host.md").write_text("# before\n")
+    with trio.fail_after(60):
+        async with worker_process(tmp_path) as w:
+            assert w.store.sheet("sig-host", "gpu0").host_sheet == "# before\n"
+            (sheets / "host.md").write_text("# after\n")
+            w.proc.send_signal(signal.SIGHUP)
+            await _wait(
+                w.store, lambda: w.store.sheet("sig-host", "gpu0").host_sheet == "# after\n"
+            )
+            assert w.proc.returncode is None
