@@ -3,6 +3,20 @@
 Every message names the problem and the fix. Exceptions that stand for bad
 input (a config file, an assignment, a probe's output) never carry a
 traceback to the operator: the CLI prints the message and exits 2.
+
+The hierarchy::
+
+    RcWorkerError
+    ├── ConfigError          the worker's config is unusable (PATH:LINE:COLUMN: ...)
+    ├── AssignmentError      an assignment cannot be run as given (answered "rejected")
+    ├── ControllerError      the controller answered a request with a final error
+    │   └── UnknownSession   409 unknown_session: register again
+    └── rc_worker.controller.errors.ApiError
+                             the reference controller's wire errors (400, 401, 403,
+                             404, 409 ...), each with its status and machine code
+
+Bad arguments to the library's own constructors (``JobSpec``, say) raise
+``ValueError`` / ``TypeError`` with a message naming the fix, as Python does.
 """
 
 from __future__ import annotations

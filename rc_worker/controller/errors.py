@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from rc_worker.errors import RcWorkerError
+
 __all__ = [
     "ApiError",
     "BadRequest",
@@ -23,7 +25,7 @@ __all__ = [
 ]
 
 
-class ApiError(Exception):
+class ApiError(RcWorkerError):
     """An error with a wire form: status, machine code, human message, optional extra fields."""
 
     status: int = 500
