@@ -52,6 +52,10 @@ async def run_verify(
             TailBuffer(),
             host=host,
         )
+        if limit < script_timeout and result.killed and result.reason == "max_runtime":
+            return _failed(
+                f"{script.name}: stopped when the pass budget of {pass_budget:g}s ran out"
+            )
         if result.error is not None or result.killed or result.exit_code != 0:
             return _failed(describe_failure(script.name, result, stderr.text(200)))
     return VerifyResult(ok=True)
