@@ -385,14 +385,14 @@ async def _serve_until_signalled(argv: Sequence[str], env: Mapping[str, str]) ->
                         nursery.cancel_scope.cancel()  # a second signal: stop now
                     stop.set()
 
+            async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
+                await run_serve(argv, env=env, shutdown_trigger=stop.wait, task_status=task_status)
+                # Served its last request: the signal watcher has nothing left to do.
+                nursery.cancel_scope.cancel()
+
             nursery.start_soon(on_signals)
-            binds = await nursery.start(
-                lambda task_status: run_serve(
-                    argv, env=env, shutdown_trigger=stop.wait, task_status=task_status
-                )
-            )
-            print(f"rc: controller listening on {', '.join(binds)}", file=sys.stderr)
-            await stop.wait()
+            binds = await nursery.start(serve_then_stop)
+            print(f"rc: controller listening on {', '.join(binds)}", file=sys.stderr, flush=True)
     return 0
 
 

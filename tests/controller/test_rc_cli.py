@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import AsyncIterator
 
 import httpx
@@ -214,3 +215,30 @@ async def test_client_errors_in_process(
 )
 def test_run_exit_status(job: dict[str, object], status: int) -> None:
     assert rc_cli.run_exit_status(job) == status
+
+
+async def test_rc_serve_exits_on_sigterm() -> None:
+    """A real `rc serve` process: SIGTERM stops it, with status 0."""
+    import signal
+    import sys
+    from pathlib import Path
+
+    rc = str(Path(sys.executable).parent / "rc")
+    proc = await trio.lowlevel.open_process(
+        [rc, "serve", "--listen", "127.0.0.1:0", "--user-token", "u", "--worker-token", "w"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        with trio.fail_after(30):
+            assert proc.stderr is not None
+            said = b""
+            while b"listening on" not in said:
+                chunk = await proc.stderr.receive_some(4096)
+                assert chunk, f"rc serve ended before listening: {said!r}"
+                said += chunk
+            proc.send_signal(signal.SIGTERM)
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
