@@ -49,7 +49,7 @@ def configure(subparsers: Subparsers) -> None:
 
 def run_probe(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.path)
+        config = load_config(args.path, need_token=False)
     except ConfigError as e:
         print(f"rc-worker: {e}", file=sys.stderr)
         return 2

@@ -127,18 +127,26 @@ def config_path(path: str | os.PathLike[str] | None, environ: Mapping[str, str])
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    need_token: bool = True,
 ) -> Config:
     """Read, validate and resolve the worker's config file.
 
     ``environ`` (default ``os.environ``) supplies ``RC_WORKER_CONFIG`` (the
     path, when ``path`` is None) and the overrides ``RC_CONTROLLER_URL``,
     ``RC_TOKEN``, ``RC_HOST`` and ``RC_REQUIRE_MANUAL_CLEAR``.
+
+    ``need_token=False`` is for tools that never talk to the controller
+    (``rc-worker status``, ``rc-worker probe``): the token file is not read,
+    so an operator can run them without the worker's secret, and a missing
+    token is not an error.
     """
     env = os.environ if environ is None else environ
     file = config_path(path, env)
-    config = _apply_environ(config_parse.parse_file(file), env)
-    if config.controller_url is not None and config.token is None:
+    config = _apply_environ(config_parse.parse_file(file, read_token=need_token), env)
+    if need_token and config.controller_url is not None and config.token is None:
         # Checked after the overrides: RC_TOKEN may be what supplies it.
         raise ConfigError(
             f"{file}:1:1: token: controller_url is set but no worker token is; "

@@ -160,7 +160,7 @@ def unstructure(config: Config) -> dict[str, Any]:
     return data
 
 
-def parse_file(file: Path) -> Config:
+def parse_file(file: Path, *, read_token: bool = True) -> Config:
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -174,10 +174,10 @@ def parse_file(file: Path) -> Config:
         ) from None
     # Relative paths in the file mean "next to this file", wherever the
     # worker was started from: the directory, absolute and without symlinks.
-    return parse_text(text, name=str(file), base_dir=file.parent.resolve())
+    return parse_text(text, name=str(file), base_dir=file.parent.resolve(), read_token=read_token)
 
 
-def parse_text(text: str, *, name: str, base_dir: Path) -> Config:
+def parse_text(text: str, *, name: str, base_dir: Path, read_token: bool = True) -> Config:
     from rc_worker.config import Config
 
     loc = _Locator(name)
@@ -214,7 +214,7 @@ def parse_text(text: str, *, name: str, base_dir: Path) -> Config:
     except Exception as e:
         _raise_located(loc, e)
     _check(loc, config)
-    return _resolve_paths(loc, config, base_dir)
+    return _resolve_paths(loc, config, base_dir, read_token=read_token)
 
 
 def _structure_part(loc: _Locator, value: Any, key: str) -> HooksConfig:
@@ -342,7 +342,7 @@ def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:
     return label
 
 
-def _resolve_paths(loc: _Locator, config: Config, base_dir: Path) -> Config:
+def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token: bool) -> Config:
     def resolve(p: str | None) -> str | None:
         if p is None or p == "":
             return p
@@ -352,7 +352,9 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path) -> Config:
         k: resolve(getattr(config, k)) for k in _PATH_FIELDS if hasattr(config, k)
     }
     token_file = resolve(config.token_file)
-    if token_file is not None:
+    if token_file is not None and not read_token:
+        changes["token_file"] = token_file
+    elif token_file is not None:
         try:
             token = Path(token_file).read_text(encoding="utf-8").strip()
         except OSError as e:

@@ -409,4 +409,5 @@ class DeviceSupervisor:
 
 
 def _cancel_reason(text: str) -> str:
-    return f"cancelled: {text}" if text else "cancelled"
+    """``cancelled``, with the controller's own words when it gave some."""
+    return f"cancelled: {text}" if text and text != "cancelled" else "cancelled"

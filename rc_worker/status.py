@@ -81,7 +81,7 @@ def status_main(args: argparse.Namespace) -> int:
     url = args.url
     if url is None:
         try:
-            config = load_config(args.path)
+            config = load_config(args.path, need_token=False)
         except ConfigError as e:
             print(f"rc-worker: {e}", file=sys.stderr)
             return 2

@@ -876,6 +876,16 @@ def test_a_real_controller_needs_a_token_from_the_file_or_rc_token(tmp_path: Pat
         load_config(path, environ={"RC_CONTROLLER_URL": "http://ctl:8080"})
 
 
+def test_tools_that_never_talk_to_the_controller_need_no_token(tmp_path: Path) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text("devices: [gpu0]\ncontroller_url: http://ctl:8080\ntoken_file: secret\n")
+    config = load_config(path, environ={}, need_token=False)
+    assert config.token is None
+    assert config.token_file == str(tmp_path / "secret")
+    with pytest.raises(ConfigError, match="cannot read the token file"):
+        load_config(path, environ={})
+
+
 def test_rc_token_overrides_a_token_file(tmp_path: Path) -> None:
     _write(tmp_path, "file-token\n", "worker.token")
     path = _write(tmp_path, "devices: [gpu0]\ntoken_file: worker.token\n")

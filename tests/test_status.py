@@ -74,3 +74,18 @@ def test_status_without_status_listen_names_the_fix(
 def test_status_of_a_worker_that_is_not_there(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--url", "http://127.0.0.1:9"]) == 1
     assert "cannot read the worker's status" in capsys.readouterr().err
+
+
+def test_status_needs_neither_the_token_nor_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator without the worker's secret can still ask it how it is."""
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        "devices: [gpu0]\ncontroller_url: http://ctl:8080\n"
+        "token_file: /nonexistent/worker.token\nstatus_listen: 127.0.0.1:9\n"
+    )
+    assert main(["status", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read the worker's status at http://127.0.0.1:9" in err
+    assert "token" not in err
