@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any, cast
@@ -61,7 +62,29 @@ async def serve_status(
     config.bind = [listen]
     config.accesslog = None
     config.errorlog = None
+    _check_listen(listen)
     await hypercorn_serve(cast(Any, app), config, task_status=task_status)
+
+
+def _check_listen(listen: str) -> None:
+    """Fail with a clear message if ``listen`` cannot be bound.
+
+    Tried here rather than left to hypercorn, whose bind error arrives as a
+    bare OSError from inside its nursery, with its half-made socket unclosed.
+    """
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        raise ConfigError(
+            f"status_listen: cannot listen on {listen} ({e.strerror or e}); "
+            "choose a free address and port, or leave status_listen out"
+        ) from None
 
 
 # -- rc-worker status ---------------------------------------------------------

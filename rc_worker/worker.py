@@ -34,7 +34,7 @@ from rc_worker.client import ControllerClient
 from rc_worker.config import Config
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
-from rc_worker.errors import AssignmentError, ControllerError
+from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
@@ -132,7 +132,13 @@ class Worker:
     # -- the service ----------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        root = ensure_state_dir(self.config.state_dir)
+        try:
+            root = ensure_state_dir(self.config.state_dir)
+        except OSError as e:
+            raise ConfigError(
+                f"state_dir: cannot create or use {self.config.state_dir} ({e.strerror}); "
+                "make it writable by the worker's user, or point state_dir elsewhere"
+            ) from None
         warning = warn_token_file_mode(self.config.token_file)
         if warning:
             log.warning("%s", warning)

@@ -44,6 +44,12 @@ def run_from_cli(args: argparse.Namespace) -> int:
         trio.run(serve, config)
     except* KeyboardInterrupt:
         code = 130
+    except* ConfigError as group:
+        # Bad settings found only at start (state_dir, status_listen): exit 2,
+        # which a service manager can be told not to restart on.
+        for err in group.exceptions:
+            print(f"rc-worker: {err}", file=sys.stderr)
+        code = 2
     except* RcWorkerError as group:
         for err in group.exceptions:
             print(f"rc-worker: {err}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -89,3 +90,41 @@ def test_status_needs_neither_the_token_nor_its_file(
     err = capsys.readouterr().err
     assert "cannot read the worker's status at http://127.0.0.1:9" in err
     assert "token" not in err
+
+
+async def test_a_status_address_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    from rc_worker.errors import ConfigError
+
+    with trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = make_config(tmp_path, status_listen=f"127.0.0.1:{port}")
+        with (
+            trio.fail_after(30),
+            pytest.RaisesGroup(
+                pytest.RaisesExc(
+                    ConfigError, match=f"status_listen: cannot listen on 127.0.0.1:{port}"
+                ),
+                flatten_subgroups=True,
+            ),
+        ):
+            async with local_system(config):
+                pass
+
+
+async def test_an_unusable_state_dir_is_a_clear_error(tmp_path: Path) -> None:
+    from rc_worker.errors import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    config = attrs.evolve(make_config(tmp_path), state_dir=str(blocker / "state"))
+    with (
+        trio.fail_after(30),
+        pytest.RaisesGroup(
+            pytest.RaisesExc(ConfigError, match="state_dir: cannot create or use"),
+            flatten_subgroups=True,
+        ),
+    ):
+        async with local_system(config):
+            pass
