@@ -1,0 +1,618 @@
+"""Fault simulations of whole fleets: one reference controller, N workers, virtual time.
+
+Every worker runs unchanged on its own :class:`~rc_worker.testing.sim.SimHost`
+and its own state directory, against one in-process reference controller
+(``httpx.ASGITransport``, no sockets), all in one Trio run under
+``trio.testing.MockClock(autojump_threshold=0)``: hours of virtual time cost
+milliseconds, so hypothesis can drive thousands of scenarios::
+
+    def test_crash_during_a_job() -> None:
+        async def scenario(fleet: Fleet) -> None:
+            fleet.program("train", Script.printing((5.0, b"done\\n")))
+            job = fleet.submit(["train"])
+            await trio.sleep(2)
+            await fleet.crash("h0")
+            fleet.restart("h0")
+            await fleet.settle()
+            await fleet.drain()
+            assert fleet.check() == []
+
+        simulate(scenario, hosts=1)
+
+Faults: :meth:`Fleet.crash` (optionally with a reboot) and :meth:`Fleet.restart`;
+controller faults per endpoint (:class:`Fault`: a 503, a refused connection,
+a timeout, or a request applied whose answer is lost), queued with
+:meth:`Fleet.inject` or held with :meth:`Fleet.outage` until :meth:`Fleet.restore`.
+
+Invariants (ARCHITECTURE.md) are checked as the run goes, where they must be
+seen at the moment (a device offered ready while a process of its job lives;
+a ``gone`` claim under ``require_manual_clear``), and by :meth:`Fleet.check`
+at the end (exactly one terminal state, output committed once and in order,
+a job that exited 0 reported succeeded). :meth:`Fleet.check` returns the
+violations as sentences; an empty list is a pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import json
+import math
+import re
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import httpx
+import trio
+import trio.testing
+
+from rc_worker.config import Config
+from rc_worker.controller import create_app
+from rc_worker.controller.messages import JobInfo
+from rc_worker.controller.serve import housekeeping
+from rc_worker.controller.store import Store, StoreConfig
+from rc_worker.testing.sim import Script, SimHost, SimProcess
+from rc_worker.worker import Worker
+
+__all__ = [
+    "ENDPOINTS",
+    "Exchange",
+    "Fault",
+    "FaultyTransport",
+    "Fleet",
+    "SimNode",
+    "open_fleet",
+    "simulate",
+]
+
+T = TypeVar("T")
+
+USER_TOKEN = "rc-sim-user-token"
+
+# A PATH that finds no nvidia-smi (the probe pass looks on the real disk), and
+# no probe, verify or sheet directory: the probe pass reports built-in facts only.
+WORKER_ENVIRON: Mapping[str, str] = {"PATH": "/nonexistent/rc-sim/bin", "HOME": "/nonexistent"}
+
+TIMEOUT_S = 5.0
+"""Virtual seconds a ``Fault.TIMEOUT`` takes before the worker sees it."""
+
+ENDPOINTS: Mapping[str, re.Pattern[str]] = {
+    name: re.compile(pattern)
+    for name, pattern in {
+        "register": r"^/v1/hosts/[^/]+/register$",
+        "heartbeat": r"^/v1/hosts/[^/]+/heartbeat$",
+        "poll": r"^/v1/hosts/[^/]+/poll$",
+        "labels": r"^/v1/hosts/[^/]+/labels$",
+        "sheets": r"^/v1/hosts/[^/]+/sheets$",
+        "fault": r"^/v1/hosts/[^/]+/devices/[^/]+/fault$",
+        "start": r"^/v1/jobs/[^/]+/start$",
+        "output": r"^/v1/jobs/[^/]+/output$",
+        "finish": r"^/v1/jobs/[^/]+/finish$",
+        "stdin": r"^/v1/jobs/[^/]+/stdin$",
+    }.items()
+}
+"""The worker's endpoints by name, as fault plans address them."""
+
+
+class Fault(enum.Enum):
+    """What the controller's side of one request does."""
+
+    OK = "ok"
+    UNAVAILABLE = "503"
+    REFUSED = "connection refused"
+    TIMEOUT = "timeout"
+    LOST = "applied, answer lost"
+
+
+@attrs.frozen
+class Exchange:
+    """One request a worker made, as the transport saw it."""
+
+    at: float
+    host: str
+    endpoint: str
+    path: str
+    fault: Fault
+    status: int | None  # None: no answer reached the worker
+
+
+def endpoint_of(path: str) -> str:
+    for name, pattern in ENDPOINTS.items():
+        if pattern.match(path):
+            return name
+    return "other"
+
+
+RequestHook = Callable[[str, httpx.Request], httpx.Request]
+
+
+class FaultyTransport(httpx.AsyncBaseTransport):
+    """Between one worker and the controller: planned faults, outages, a log.
+
+    ``on_request(endpoint, request)`` sees every request that reaches the
+    wire, and returns the one to send. While ``down`` (the worker process is
+    dead) nothing is sent at all.
+    """
+
+    def __init__(
+        self,
+        inner: httpx.AsyncBaseTransport,
+        *,
+        name: str = "",
+        on_request: RequestHook | None = None,
+    ) -> None:
+        self._inner = inner
+        self.name = name
+        self.on_request = on_request
+        self.down = False
+        self.log: list[Exchange] = []
+        self._queued: dict[str, list[Fault]] = {}
+        self._outages: dict[str, Fault] = {}
+
+    def inject(self, endpoint: str, *faults: Fault) -> None:
+        """The next requests to ``endpoint`` meet ``faults``, one each, in order."""
+        _check_endpoint(endpoint)
+        self._queued.setdefault(endpoint, []).extend(faults)
+
+    def outage(self, endpoint: str, fault: Fault = Fault.UNAVAILABLE) -> None:
+        """Every request to ``endpoint`` meets ``fault`` until :meth:`restore`."""
+        _check_endpoint(endpoint)
+        self._outages[endpoint] = fault
+
+    def restore(self, endpoint: str | None = None) -> None:
+        """End the outage of ``endpoint`` (all, when ``None``) and drop queued faults."""
+        for table in (self._outages, self._queued):
+            if endpoint is None:
+                table.clear()
+            else:
+                table.pop(endpoint, None)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            # A dead process sends nothing; its code may still be unwinding.
+            await trio.lowlevel.checkpoint()
+            raise httpx.ConnectError("the worker process is gone", request=request)
+        endpoint = endpoint_of(request.url.path)
+        fault = self._outages.get(endpoint)
+        if fault is None:
+            queue = self._queued.get(endpoint)
+            fault = queue.pop(0) if queue else Fault.OK
+        if self.on_request is not None and fault in (Fault.OK, Fault.LOST):
+            request = self.on_request(endpoint, request)
+        status: int | None = None
+        try:
+            response = await self._answer(request, fault)
+            status = response.status_code
+            return response
+        finally:
+            self.log.append(
+                Exchange(trio.current_time(), self.name, endpoint, request.url.path, fault, status)
+            )
+
+    async def _answer(self, request: httpx.Request, fault: Fault) -> httpx.Response:
+        if fault is Fault.OK:
+            return await self._inner.handle_async_request(request)
+        if fault is Fault.LOST:
+            response = await self._inner.handle_async_request(request)
+            await response.aread()
+            await response.aclose()
+            raise httpx.ReadTimeout("injected: applied, but the answer was lost", request=request)
+        if fault is Fault.TIMEOUT:
+            await trio.sleep(TIMEOUT_S)
+            raise httpx.ReadTimeout("injected: no answer", request=request)
+        await trio.lowlevel.checkpoint()
+        if fault is Fault.REFUSED:
+            raise httpx.ConnectError("injected: connection refused", request=request)
+        return httpx.Response(
+            503, json={"error": "unavailable", "message": "injected: the controller is unavailable"}
+        )
+
+    async def aclose(self) -> None:
+        # The controller outlives any one worker process: leave it open.
+        await trio.lowlevel.checkpoint()
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"no endpoint {endpoint!r}; expected one of {', '.join(ENDPOINTS)}")
+
+
+def _json(request: httpx.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(request.content or b"{}")
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _with_json(request: httpx.Request, body: Mapping[str, Any]) -> httpx.Request:
+    headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
+    return httpx.Request(
+        request.method, request.url, headers=headers, json=body, extensions=request.extensions
+    )
+
+
+# -- the fleet -------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class SimNode:
+    """One host of the fleet: its SimHost, config, transport and current worker."""
+
+    name: str
+    host: SimHost
+    config: Config
+    transport: FaultyTransport
+    worker: Worker | None = None
+    incarnations: int = 0
+    crashes: list[float] = attrs.Factory(list)
+    """Virtual times of crashes (reboots included)."""
+    running: bool = False
+    _scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    _started: trio.Event = attrs.Factory(trio.Event)
+    _done: trio.Event = attrs.Factory(trio.Event)
+
+
+class Fleet:
+    """A controller and its simulated workers; built by :func:`open_fleet`."""
+
+    def __init__(self, store: Store, nodes: dict[str, SimNode], nursery: trio.Nursery) -> None:
+        self.store = store
+        self.nodes = nodes
+        self._nursery = nursery
+        self.log: list[tuple[float, str]] = []
+        """What the harness did and saw, with virtual times, for reading a failure."""
+        self.violations: list[str] = []
+        """Invariant violations seen as they happened (see also :meth:`check`)."""
+
+    # -- driving --
+
+    def program(self, name: str, script: Script) -> None:
+        """Register ``name`` on every host (see :meth:`SimHost.program`)."""
+        for node in self.nodes.values():
+            node.host.program(name, script)
+
+    def submit(self, command: Sequence[str], **fields: Any) -> str:
+        """Queue a job; ``fields`` as ``Store.submit`` takes them."""
+        job_id = self.store.submit(list(command), **fields)
+        self._note(f"submit {job_id}: {list(command)} {fields or ''}")
+        return job_id
+
+    def cancel(self, job_id: str) -> None:
+        self.store.cancel(job_id, "cancelled by the simulation")
+        self._note(f"cancel {job_id}")
+
+    async def crash(self, name: str, *, reboot: bool = False) -> None:
+        """SIGKILL the worker of ``name`` (its processes carry on); ``reboot`` the host too."""
+        node = self.nodes[name]
+        self._note(f"crash {name}{' and reboot' if reboot else ''}")
+        node.crashes.append(trio.current_time())
+        if node.running:
+            node.running = False
+            node.transport.down = True
+            node.host.worker_died()
+            node._scope.cancel()
+            await node._done.wait()
+        if reboot:
+            node.host.reboot()
+
+    def restart(self, name: str) -> None:
+        """Start a new worker process on ``name``, on the same state directory."""
+        node = self.nodes[name]
+        if node.running:
+            raise RuntimeError(f"the worker of {name} is running; crash it first")
+        if node.incarnations:
+            node.host.worker_started()
+        self._note(f"start worker {node.incarnations + 1} on {name} (pid {node.host.worker_pid})")
+        node.transport.down = False
+        node.running = True
+        node._scope = trio.CancelScope()
+        node._started = trio.Event()
+        node._done = trio.Event()
+        node.incarnations += 1
+        # Built here, not in the task, so that node.worker is never the dead one.
+        http = httpx.AsyncClient(transport=node.transport, base_url="http://controller")
+        node.worker = Worker(node.config, http=http, host=node.host, environ=WORKER_ENVIRON)
+        self._nursery.start_soon(self._serve, node, node.worker, http)
+
+    def inject(self, endpoint: str, *faults: Fault, hosts: Iterable[str] | None = None) -> None:
+        for node in self._select(hosts):
+            node.transport.inject(endpoint, *faults)
+        self._note(f"inject {endpoint}: {[f.value for f in faults]}")
+
+    def outage(
+        self, endpoint: str, fault: Fault = Fault.UNAVAILABLE, hosts: Iterable[str] | None = None
+    ) -> None:
+        for node in self._select(hosts):
+            node.transport.outage(endpoint, fault)
+        self._note(f"outage {endpoint}: {fault.value}")
+
+    def restore(self, endpoint: str | None = None, hosts: Iterable[str] | None = None) -> None:
+        for node in self._select(hosts):
+            node.transport.restore(endpoint)
+        self._note(f"restore {endpoint or 'every endpoint'}")
+
+    def clear_clean_devices(self) -> list[str]:
+        """Clear each quarantined device with nothing of any job alive on it.
+
+        A careful operator: one who looks at the host first. Returns the
+        devices (``host/device``) cleared.
+        """
+        cleared = []
+        for info in self.store.devices():
+            node = self.nodes.get(info.host)
+            if info.state != "quarantined" or node is None or _job_processes(node, info.name):
+                continue
+            self.store.clear(info.host, info.name)
+            cleared.append(info.address)
+        if cleared:
+            self._note(f"operator clears {cleared}")
+        return cleared
+
+    async def wait_until(self, predicate: Callable[[], bool], *, interval: float = 1.0) -> None:
+        """Wait for ``predicate()``, re-checked at every controller change and every
+        ``interval`` virtual seconds (process tables change without telling anyone)."""
+        while not predicate():
+            changed = trio.Event()
+            unsubscribe = self.store.subscribe(changed.set)
+            try:
+                with trio.move_on_after(interval):
+                    await changed.wait()
+            finally:
+                unsubscribe()
+
+    async def settle(self, *, operator_every: float | None = 30.0) -> None:
+        """Run until every job has ended.
+
+        Every ``operator_every`` virtual seconds an operator clears the
+        quarantines that are clean (:meth:`clear_clean_devices`); ``None``
+        for no operator. Not at once: the workers' own proofs come first.
+        """
+        interval = math.inf if operator_every is None else operator_every
+        while True:
+            with trio.move_on_after(interval):
+                await self.wait_until(lambda: all(j.terminal for j in self.store.jobs()))
+                return
+            self.clear_clean_devices()
+
+    async def drain(self) -> None:
+        """Drain every running worker (jobs finish, reports delivered) and wait for it to exit."""
+        nodes = [n for n in self.nodes.values() if n.running]
+        for node in nodes:
+            # A worker that has not started yet would ignore the drain.
+            await node._started.wait()
+            assert node.worker is not None
+            node.worker.drain()
+        for node in nodes:
+            await node._done.wait()
+            node.running = False
+
+    # -- what happened --
+
+    def jobs(self) -> list[JobInfo]:
+        return self.store.jobs()
+
+    def events(self) -> list[Any]:
+        return self.store.events()
+
+    def check(self) -> list[str]:
+        """Every invariant violation of the run so far, as sentences; ``[]`` is a pass.
+
+        Call it once workers are drained (or stopped with nothing owed): a
+        report still on its way is not yet committed.
+        """
+        problems = list(self.violations)
+        events = self.store.events()
+        finishes = collections.Counter(
+            str(e.data["job_id"]) for e in events if e.type == "job_finished"
+        )
+        for info in self.store.jobs():
+            problems += self._check_job(info, finishes[info.job_id], events)
+        manual = {n.name for n in self.nodes.values() if n.config.require_manual_clear}
+        for e in events:
+            if (
+                e.type == "device_cleared"
+                and e.data.get("by") == "gone"
+                and e.data["host"] in manual
+            ):
+                problems.append(f"{e.data['host']}/{e.data['device']} freed by a 'gone' claim")
+        return problems
+
+    # -- internals --
+
+    def _check_job(self, info: JobInfo, finishes: int, events: list[Any]) -> list[str]:
+        job = info.job_id
+        out: list[str] = []
+        if finishes > 1:
+            out.append(f"{job}: {finishes} terminal states recorded")
+        if info.started_at is not None and not info.terminal:
+            out.append(f"{job}: started but never ended (state {info.state})")
+        spawns = [(n, p) for n in self.nodes.values() for p in n.host.spawned(job)]
+        spawns = [(n, p) for n, p in spawns if "RC_HOOK" not in p.environ]
+        if len(spawns) > 1:
+            out.append(f"{job}: spawned {len(spawns)} times ({[p.pid for _, p in spawns]})")
+        if not spawns:
+            return out
+        node, proc = spawns[0]
+        if info.started_at is None or info.started_at > proc.started_at:
+            out.append(f"{job}: spawned on {node.name} before the controller saw it start")
+        assert proc.stdout is not None
+        committed, read = self.store.output(job), bytes(proc.stdout.read)
+        disrupted = self._disrupted(node, proc, info, events)
+        if committed != read:
+            out.append(
+                f"{job}: committed output is not what the worker read: {_diff(committed, read)}"
+            )
+        written = bytes(proc.stdout.written)
+        if not disrupted and read != written:
+            out.append(f"{job}: the worker read other than the job wrote: {_diff(read, written)}")
+        code = proc.returncode
+        if code is None or code < 0 or proc.signalled or (info.state == "lost" and disrupted):
+            return out
+        want = "succeeded" if code == 0 else "failed"
+        if (info.state, info.exit_code, info.killed) != (want, code, False):
+            out.append(
+                f"{job}: exited {code} on its own but was reported {info.state} "
+                f"(exit {info.exit_code}, killed {info.killed}, {info.reason!r})"
+            )
+        return out
+
+    def _disrupted(self, node: SimNode, proc: SimProcess, info: JobInfo, events: list[Any]) -> bool:
+        """Whether the job's worker crashed, or its host was declared lost, while it ran."""
+        end = info.finished_at if info.finished_at is not None else float("inf")
+        if any(proc.started_at <= t <= end for t in node.crashes):
+            return True
+        return any(
+            e.type == "host_lost" and e.data.get("host") == node.name and proc.started_at <= e.time
+            for e in events
+        )
+
+    def _select(self, hosts: Iterable[str] | None) -> list[SimNode]:
+        return list(self.nodes.values()) if hosts is None else [self.nodes[h] for h in hosts]
+
+    def _note(self, text: str) -> None:
+        self.log.append((trio.current_time(), text))
+
+    async def _serve(self, node: SimNode, worker: Worker, http: httpx.AsyncClient) -> None:
+        started, done = node._started, node._done
+        try:
+            with node._scope:
+                async with http, trio.open_nursery() as nursery:
+                    await nursery.start(worker.run)
+                    started.set()
+        finally:
+            if node._done is done:
+                node.running = False
+            done.set()
+
+    def _on_request(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
+        if endpoint == "register":
+            body = _json(request)
+            # The worker reports os.getpid(), the same for every simulated
+            # process; a restarted worker is a new process, so say so.
+            body["pid"] = node.host.worker_pid
+            if node.config.require_manual_clear:
+                claims = [(r.get("job_id"), r.get("claim")) for r in body.get("recovery", [])]
+                if ("gone" in (c for _, c in claims)) or not body.get("require_manual_clear"):
+                    self._violation(
+                        f"{node.name} has require_manual_clear but registered with "
+                        f"require_manual_clear={body.get('require_manual_clear')}, claims {claims}"
+                    )
+            return _with_json(request, body)
+        if endpoint == "poll":
+            for device in _json(request).get("ready", []):
+                alive = _job_processes(node, str(device))
+                if alive:
+                    who = [(p.pid, p.job_id, p.state) for p in alive]
+                    self._violation(f"{node.name} offered {device} as ready while {who} alive")
+        return request
+
+    def _violation(self, text: str) -> None:
+        self._note(f"VIOLATION: {text}")
+        self.violations.append(f"t={trio.current_time():.3f}: {text}")
+
+
+def _diff(a: bytes, b: bytes) -> str:
+    at = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+    here, there = a[at : at + 16], b[at : at + 16]
+    return f"{len(a)} vs {len(b)} bytes, first difference at {at}: {here!r} vs {there!r}"
+
+
+def _job_processes(node: SimNode, device: str) -> list[SimProcess]:
+    """The live processes of any job (not hooks) started for ``device`` on this node."""
+    return [
+        p
+        for p in node.host.live(device=device)
+        if "RC_JOB_ID" in p.environ and "RC_HOOK" not in p.environ
+    ]
+
+
+@asynccontextmanager
+async def open_fleet(
+    hosts: int | Sequence[str] = 1,
+    *,
+    devices: Sequence[str] = ("gpu0",),
+    root: str | Path | None = None,
+    heartbeat_interval: float = 5.0,
+    poll_wait: float = 30.0,
+    store_config: StoreConfig | None = None,
+    **config_fields: Any,
+) -> AsyncIterator[Fleet]:
+    """A controller and a worker per host, each on its own SimHost and state directory.
+
+    ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``config_fields``
+    go to every worker's :class:`~rc_worker.config.Config` (``require_manual_clear``,
+    ``shutdown_grace``...). State lives under ``root`` (a temporary directory by
+    default, removed afterwards). Workers start at once; leaving the block
+    abandons whatever still runs (call :meth:`Fleet.drain` first for a clean end).
+    """
+    from rc_worker.testing import make_config
+
+    names = [f"h{i}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
+    store = Store(
+        store_config or StoreConfig(heartbeat_interval_s=heartbeat_interval, poll_wait_s=poll_wait),
+        instance="sim",
+        wall_clock=trio.current_time,
+    )
+    tokens = {f"rc-sim-{name}": name for name in names}
+    app = create_app(store=store, worker_tokens=tokens, user_tokens=[USER_TOKEN])
+    with tempfile.TemporaryDirectory(prefix="rc-fleet-") as scratch:
+        base = Path(root) if root is not None else Path(scratch)
+        async with trio.open_nursery() as nursery:
+            # As `rc serve` does: hosts are lost on time even when nobody calls.
+            await nursery.start(housekeeping, app)
+            fleet = Fleet(store, {}, nursery)
+            for name, token in ((n, t) for t, n in tokens.items()):
+                config = make_config(
+                    base / name,
+                    devices=tuple(devices),
+                    host=name,
+                    token=token,
+                    heartbeat_interval=heartbeat_interval,
+                    poll_wait=poll_wait,
+                    **config_fields,
+                )
+                node = SimNode(
+                    name,
+                    SimHost(name),
+                    config,
+                    FaultyTransport(httpx.ASGITransport(app=app), name=name),
+                )
+                node.transport.on_request = _bind(fleet, node)
+                fleet.nodes[name] = node
+                fleet.restart(name)
+            try:
+                yield fleet
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+def _bind(fleet: Fleet, node: SimNode) -> RequestHook:
+    return lambda endpoint, request: fleet._on_request(node, endpoint, request)
+
+
+def simulate(
+    scenario: Callable[[Fleet], Awaitable[T]],
+    *,
+    time_limit: float = 3600.0,
+    **fleet_args: Any,
+) -> T:
+    """Run ``scenario(fleet)`` in a fresh Trio run in virtual time, and return its result.
+
+    ``fleet_args`` go to :func:`open_fleet`. ``time_limit`` is in virtual
+    seconds: a scenario that has not ended by then raises ``trio.TooSlowError``
+    (invariant 6: everything ends).
+    """
+
+    async def main() -> T:
+        with trio.fail_after(time_limit):
+            async with open_fleet(**fleet_args) as fleet:
+                return await scenario(fleet)
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

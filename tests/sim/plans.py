@@ -1,0 +1,265 @@
+"""Fault plans for fleet simulations: what hypothesis draws, and how a plan is played.
+
+A plan says which jobs (scripts and limits) are submitted when, which
+controller endpoints fail when and how, which workers crash when (and for
+how long, and whether the host reboots), and which jobs are cancelled. It is
+played against a :class:`~rc_worker.testing.fleet.Fleet`, then every fault
+is lifted, every worker brought back, a careful operator clears clean
+quarantines until every job has ended, the workers drain, and the fleet's
+invariant checks say what went wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import trio
+from hypothesis import strategies as st
+
+from rc_worker.testing.fleet import Fault, Fleet
+from rc_worker.testing.sim import Fork, Hang, OnSigterm, Script, Sleep, Step, Write
+
+ENDPOINTS = ("register", "heartbeat", "poll", "start", "output", "finish", "labels", "fault")
+FAULTS = (Fault.UNAVAILABLE, Fault.REFUSED, Fault.TIMEOUT, Fault.LOST)
+
+
+def seconds(low: float, high: float) -> st.SearchStrategy[float]:
+    """Half-second steps: readable plans, and instants that coincide now and then."""
+    return st.integers(int(low * 2), int(high * 2)).map(lambda n: n / 2)
+
+
+@attrs.frozen
+class JobPlan:
+    at: float
+    script: Script
+    fields: dict[str, Any] = attrs.field(factory=dict, hash=False)
+
+
+@attrs.frozen
+class OutagePlan:
+    at: float
+    duration: float
+    endpoint: str
+    fault: Fault
+    host: str | None  # None: every host
+
+
+@attrs.frozen
+class CrashPlan:
+    at: float
+    host: str
+    down_for: float
+    reboot: bool
+
+
+@attrs.frozen
+class CancelPlan:
+    at: float
+    job: int
+
+
+@attrs.frozen
+class FleetPlan:
+    hosts: int = 1
+    devices: int = 1
+    jobs: tuple[JobPlan, ...] = ()
+    outages: tuple[OutagePlan, ...] = ()
+    crashes: tuple[CrashPlan, ...] = ()
+    cancels: tuple[CancelPlan, ...] = ()
+    require_manual_clear: bool = False
+    foreign_process: bool = False  # another user's daemon: every sweep is blind
+
+    def fleet_args(self) -> dict[str, Any]:
+        return {
+            "hosts": self.hosts,
+            "devices": tuple(f"gpu{i}" for i in range(self.devices)),
+            "require_manual_clear": self.require_manual_clear,
+        }
+
+
+# -- strategies -----------------------------------------------------------------
+
+SIGTERM_POLICIES = st.one_of(
+    st.just(OnSigterm()),
+    st.just(OnSigterm(ignore=True)),
+    st.builds(OnSigterm, delay=seconds(0.5, 15), exit_code=st.sampled_from([0, 1, None])),
+)
+
+DATA = st.one_of(
+    st.binary(min_size=1, max_size=16),
+    # Past the pipe's capacity: the writer blocks until the worker reads.
+    st.integers(5000, 9000).map(lambda n: bytes(i % 251 for i in range(n))),
+)
+
+
+@st.composite
+def job_scripts(draw: st.DrawFn, *, extras: bool = True) -> Script:
+    steps: list[Step] = []
+    for gap, data in draw(st.lists(st.tuples(seconds(0, 15), DATA), max_size=4)):
+        if gap:
+            steps.append(Sleep(gap))
+        steps.append(Write(data))
+    tail = draw(seconds(0, 30))
+    if tail:
+        steps.append(Sleep(tail))
+    kinds = ["escape", "holder", "hang", "hung child"] if extras else []
+    for kind in draw(st.lists(st.sampled_from(kinds), max_size=2, unique=True)):
+        where = draw(st.integers(0, len(steps)))
+        steps.insert(where, draw(_extra(kind)))
+    return Script(
+        steps,
+        exit_code=draw(st.sampled_from([0, 0, 1, 3])),
+        on_sigterm=draw(SIGTERM_POLICIES),
+    )
+
+
+def _extra(kind: str) -> st.SearchStrategy[Step]:
+    if kind == "escape":
+        # A child that calls setsid(2): out of the group, still carrying RC_JOB_ID.
+        child = st.builds(
+            Script,
+            st.tuples(st.builds(Sleep, seconds(1, 60))),
+            on_sigterm=SIGTERM_POLICIES,
+        )
+        return st.builds(Fork, child, setsid=st.just(True), holds_output=st.booleans())
+    if kind == "holder":
+        # A child that keeps stdout open after the main process has gone.
+        child = st.builds(
+            lambda at, sigterm: attrs.evolve(Script.printing((at, b"late\n")), on_sigterm=sigterm),
+            seconds(0, 20),
+            SIGTERM_POLICIES,
+        )
+        return st.builds(Fork, child)
+    if kind == "hang":
+        return st.builds(Hang, seconds(1, 40))
+    child = st.builds(lambda s: Script((Hang(s),)), seconds(1, 40))
+    return st.builds(Fork, child, setsid=st.booleans())
+
+
+@st.composite
+def job_plans(draw: st.DrawFn, *, extras: bool = True) -> JobPlan:
+    fields: dict[str, Any] = {"grace_s": draw(seconds(0, 15))}
+    if draw(st.booleans()):
+        fields["max_runtime_s"] = draw(seconds(1, 60))
+    if draw(st.booleans()):
+        fields["idle_timeout_s"] = draw(seconds(1, 30))
+    return JobPlan(draw(seconds(0, 100)), draw(job_scripts(extras=extras)), fields)
+
+
+@st.composite
+def fleet_plans(
+    draw: st.DrawFn,
+    *,
+    crashes: bool = True,
+    outages: bool = True,
+    cancels: bool = True,
+    extras: bool = True,
+) -> FleetPlan:
+    hosts = draw(st.integers(1, 2))
+    names = [f"h{i}" for i in range(hosts)]
+    outage_plans = st.builds(
+        OutagePlan,
+        seconds(0, 120),
+        seconds(0.5, 60),
+        st.sampled_from(ENDPOINTS),
+        st.sampled_from(FAULTS),
+        st.sampled_from([None, *names]),
+    )
+    crash_plans = st.builds(
+        CrashPlan, seconds(0, 150), st.sampled_from(names), seconds(0, 90), st.booleans()
+    )
+    jobs = draw(st.lists(job_plans(extras=extras), min_size=1, max_size=5))
+    return FleetPlan(
+        hosts=hosts,
+        devices=draw(st.integers(1, 2)),
+        jobs=tuple(jobs),
+        outages=tuple(draw(st.lists(outage_plans, max_size=3))) if outages else (),
+        crashes=tuple(draw(st.lists(crash_plans, max_size=2))) if crashes else (),
+        cancels=tuple(
+            draw(
+                st.lists(
+                    st.builds(CancelPlan, seconds(0, 120), st.integers(0, len(jobs) - 1)),
+                    max_size=2,
+                )
+            )
+        )
+        if cancels
+        else (),
+        require_manual_clear=draw(st.booleans()),
+        foreign_process=draw(st.booleans()),
+    )
+
+
+# -- playing a plan -----------------------------------------------------------------
+
+
+async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
+    """Play ``plan``, bring everything back, settle, drain; the invariant violations."""
+    if plan.foreign_process:
+        for node in fleet.nodes.values():
+            node.host.start(
+                Script((Sleep(math.inf),), environ_readable=False),
+                environ={"USER": "someone-else"},
+                signalable=False,
+            )
+    for i, job in enumerate(plan.jobs):
+        fleet.program(f"job{i}", job.script)
+    submitted: dict[int, str] = {}
+    async with trio.open_nursery() as nursery:
+        for i, job in enumerate(plan.jobs):
+            nursery.start_soon(_submit, fleet, job, i, submitted)
+        for outage in plan.outages:
+            nursery.start_soon(_outage, fleet, outage)
+        for name in fleet.nodes:
+            mine = sorted((c for c in plan.crashes if c.host == name), key=lambda c: c.at)
+            nursery.start_soon(_crashes, fleet, name, mine)
+        for cancel in plan.cancels:
+            nursery.start_soon(_cancel, fleet, cancel, submitted)
+    fleet.restore()
+    for name, node in fleet.nodes.items():
+        if not node.running:
+            fleet.restart(name)
+    await fleet.settle()
+    await fleet.drain()
+    return fleet.check()
+
+
+async def _submit(fleet: Fleet, job: JobPlan, index: int, submitted: dict[int, str]) -> None:
+    await trio.sleep(job.at)
+    submitted[index] = fleet.submit([f"job{index}"], **job.fields)
+
+
+async def _outage(fleet: Fleet, outage: OutagePlan) -> None:
+    hosts = None if outage.host is None else [outage.host]
+    await trio.sleep(outage.at)
+    fleet.outage(outage.endpoint, outage.fault, hosts=hosts)
+    await trio.sleep(outage.duration)
+    fleet.restore(outage.endpoint, hosts=hosts)
+
+
+async def _crashes(fleet: Fleet, name: str, crashes: Sequence[CrashPlan]) -> None:
+    for crash in crashes:
+        await trio.sleep_until(max(crash.at, trio.current_time()))
+        await fleet.crash(name, reboot=crash.reboot)
+        await trio.sleep(crash.down_for)
+        fleet.restart(name)
+
+
+async def _cancel(fleet: Fleet, cancel: CancelPlan, submitted: dict[int, str]) -> None:
+    await trio.sleep(cancel.at)
+    if cancel.job in submitted:
+        fleet.cancel(submitted[cancel.job])
+
+
+def describe(fleet: Fleet) -> str:
+    """The harness's log and the controller's jobs, for a failing example."""
+    lines = [f"{t:9.3f}  {text}" for t, text in fleet.log]
+    for info in fleet.jobs():
+        lines.append(
+            f"{info.job_id}: {info.state} on {info.host}/{info.device} exit {info.exit_code} "
+            f"killed {info.killed} {info.reason!r}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""Whole fleets under hypothesis-drawn fault plans, in virtual time, checked against the invariants.
+
+Each example is one Trio run under ``MockClock(autojump_threshold=0)``: a
+reference controller and one or two workers on simulated hosts, jobs with
+scripted behaviour (output at set times, exit codes, SIGTERM handlers,
+escaping children, children holding stdout, uninterruptible sleep), and
+controller faults, worker crashes and reboots at drawn times. What must hold
+is ARCHITECTURE.md's invariants, as ``Fleet.check`` states them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+from hypothesis import given, note, settings
+
+from rc_worker.testing.fleet import Fault, Fleet, simulate
+from rc_worker.testing.sim import Fork, Hang, Script, Write
+
+from .plans import FleetPlan, describe, fleet_plans, play
+
+TIME_LIMIT = 4 * 3600.0  # virtual seconds: invariant 6, everything ends
+
+
+def run(plan: FleetPlan) -> None:
+    async def scenario(fleet: Fleet) -> tuple[list[str], str]:
+        problems = await play(fleet, plan)
+        return problems, describe(fleet)
+
+    problems, story = simulate(scenario, time_limit=TIME_LIMIT, **plan.fleet_args())
+    note(story)
+    assert problems == []
+
+
+@settings(max_examples=25)
+@given(fleet_plans(crashes=False, outages=False))
+def test_jobs_alone_keep_the_invariants(plan: FleetPlan) -> None:
+    run(plan)
+
+
+@settings(max_examples=25)
+@given(fleet_plans(crashes=False))
+def test_controller_faults_keep_the_invariants(plan: FleetPlan) -> None:
+    run(plan)
+
+
+@settings(max_examples=25)
+@given(fleet_plans(outages=False))
+def test_crashes_and_reboots_keep_the_invariants(plan: FleetPlan) -> None:
+    run(plan)
+
+
+@settings(max_examples=25)
+@given(fleet_plans())
+def test_everything_at_once_keeps_the_invariants(plan: FleetPlan) -> None:
+    run(plan)
+
+
+# -- named scenarios: each fault once, with what it must lead to -------------------------
+
+TRAIN = Script.printing((1, b"epoch 1\n"), (10, b"epoch 2\n"), (20, b"done\n"))
+
+
+def scenario(fn: Callable[[Fleet], Awaitable[None]], **fleet_args: object) -> None:
+    async def main(fleet: Fleet) -> None:
+        fleet.program("train", TRAIN)
+        try:
+            await fn(fleet)
+            await fleet.settle()
+            await fleet.drain()
+            assert fleet.check() == []
+        except BaseException:
+            note(describe(fleet))
+            raise
+
+    simulate(main, time_limit=TIME_LIMIT, **fleet_args)
+
+
+def test_a_crash_mid_job_is_lost_with_its_output_so_far_and_the_device_proven_clean() -> None:
+    async def fn(fleet: Fleet) -> None:
+        job = fleet.submit(["train"])
+        await trio.sleep(5)
+        [proc] = fleet.nodes["h0"].host.live(job_id=job)
+        await fleet.crash("h0")
+        fleet.restart("h0")  # before the controller misses a heartbeat
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        assert fleet.store.job(job).state == "lost"
+        assert not proc.alive  # the new worker's recovery sweep removed it
+        assert fleet.store.output(job) == b"epoch 1\n"
+        # Proven gone: no operator needed before the next job runs there.
+        second = fleet.submit(["train"])
+        await fleet.wait_until(lambda: fleet.store.job(second).terminal)
+        assert fleet.store.job(second).state == "succeeded"
+
+    scenario(fn)
+
+
+def test_a_reboot_frees_the_device_of_a_job_the_controller_thought_lost() -> None:
+    async def fn(fleet: Fleet) -> None:
+        job = fleet.submit(["train"])
+        await trio.sleep(5)
+        await fleet.crash("h0", reboot=True)
+        await trio.sleep(60)  # long enough for the controller to lose the host
+        assert fleet.store.device("h0", "gpu0").state == "quarantined"
+        fleet.restart("h0")
+        await fleet.wait_until(lambda: fleet.store.device("h0", "gpu0").state == "free")
+        assert fleet.store.job(job).state == "lost"
+        cleared = [e for e in fleet.events() if e.type == "device_cleared"]
+        assert [e.data["by"] for e in cleared] == ["reboot"]
+
+    scenario(fn, heartbeat_interval=5.0)
+
+
+def test_require_manual_clear_keeps_a_device_quarantined_until_an_operator_clears_it() -> None:
+    async def fn(fleet: Fleet) -> None:
+        job = fleet.submit(["train"])
+        await trio.sleep(5)
+        await fleet.crash("h0")
+        fleet.restart("h0")
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        await trio.sleep(300)
+        assert fleet.store.device("h0", "gpu0").state == "quarantined"
+        assert fleet.clear_clean_devices() == ["h0/gpu0"]
+
+    scenario(fn, require_manual_clear=True)
+
+
+@pytest.mark.parametrize("endpoint", ["poll", "start", "output", "finish", "register"])
+def test_a_lost_answer_neither_loses_nor_doubles_a_job(endpoint: str) -> None:
+    async def fn(fleet: Fleet) -> None:
+        fleet.inject(endpoint, Fault.LOST, Fault.LOST)
+        job = fleet.submit(["train"])
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        assert fleet.store.job(job).state == "succeeded"
+        assert fleet.store.output(job) == TRAIN.output
+
+    scenario(fn)
+
+
+def test_an_escaped_child_holds_its_device_until_the_sweep_has_removed_it() -> None:
+    async def fn(fleet: Fleet) -> None:
+        unkillable = Script((Hang(100),))
+        fleet.program("leaky", Script((Write(b"x"), Fork(unkillable, setsid=True))))
+        job = fleet.submit(["leaky"])
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        info = fleet.store.job(job)
+        assert (info.state, info.killed) == ("succeeded", False)
+        assert info.sweep is not None
+        assert info.sweep["remaining"]
+        assert fleet.store.device("h0", "gpu0").state == "quarantined"
+
+    scenario(fn)
