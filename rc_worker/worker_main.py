@@ -44,15 +44,15 @@ def run_from_cli(args: argparse.Namespace) -> int:
         trio.run(serve, config)
     except* KeyboardInterrupt:
         code = 130
-    except* ConfigError as group:
+    except* ConfigError as bad_settings:
         # Bad settings found only at start (state_dir, status_listen): exit 2,
         # which a service manager can be told not to restart on.
-        for err in group.exceptions:
+        for err in bad_settings.exceptions:
             print(f"rc-worker: {err}", file=sys.stderr)
         code = 2
-    except* RcWorkerError as group:
-        for err in group.exceptions:
-            print(f"rc-worker: {err}", file=sys.stderr)
+    except* RcWorkerError as failures:
+        for failure in failures.exceptions:
+            print(f"rc-worker: {failure}", file=sys.stderr)
         code = 1
     return code
 
