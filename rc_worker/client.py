@@ -180,6 +180,7 @@ class ControllerClient:
         read_timeout: float | None = None,
     ) -> dict[str, Any]:
         backoff = Backoff(base=RETRY_BASE_S, cap=RETRY_CAP_S, rng=self._rng)
+        reregistered = False
         while True:
             generation = self._generation
             try:
@@ -190,7 +191,13 @@ class ControllerClient:
                 if not session or self._on_unknown_session is None:
                     raise
                 try:
+                    if reregistered:
+                        # Forgotten again right after registering (a controller
+                        # behind a balancer without shared sessions, a bug):
+                        # back off like any other failure, never a hot loop.
+                        await trio.sleep(backoff.next_delay())
                     await self._reregister(generation)
+                    reregistered = True
                     continue
                 except ControllerError as e:
                     # The register was refused, not this request: raising

@@ -237,7 +237,9 @@ class DeviceSupervisor:
     async def _wait_for_change(self) -> None:
         changed = self._changed
         deadline = self.linger_deadline()
-        if self.lease.idle_behavior is not IdleBehavior.RUN:
+        if self.lease.idle_behavior is not IdleBehavior.RUN or deadline <= trio.current_time():
+            # A linger already over waits for the poll that offered the device
+            # to answer (it pokes us); a past deadline here would spin.
             deadline = math.inf
         with trio.move_on_at(deadline):
             await changed.wait()

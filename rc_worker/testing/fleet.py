@@ -50,7 +50,7 @@ import httpx
 import trio
 import trio.testing
 
-from rc_worker.config import Config
+from rc_worker.config import Config, DeviceConfig
 from rc_worker.controller import create_app
 from rc_worker.controller.messages import JobInfo
 from rc_worker.controller.serve import housekeeping
@@ -65,6 +65,7 @@ __all__ = [
     "FaultyTransport",
     "Fleet",
     "SimNode",
+    "SimulationStalled",
     "open_fleet",
     "simulate",
 ]
@@ -103,6 +104,7 @@ class Fault(enum.Enum):
 
     OK = "ok"
     UNAVAILABLE = "503"
+    UNKNOWN_SESSION = "409 unknown_session"
     REFUSED = "connection refused"
     TIMEOUT = "timeout"
     LOST = "applied, answer lost"
@@ -207,6 +209,9 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         await trio.lowlevel.checkpoint()
         if fault is Fault.REFUSED:
             raise httpx.ConnectError("injected: connection refused", request=request)
+        if fault is Fault.UNKNOWN_SESSION:
+            body = {"error": "unknown_session", "message": "injected: register again"}
+            return httpx.Response(409, json=body)
         return httpx.Response(
             503, json={"error": "unavailable", "message": "injected: the controller is unavailable"}
         )
@@ -285,6 +290,11 @@ class Fleet:
     def cancel(self, job_id: str) -> None:
         self.store.cancel(job_id, "cancelled by the simulation")
         self._note(f"cancel {job_id}")
+
+    def set_idle_behavior(self, host: str, device: str, behavior: str) -> None:
+        """``run``, ``hold`` or ``drain``, as an operator sets it at the controller."""
+        self.store.set_idle_behavior(host, device, behavior)
+        self._note(f"idle behaviour of {host}/{device}: {behavior}")
 
     async def crash(self, name: str, *, reboot: bool = False) -> None:
         """SIGKILL the worker of ``name`` (its processes carry on); ``reboot`` the host too."""
@@ -537,7 +547,7 @@ def _job_processes(node: SimNode, device: str) -> list[SimProcess]:
 async def open_fleet(
     hosts: int | Sequence[str] = 1,
     *,
-    devices: Sequence[str] = ("gpu0",),
+    devices: Sequence[str | DeviceConfig] = ("gpu0",),
     root: str | Path | None = None,
     heartbeat_interval: float = 5.0,
     poll_wait: float = 30.0,
@@ -546,7 +556,9 @@ async def open_fleet(
 ) -> AsyncIterator[Fleet]:
     """A controller and a worker per host, each on its own SimHost and state directory.
 
-    ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``config_fields``
+    ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``devices``: names,
+    or :class:`~rc_worker.config.DeviceConfig` with hooks, whose paths are
+    programs of the SimHosts (:meth:`Fleet.program`). ``config_fields``
     go to every worker's :class:`~rc_worker.config.Config` (``require_manual_clear``,
     ``shutdown_grace``...). State lives under ``root`` (a temporary directory by
     default, removed afterwards). Workers start at once; leaving the block
@@ -597,22 +609,63 @@ def _bind(fleet: Fleet, node: SimNode) -> RequestHook:
     return lambda endpoint, request: fleet._on_request(node, endpoint, request)
 
 
+class SimulationStalled(Exception):
+    """Virtual time stopped while tasks kept running: a livelock, which never ends (invariant 6).
+
+    ``trio.fail_after`` in virtual time cannot see one: the deadline never comes.
+    """
+
+
+STALL_STEPS = 200_000
+"""Task steps at one virtual instant past which :func:`simulate` calls the run stalled."""
+
+
+class _StallGuard(trio.abc.Instrument):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.at = -math.inf
+        self.steps = 0
+        self.scope: trio.CancelScope | None = None
+        self.stalled_at: float | None = None
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        now = trio.current_time()
+        if now != self.at:
+            self.at, self.steps = now, 0
+            return
+        self.steps += 1
+        if self.steps > self.limit and self.stalled_at is None and self.scope is not None:
+            self.stalled_at = now
+            self.scope.cancel()
+
+
 def simulate(
     scenario: Callable[[Fleet], Awaitable[T]],
     *,
     time_limit: float = 3600.0,
+    stall_steps: int = STALL_STEPS,
     **fleet_args: Any,
 ) -> T:
     """Run ``scenario(fleet)`` in a fresh Trio run in virtual time, and return its result.
 
-    ``fleet_args`` go to :func:`open_fleet`. ``time_limit`` is in virtual
-    seconds: a scenario that has not ended by then raises ``trio.TooSlowError``
-    (invariant 6: everything ends).
+    ``fleet_args`` go to :func:`open_fleet`. Invariant 6, everything ends, is
+    checked twice: a scenario still running after ``time_limit`` virtual
+    seconds raises ``trio.TooSlowError``, and one whose virtual time stops
+    (more than ``stall_steps`` task steps at one instant: something retries
+    without ever sleeping) raises :class:`SimulationStalled`.
     """
+    guard = _StallGuard(stall_steps)
 
     async def main() -> T:
-        with trio.fail_after(time_limit):
-            async with open_fleet(**fleet_args) as fleet:
-                return await scenario(fleet)
+        with trio.CancelScope() as scope:
+            guard.scope = scope
+            with trio.fail_after(time_limit):
+                async with open_fleet(**fleet_args) as fleet:
+                    return await scenario(fleet)
+        raise SimulationStalled(
+            f"virtual time stopped at {guard.stalled_at}: more than {stall_steps} task "
+            "steps went by without it moving (something retries without sleeping)"
+        )
 
-    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    return trio.run(main, clock=clock, instruments=[guard])

@@ -93,10 +93,19 @@ class Sleep:
 
 @attrs.frozen
 class Write:
-    """Write ``data`` to stdout, or to stderr (which is stdout unless spawned separate)."""
+    """Write ``data`` to stdout, or to stderr (which is stdout unless spawned separate).
+
+    ``repeat`` writes it that many times over, in one go: a big output that
+    still reads (and prints in a failing example) in one line.
+    """
 
     data: bytes
     stderr: bool = False
+    repeat: int = 1
+
+    @property
+    def payload(self) -> bytes:
+        return self.data * self.repeat
 
 
 @attrs.frozen
@@ -202,7 +211,7 @@ class Script:
     @property
     def output(self) -> bytes:
         """What its own steps write (stdout and stderr), forks and stdin left out."""
-        return b"".join(s.data for s in self.steps if isinstance(s, Write))
+        return b"".join(s.payload for s in self.steps if isinstance(s, Write))
 
 
 Step = Sleep | Write | Hang | EchoStdin | Fork
@@ -786,7 +795,7 @@ class SimHost:
                 if pipe is None:
                     await trio.lowlevel.checkpoint()
                 else:
-                    await pipe.write(step.data)
+                    await pipe.write(step.payload)
             elif isinstance(step, Hang):
                 await self._hang(proc, step.seconds)
             elif isinstance(step, EchoStdin):

@@ -19,11 +19,18 @@ import attrs
 import trio
 from hypothesis import strategies as st
 
+from rc_worker.config import DeviceConfig
+from rc_worker.controller.errors import NotFound
 from rc_worker.testing.fleet import Fault, Fleet
 from rc_worker.testing.sim import Fork, Hang, OnSigterm, Script, Sleep, Step, Write
 
 ENDPOINTS = ("register", "heartbeat", "poll", "start", "output", "finish", "labels", "fault")
-FAULTS = (Fault.UNAVAILABLE, Fault.REFUSED, Fault.TIMEOUT, Fault.LOST)
+FAULTS = (Fault.UNAVAILABLE, Fault.REFUSED, Fault.TIMEOUT, Fault.LOST, Fault.UNKNOWN_SESSION)
+# A held unknown_session hot-loops the worker (the strict xfail in test_fleet.py):
+# as a held outage it would only find that bug again, so it comes in finite runs.
+OUTAGE_FAULTS = tuple(f for f in FAULTS if f is not Fault.UNKNOWN_SESSION)
+ACQUIRE = "/sim/hooks/acquire"
+RELEASE = "/sim/hooks/release"
 
 
 def seconds(low: float, high: float) -> st.SearchStrategy[float]:
@@ -48,6 +55,14 @@ class OutagePlan:
 
 
 @attrs.frozen
+class InjectPlan:
+    at: float
+    endpoint: str
+    faults: tuple[Fault, ...]
+    host: str | None
+
+
+@attrs.frozen
 class CrashPlan:
     at: float
     host: str
@@ -62,20 +77,53 @@ class CancelPlan:
 
 
 @attrs.frozen
+class IdlePlan:
+    at: float
+    duration: float
+    host: str
+    device: str
+    behavior: str  # hold or drain, then back to run
+
+
+@attrs.frozen
+class HooksPlan:
+    acquire: Script | None
+    release: Script | None
+    linger: float
+    timeout: float
+
+
+@attrs.frozen
 class FleetPlan:
     hosts: int = 1
     devices: int = 1
     jobs: tuple[JobPlan, ...] = ()
     outages: tuple[OutagePlan, ...] = ()
+    injections: tuple[InjectPlan, ...] = ()
     crashes: tuple[CrashPlan, ...] = ()
     cancels: tuple[CancelPlan, ...] = ()
+    idles: tuple[IdlePlan, ...] = ()
+    hooks: HooksPlan | None = None
     require_manual_clear: bool = False
     foreign_process: bool = False  # another user's daemon: every sweep is blind
 
     def fleet_args(self) -> dict[str, Any]:
+        names = [f"gpu{i}" for i in range(self.devices)]
+        devices: list[str | DeviceConfig] = list(names)
+        if self.hooks is not None:
+            devices = [
+                DeviceConfig(
+                    name,
+                    on_acquire=None if self.hooks.acquire is None else ACQUIRE,
+                    on_release=None if self.hooks.release is None else RELEASE,
+                    release_linger=self.hooks.linger,
+                    timeout=self.hooks.timeout,
+                )
+                for name in names
+            ]
         return {
             "hosts": self.hosts,
-            "devices": tuple(f"gpu{i}" for i in range(self.devices)),
+            "devices": tuple(devices),
             "require_manual_clear": self.require_manual_clear,
         }
 
@@ -88,20 +136,20 @@ SIGTERM_POLICIES = st.one_of(
     st.builds(OnSigterm, delay=seconds(0.5, 15), exit_code=st.sampled_from([0, 1, None])),
 )
 
-DATA = st.one_of(
-    st.binary(min_size=1, max_size=16),
+WRITES = st.one_of(
+    st.builds(Write, st.binary(min_size=1, max_size=16)),
     # Past the pipe's capacity: the writer blocks until the worker reads.
-    st.integers(5000, 9000).map(lambda n: bytes(i % 251 for i in range(n))),
+    st.builds(Write, st.just(b"0123456789abcdef\n"), repeat=st.integers(250, 550)),
 )
 
 
 @st.composite
 def job_scripts(draw: st.DrawFn, *, extras: bool = True) -> Script:
     steps: list[Step] = []
-    for gap, data in draw(st.lists(st.tuples(seconds(0, 15), DATA), max_size=4)):
+    for gap, write in draw(st.lists(st.tuples(seconds(0, 15), WRITES), max_size=4)):
         if gap:
             steps.append(Sleep(gap))
-        steps.append(Write(data))
+        steps.append(write)
     tail = draw(seconds(0, 30))
     if tail:
         steps.append(Sleep(tail))
@@ -146,7 +194,22 @@ def job_plans(draw: st.DrawFn, *, extras: bool = True) -> JobPlan:
         fields["max_runtime_s"] = draw(seconds(1, 60))
     if draw(st.booleans()):
         fields["idle_timeout_s"] = draw(seconds(1, 30))
-    return JobPlan(draw(seconds(0, 100)), draw(job_scripts(extras=extras)), fields)
+    return JobPlan(draw(seconds(0, 60)), draw(job_scripts(extras=extras)), fields)
+
+
+HOOK_SCRIPTS = st.one_of(
+    st.builds(Script.sleeping, seconds(0, 3)),
+    st.builds(Script.sleeping, seconds(0, 40), exit_code=st.sampled_from([0, 1])),
+)
+
+HOOKS = st.builds(
+    HooksPlan,
+    st.none() | HOOK_SCRIPTS,
+    st.none() | HOOK_SCRIPTS,
+    # Any linger finds the linger spin again (the strict xfails in test_fleet.py).
+    st.just(0.0),
+    seconds(1, 30),
+)
 
 
 @st.composite
@@ -165,18 +228,38 @@ def fleet_plans(
         seconds(0, 120),
         seconds(0.5, 60),
         st.sampled_from(ENDPOINTS),
-        st.sampled_from(FAULTS),
+        st.sampled_from(OUTAGE_FAULTS),
+        st.sampled_from([None, *names]),
+    )
+    inject_plans = st.builds(
+        InjectPlan,
+        seconds(0, 120),
+        st.sampled_from(ENDPOINTS),
+        st.lists(st.sampled_from(FAULTS), min_size=1, max_size=3).map(tuple),
         st.sampled_from([None, *names]),
     )
     crash_plans = st.builds(
-        CrashPlan, seconds(0, 150), st.sampled_from(names), seconds(0, 90), st.booleans()
+        CrashPlan, seconds(0, 90), st.sampled_from(names), seconds(0, 90), st.booleans()
+    )
+    devices = draw(st.integers(1, 2))
+    idle_plans = st.builds(
+        IdlePlan,
+        seconds(0, 90),
+        seconds(1, 60),
+        st.sampled_from(names),
+        st.sampled_from([f"gpu{i}" for i in range(devices)]),
+        st.sampled_from(["hold", "drain"]),
     )
     jobs = draw(st.lists(job_plans(extras=extras), min_size=1, max_size=5))
+    # A held device that lingers past its deadline while offered spins (the linger
+    # xfails in test_fleet.py); hold -> run with hooks gets there even with no linger.
+    hooks = draw(st.none() | HOOKS) if extras else None
     return FleetPlan(
         hosts=hosts,
-        devices=draw(st.integers(1, 2)),
+        devices=devices,
         jobs=tuple(jobs),
         outages=tuple(draw(st.lists(outage_plans, max_size=3))) if outages else (),
+        injections=tuple(draw(st.lists(inject_plans, max_size=3))) if outages else (),
         crashes=tuple(draw(st.lists(crash_plans, max_size=2))) if crashes else (),
         cancels=tuple(
             draw(
@@ -188,6 +271,8 @@ def fleet_plans(
         )
         if cancels
         else (),
+        idles=() if hooks is not None else tuple(draw(st.lists(idle_plans, max_size=2))),
+        hooks=hooks,
         require_manual_clear=draw(st.booleans()),
         foreign_process=draw(st.booleans()),
     )
@@ -205,6 +290,10 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
                 environ={"USER": "someone-else"},
                 signalable=False,
             )
+    if plan.hooks is not None:
+        for path, hook in ((ACQUIRE, plan.hooks.acquire), (RELEASE, plan.hooks.release)):
+            if hook is not None:
+                fleet.program(path, hook)
     for i, job in enumerate(plan.jobs):
         fleet.program(f"job{i}", job.script)
     submitted: dict[int, str] = {}
@@ -213,11 +302,15 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
             nursery.start_soon(_submit, fleet, job, i, submitted)
         for outage in plan.outages:
             nursery.start_soon(_outage, fleet, outage)
+        for injection in plan.injections:
+            nursery.start_soon(_inject, fleet, injection)
         for name in fleet.nodes:
             mine = sorted((c for c in plan.crashes if c.host == name), key=lambda c: c.at)
             nursery.start_soon(_crashes, fleet, name, mine)
         for cancel in plan.cancels:
             nursery.start_soon(_cancel, fleet, cancel, submitted)
+        for idle in plan.idles:
+            nursery.start_soon(_idle, fleet, idle)
     fleet.restore()
     for name, node in fleet.nodes.items():
         if not node.running:
@@ -240,12 +333,28 @@ async def _outage(fleet: Fleet, outage: OutagePlan) -> None:
     fleet.restore(outage.endpoint, hosts=hosts)
 
 
+async def _inject(fleet: Fleet, injection: InjectPlan) -> None:
+    await trio.sleep(injection.at)
+    hosts = None if injection.host is None else [injection.host]
+    fleet.inject(injection.endpoint, *injection.faults, hosts=hosts)
+
+
 async def _crashes(fleet: Fleet, name: str, crashes: Sequence[CrashPlan]) -> None:
     for crash in crashes:
         await trio.sleep_until(max(crash.at, trio.current_time()))
         await fleet.crash(name, reboot=crash.reboot)
         await trio.sleep(crash.down_for)
         fleet.restart(name)
+
+
+async def _idle(fleet: Fleet, idle: IdlePlan) -> None:
+    await trio.sleep(idle.at)
+    try:
+        fleet.set_idle_behavior(idle.host, idle.device, idle.behavior)
+    except NotFound:
+        return  # not registered yet (a register outage): nothing for an operator to set
+    await trio.sleep(idle.duration)
+    fleet.set_idle_behavior(idle.host, idle.device, "run")
 
 
 async def _cancel(fleet: Fleet, cancel: CancelPlan, submitted: dict[int, str]) -> None:

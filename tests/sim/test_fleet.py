@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import httpx
 import pytest
 import trio
 from hypothesis import given, note, settings
 
+from rc_worker.config import DeviceConfig
 from rc_worker.testing.fleet import Fault, Fleet, simulate
 from rc_worker.testing.sim import Fork, Hang, Script, Write
 
@@ -72,7 +74,7 @@ def scenario(fn: Callable[[Fleet], Awaitable[None]], **fleet_args: object) -> No
             await fleet.drain()
             assert fleet.check() == []
         except BaseException:
-            note(describe(fleet))
+            print(describe(fleet))  # shown by pytest with the failure
             raise
 
     simulate(main, time_limit=TIME_LIMIT, **fleet_args)
@@ -152,3 +154,55 @@ def test_an_escaped_child_holds_its_device_until_the_sweep_has_removed_it() -> N
         assert fleet.store.device("h0", "gpu0").state == "quarantined"
 
     scenario(fn)
+
+
+# -- regressions: worker bugs the simulations found (fixed in client.py and device.py) ----
+
+
+def test_a_persistent_unknown_session_is_retried_with_backoff_not_in_a_hot_loop() -> None:
+    registers = 0
+
+    async def fn(fleet: Fleet) -> None:
+        node = fleet.nodes["h0"]
+        hook = node.transport.on_request
+        assert hook is not None
+
+        def counting(endpoint: str, request: httpx.Request) -> httpx.Request:
+            nonlocal registers
+            if endpoint == "register":
+                registers += 1
+                if registers > 500:
+                    fleet.restore()  # break the livelock, or the run never ends
+            return hook(endpoint, request)
+
+        node.transport.on_request = counting
+        await trio.sleep(10)
+        fleet.outage("heartbeat", Fault.UNKNOWN_SESSION)
+        await trio.sleep(30)
+        fleet.restore()
+        # Backoff capped at 30 s from 0.2 s allows a dozen tries in 30 s, not hundreds.
+        assert registers < 50
+
+    scenario(fn)
+
+
+def test_a_linger_shorter_than_the_poll_does_not_spin() -> None:
+    async def fn(fleet: Fleet) -> None:
+        fleet.program("/sim/release", Script.sleeping(1))
+        job = fleet.submit(["train"])
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        await trio.sleep(30)
+
+    scenario(fn, devices=(DeviceConfig("gpu0", on_release="/sim/release", release_linger=0.5),))
+
+
+def test_a_poll_outage_while_lingering_does_not_spin() -> None:
+    async def fn(fleet: Fleet) -> None:
+        fleet.program("/sim/release", Script.sleeping(1))
+        job = fleet.submit(["train"])
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        fleet.outage("poll", Fault.UNAVAILABLE)
+        await trio.sleep(30)
+        fleet.restore()
+
+    scenario(fn, devices=(DeviceConfig("gpu0", on_release="/sim/release", release_linger=5.0),))
