@@ -52,7 +52,7 @@ import trio.testing
 
 from rc_worker.config import Config, DeviceConfig
 from rc_worker.controller import create_app
-from rc_worker.controller.messages import JobInfo
+from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
 from rc_worker.testing.sim import Script, SimHost, SimProcess
@@ -281,6 +281,19 @@ class Fleet:
         for node in self.nodes.values():
             node.host.program(name, script)
 
+    def verify_script(self, name: str, script: Script) -> None:
+        """Add ``name`` to every worker's verify pass, running ``script``.
+
+        The pass lists the executables of ``verify_dir`` on the real disk, so
+        an empty executable stands there; the SimHost runs ``script`` for its path.
+        """
+        for node in self.nodes.values():
+            path = Path(node.config.verify_dir) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o755)
+            path.chmod(0o755)
+            node.host.program(str(path), script)
+
     def submit(self, command: Sequence[str], **fields: Any) -> str:
         """Queue a job; ``fields`` as ``Store.submit`` takes them."""
         job_id = self.store.submit(list(command), **fields)
@@ -288,6 +301,7 @@ class Fleet:
         return job_id
 
     def cancel(self, job_id: str) -> None:
+        """Cancel a job, as its user would."""
         self.store.cancel(job_id, "cancelled by the simulation")
         self._note(f"cancel {job_id}")
 
@@ -310,6 +324,26 @@ class Fleet:
         if reboot:
             node.host.reboot()
 
+    async def stop(self, name: str, *, drain: bool = True) -> None:
+        """Stop the worker of ``name`` as its service manager would, and wait until it exits.
+
+        ``drain``: SIGTERM, running jobs finish (within ``shutdown_grace``); else
+        as after a second signal, running jobs are stopped now. Either way
+        reports are delivered first, so this waits out a controller outage.
+        """
+        node = self.nodes[name]
+        self._note(f"{'drain' if drain else 'stop'} {name}")
+        if not node.running:
+            return
+        await node._started.wait()
+        assert node.worker is not None
+        if drain:
+            node.worker.drain()
+        else:
+            node.worker.stop()
+        await node._done.wait()
+        node.running = False
+
     def restart(self, name: str) -> None:
         """Start a new worker process on ``name``, on the same state directory."""
         node = self.nodes[name]
@@ -330,6 +364,7 @@ class Fleet:
         self._nursery.start_soon(self._serve, node, node.worker, http)
 
     def inject(self, endpoint: str, *faults: Fault, hosts: Iterable[str] | None = None) -> None:
+        """The next requests to ``endpoint`` from ``hosts`` (all by default) meet ``faults``."""
         for node in self._select(hosts):
             node.transport.inject(endpoint, *faults)
         self._note(f"inject {endpoint}: {[f.value for f in faults]}")
@@ -337,11 +372,13 @@ class Fleet:
     def outage(
         self, endpoint: str, fault: Fault = Fault.UNAVAILABLE, hosts: Iterable[str] | None = None
     ) -> None:
+        """Every request to ``endpoint`` from ``hosts`` (all by default) meets ``fault``."""
         for node in self._select(hosts):
             node.transport.outage(endpoint, fault)
         self._note(f"outage {endpoint}: {fault.value}")
 
     def restore(self, endpoint: str | None = None, hosts: Iterable[str] | None = None) -> None:
+        """End outages and drop queued faults: of ``endpoint`` (all by default)."""
         for node in self._select(hosts):
             node.transport.restore(endpoint)
         self._note(f"restore {endpoint or 'every endpoint'}")
@@ -404,9 +441,11 @@ class Fleet:
     # -- what happened --
 
     def jobs(self) -> list[JobInfo]:
+        """Every job the controller knows, as it sees them now."""
         return self.store.jobs()
 
-    def events(self) -> list[Any]:
+    def events(self) -> list[Event]:
+        """The controller's event log (``job_finished``, ``device_quarantined``...), in order."""
         return self.store.events()
 
     def check(self) -> list[str]:
@@ -434,7 +473,7 @@ class Fleet:
 
     # -- internals --
 
-    def _check_job(self, info: JobInfo, finishes: int, events: list[Any]) -> list[str]:
+    def _check_job(self, info: JobInfo, finishes: int, events: list[Event]) -> list[str]:
         job = info.job_id
         out: list[str] = []
         if finishes > 1:
@@ -442,7 +481,7 @@ class Fleet:
         if info.started_at is not None and not info.terminal:
             out.append(f"{job}: started but never ended (state {info.state})")
         spawns = [(n, p) for n in self.nodes.values() for p in n.host.spawned(job)]
-        spawns = [(n, p) for n, p in spawns if "RC_HOOK" not in p.environ]
+        spawns = [(n, p) for n, p in spawns if p.argv[0] not in _worker_scripts(n)]
         if len(spawns) > 1:
             out.append(f"{job}: spawned {len(spawns)} times ({[p.pid for _, p in spawns]})")
         if not spawns:
@@ -471,7 +510,9 @@ class Fleet:
             )
         return out
 
-    def _disrupted(self, node: SimNode, proc: SimProcess, info: JobInfo, events: list[Any]) -> bool:
+    def _disrupted(
+        self, node: SimNode, proc: SimProcess, info: JobInfo, events: list[Event]
+    ) -> bool:
         """Whether the job's worker crashed, or its host was declared lost, while it ran."""
         end = info.finished_at if info.finished_at is not None else float("inf")
         if any(proc.started_at <= t <= end for t in node.crashes):
@@ -535,12 +576,27 @@ def _diff(a: bytes, b: bytes) -> str:
 
 
 def _job_processes(node: SimNode, device: str) -> list[SimProcess]:
-    """The live processes of any job (not hooks) started for ``device`` on this node."""
+    """The live processes of any job started for ``device`` on this node.
+
+    Hooks and verify scripts carry the job's ``RC_JOB_ID`` too, but are the
+    worker's own; a process is told by the program it descends from (a fork
+    keeps its parent's ``argv``).
+    """
+    scripts = _worker_scripts(node)
     return [
         p
         for p in node.host.live(device=device)
-        if "RC_JOB_ID" in p.environ and "RC_HOOK" not in p.environ
+        if "RC_JOB_ID" in p.environ and p.argv[0] not in scripts
     ]
+
+
+def _worker_scripts(node: SimNode) -> set[str]:
+    """The programs the worker runs of its own: lease hooks and verify scripts."""
+    paths = {h for d in node.config.devices for h in (d.on_acquire, d.on_release) if h}
+    verify = Path(node.config.verify_dir)
+    if verify.is_dir():
+        paths.update(str(p) for p in verify.iterdir())
+    return paths
 
 
 @asynccontextmanager

@@ -786,6 +786,9 @@ class SimHost:
 
     async def _run_steps(self, proc: SimProcess, steps: Sequence[Step]) -> None:
         for step in steps:
+            # A process killed while it was scheduled (a write's last
+            # checkpoint, say) must not take another step: a dead one forks nothing.
+            await trio.lowlevel.checkpoint_if_cancelled()
             if isinstance(step, Sleep):
                 proc.state = "S"
                 await trio.sleep(step.seconds)
@@ -830,6 +833,7 @@ class SimHost:
                 await proc.stdout.write(data)
 
     def _fork(self, parent: SimProcess, step: Fork) -> None:
+        assert parent.alive, f"pid {parent.pid} forked after it ended"
         pid = self._allocate_pid()
         group = pid if step.setsid else parent.pgid
         child = SimProcess(

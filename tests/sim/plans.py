@@ -26,9 +26,8 @@ from rc_worker.testing.sim import Fork, Hang, OnSigterm, Script, Sleep, Step, Wr
 
 ENDPOINTS = ("register", "heartbeat", "poll", "start", "output", "finish", "labels", "fault")
 FAULTS = (Fault.UNAVAILABLE, Fault.REFUSED, Fault.TIMEOUT, Fault.LOST, Fault.UNKNOWN_SESSION)
-# A held unknown_session hot-loops the worker (the strict xfail in test_fleet.py):
-# as a held outage it would only find that bug again, so it comes in finite runs.
-OUTAGE_FAULTS = tuple(f for f in FAULTS if f is not Fault.UNKNOWN_SESSION)
+# A register has no session to forget: no controller answers it unknown_session.
+REGISTER_FAULTS = tuple(f for f in FAULTS if f is not Fault.UNKNOWN_SESSION)
 ACQUIRE = "/sim/hooks/acquire"
 RELEASE = "/sim/hooks/release"
 
@@ -67,7 +66,7 @@ class CrashPlan:
     at: float
     host: str
     down_for: float
-    reboot: bool
+    how: str  # kill (SIGKILL), reboot, drain (SIGTERM) or stop (two signals)
 
 
 @attrs.frozen
@@ -104,6 +103,7 @@ class FleetPlan:
     cancels: tuple[CancelPlan, ...] = ()
     idles: tuple[IdlePlan, ...] = ()
     hooks: HooksPlan | None = None
+    verify: Script | None = None
     require_manual_clear: bool = False
     foreign_process: bool = False  # another user's daemon: every sweep is blind
 
@@ -206,8 +206,7 @@ HOOKS = st.builds(
     HooksPlan,
     st.none() | HOOK_SCRIPTS,
     st.none() | HOOK_SCRIPTS,
-    # Any linger finds the linger spin again (the strict xfails in test_fleet.py).
-    st.just(0.0),
+    seconds(0, 20),
     seconds(1, 30),
 )
 
@@ -228,18 +227,28 @@ def fleet_plans(
         seconds(0, 120),
         seconds(0.5, 60),
         st.sampled_from(ENDPOINTS),
-        st.sampled_from(OUTAGE_FAULTS),
+        st.sampled_from(FAULTS),
         st.sampled_from([None, *names]),
-    )
-    inject_plans = st.builds(
-        InjectPlan,
-        seconds(0, 120),
-        st.sampled_from(ENDPOINTS),
-        st.lists(st.sampled_from(FAULTS), min_size=1, max_size=3).map(tuple),
-        st.sampled_from([None, *names]),
+    ).filter(lambda o: not (o.endpoint == "register" and o.fault is Fault.UNKNOWN_SESSION))
+    inject_plans = st.sampled_from(ENDPOINTS).flatmap(
+        lambda endpoint: st.builds(
+            InjectPlan,
+            seconds(0, 120),
+            st.just(endpoint),
+            st.lists(
+                st.sampled_from(REGISTER_FAULTS if endpoint == "register" else FAULTS),
+                min_size=1,
+                max_size=3,
+            ).map(tuple),
+            st.sampled_from([None, *names]),
+        )
     )
     crash_plans = st.builds(
-        CrashPlan, seconds(0, 90), st.sampled_from(names), seconds(0, 90), st.booleans()
+        CrashPlan,
+        seconds(0, 90),
+        st.sampled_from(names),
+        seconds(0, 90),
+        st.sampled_from(["kill", "kill", "reboot", "drain", "stop"]),
     )
     devices = draw(st.integers(1, 2))
     idle_plans = st.builds(
@@ -251,8 +260,6 @@ def fleet_plans(
         st.sampled_from(["hold", "drain"]),
     )
     jobs = draw(st.lists(job_plans(extras=extras), min_size=1, max_size=5))
-    # A held device that lingers past its deadline while offered spins (the linger
-    # xfails in test_fleet.py); hold -> run with hooks gets there even with no linger.
     hooks = draw(st.none() | HOOKS) if extras else None
     return FleetPlan(
         hosts=hosts,
@@ -271,8 +278,9 @@ def fleet_plans(
         )
         if cancels
         else (),
-        idles=() if hooks is not None else tuple(draw(st.lists(idle_plans, max_size=2))),
+        idles=tuple(draw(st.lists(idle_plans, max_size=2))) if extras else (),
         hooks=hooks,
+        verify=draw(st.none() | HOOK_SCRIPTS) if extras else None,
         require_manual_clear=draw(st.booleans()),
         foreign_process=draw(st.booleans()),
     )
@@ -294,6 +302,8 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
         for path, hook in ((ACQUIRE, plan.hooks.acquire), (RELEASE, plan.hooks.release)):
             if hook is not None:
                 fleet.program(path, hook)
+    if plan.verify is not None:
+        fleet.verify_script("check", plan.verify)
     for i, job in enumerate(plan.jobs):
         fleet.program(f"job{i}", job.script)
     submitted: dict[int, str] = {}
@@ -342,7 +352,10 @@ async def _inject(fleet: Fleet, injection: InjectPlan) -> None:
 async def _crashes(fleet: Fleet, name: str, crashes: Sequence[CrashPlan]) -> None:
     for crash in crashes:
         await trio.sleep_until(max(crash.at, trio.current_time()))
-        await fleet.crash(name, reboot=crash.reboot)
+        if crash.how in ("drain", "stop"):
+            await fleet.stop(name, drain=crash.how == "drain")
+        else:
+            await fleet.crash(name, reboot=crash.how == "reboot")
         await trio.sleep(crash.down_for)
         fleet.restart(name)
 
