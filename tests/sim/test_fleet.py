@@ -156,6 +156,39 @@ def test_an_escaped_child_holds_its_device_until_the_sweep_has_removed_it() -> N
     scenario(fn)
 
 
+def test_a_drained_worker_lets_its_job_finish_and_a_stopped_one_kills_it() -> None:
+    async def fn(fleet: Fleet) -> None:
+        first = fleet.submit(["train"])
+        await trio.sleep(5)
+        await fleet.stop("h0", drain=True)
+        assert fleet.store.job(first).state == "succeeded"
+        fleet.restart("h0")
+        second = fleet.submit(["train"])
+        await fleet.wait_until(lambda: fleet.store.job(second).state == "running")
+        await fleet.stop("h0", drain=False)
+        info = fleet.store.job(second)
+        assert (info.state, info.killed) == ("killed", True)
+        assert "shutting down" in info.reason
+        fleet.restart("h0")
+
+    scenario(fn)
+
+
+def test_a_failing_verify_script_quarantines_the_device_but_keeps_the_outcome() -> None:
+    async def fn(fleet: Fleet) -> None:
+        fleet.verify_script("10-check", Script.sleeping(1, exit_code=2))
+        job = fleet.submit(["train"])
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        info = fleet.store.job(job)
+        assert info.state == "succeeded"
+        assert info.verify is not None
+        assert not info.verify.ok
+        assert fleet.store.device("h0", "gpu0").state == "quarantined"
+        fleet.verify_script("10-check", Script.sleeping(1))
+
+    scenario(fn)
+
+
 # -- regressions: worker bugs the simulations found (fixed in client.py and device.py) ----
 
 
