@@ -29,21 +29,8 @@ import httpx
 import trio
 from hypothesis import strategies as st
 
-ENDPOINTS: dict[str, re.Pattern[str]] = {
-    name: re.compile(pattern)
-    for name, pattern in {
-        "register": r"^/v1/hosts/[^/]+/register$",
-        "heartbeat": r"^/v1/hosts/[^/]+/heartbeat$",
-        "poll": r"^/v1/hosts/[^/]+/poll$",
-        "labels": r"^/v1/hosts/[^/]+/labels$",
-        "sheets": r"^/v1/hosts/[^/]+/sheets$",
-        "fault": r"^/v1/hosts/[^/]+/devices/[^/]+/fault$",
-        "start": r"^/v1/jobs/[^/]+/start$",
-        "output": r"^/v1/jobs/[^/]+/output$",
-        "finish": r"^/v1/jobs/[^/]+/finish$",
-        "stdin": r"^/v1/jobs/[^/]+/stdin$",
-    }.items()
-}
+# One table of the worker's endpoints, shared with the fleet harness.
+from rc_worker.testing.fleet import ENDPOINTS
 
 
 class Fault(enum.Enum):
