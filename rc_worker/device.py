@@ -163,6 +163,9 @@ class DeviceSupervisor:
     def _poke(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+        # Any change to this device may change what is offerable; the poll
+        # loop re-reads readiness on every wake, so an extra wake costs a scan.
+        self.ctx.poke_poller()
 
     # -- the device's own task --------------------------------------------
 
@@ -388,7 +391,13 @@ class DeviceSupervisor:
         self.lease.to(nxt)
         if nxt is S.LINGERING:
             self._linger_until = trio.current_time() + self.config.release_linger
-            self.ctx.poke_poller()
+        # Wake the poll loop whatever the next state: a device settling to
+        # `free` is offerable too. The outbox's wake-up on the finish ack can
+        # land in the same scheduler batch as this task's resumption, and
+        # Trio orders a batch at random, so without this poke the poll loop
+        # may look before the device has settled and sleep until the next
+        # heartbeat (half the jobs waited ~10 s with default intervals).
+        self.ctx.poke_poller()
 
     async def _release(self) -> None:
         if self.config.on_release:
