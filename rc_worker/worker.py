@@ -45,6 +45,7 @@ from rc_worker.recovery import Recovered, recover
 from rc_worker.reports import not_run_report
 from rc_worker.sheets import SheetReader
 from rc_worker.spool import ensure_state_dir
+from rc_worker.statelock import StateDirLock
 from rc_worker.status import serve_status, status_app
 
 log = logging.getLogger("rc_worker.worker")
@@ -132,13 +133,24 @@ class Worker:
     # -- the service ----------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # The lock comes before anything reads or writes the state directory:
+        # a second worker on it must be refused touching nothing.
+        with self._lock_state_dir():
+            await self._run_locked(task_status)
+
+    def _lock_state_dir(self) -> StateDirLock:
+        root = Path(self.config.state_dir)
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise _state_dir_error(self.config.state_dir, e) from None
+        return StateDirLock.acquire(root, pid=self.host.own_pid())
+
+    async def _run_locked(self, task_status: trio.TaskStatus[None]) -> None:
         try:
             root = ensure_state_dir(self.config.state_dir)
         except OSError as e:
-            raise ConfigError(
-                f"state_dir: cannot create or use {self.config.state_dir} ({e.strerror}); "
-                "make it writable by the worker's user, or point state_dir elsewhere"
-            ) from None
+            raise _state_dir_error(self.config.state_dir, e) from None
         warning = warn_token_file_mode(self.config.token_file)
         if warning:
             log.warning("%s", warning)
@@ -449,6 +461,13 @@ class Worker:
         for name, facts in result.device.items():
             if name not in result.unconfirmed:
                 self._ctx.device_labels[name] = dict(facts)
+
+
+def _state_dir_error(state_dir: str, e: OSError) -> ConfigError:
+    return ConfigError(
+        f"state_dir: cannot create or use {state_dir} ({e.strerror}); "
+        "make it writable by the worker's user, or point state_dir elsewhere"
+    )
 
 
 def _positive(value: Any, default: float) -> float:
