@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -39,6 +41,7 @@ from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
 from rc_worker.model import IdleBehavior, assignment_identity, job_key, parse_assignment
+from rc_worker.operator_errors import register_refused
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Recovered, recover
@@ -49,6 +52,10 @@ from rc_worker.statelock import StateDirLock
 from rc_worker.status import serve_status, status_app
 
 log = logging.getLogger("rc_worker.worker")
+
+# Stopping (a second signal) waits this long at most for reports the
+# controller has not taken, and a drained worker as long for its deregister.
+STOP_REPORT_WINDOW_S = 3.0
 
 
 class Worker:
@@ -90,6 +97,7 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
         self.status_urls: list[str] = []
+        self._last_answer: float | None = None
 
     # -- control ------------------------------------------------------------
 
@@ -164,6 +172,7 @@ class Worker:
                 host=self.config.host,
                 token=self.config.token,
                 on_unknown_session=self._register,
+                on_answer=self._on_answer,
             )
             outbox = Outbox(root, client, on_change=self._poke_poller)
             ctx = WorkerContext(
@@ -199,15 +208,17 @@ class Worker:
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
                 )
-                await self._register(client)
+                await self._first_register(client, http)
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():
                     await nursery.start(dev.run)
                 nursery.start_soon(self._heartbeat_loop, client)
                 nursery.start_soon(self._poll_manager, client, nursery)
                 nursery.start_soon(self._probe_loop, client)
+                nursery.start_soon(self._cancel_watch, client)
                 task_status.started()
                 await self._until_drained(outbox)
+                await self._deregister(client, outbox)
                 nursery.cancel_scope.cancel()
         log.info("worker stopped")
 
@@ -218,17 +229,78 @@ class Worker:
         return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0))
 
     async def _until_drained(self, outbox: Outbox) -> None:
-        """Return once draining, every device is idle and every report delivered."""
+        """Return once draining, every device is idle and every report delivered.
+
+        Stopping (a second signal) does not wait on the controller: once every
+        device is idle, reports it has not taken within ``STOP_REPORT_WINDOW_S``
+        stay on disk and go out after the next start.
+        """
         assert self._ctx is not None
         while True:
             wake = self._poll_wake
-            if (
-                self._ctx.draining
-                and all(dev.idle() for dev in self.devices.values())
-                and outbox.pending() == 0
-            ):
-                return
+            if self._ctx.draining and all(dev.idle() for dev in self.devices.values()):
+                if outbox.pending() == 0:
+                    return
+                if self._ctx.stopping:
+                    break
             await wake.wait()
+        with trio.move_on_after(STOP_REPORT_WINDOW_S):
+            while outbox.pending():
+                await self._poll_wake.wait()
+            return
+        log.warning(
+            "stopping with %d report(s) the controller has not taken; they stay in %s "
+            "and are delivered after the next start",
+            outbox.pending(),
+            self.config.state_dir,
+        )
+
+    async def _deregister(self, client: ControllerClient, outbox: Outbox) -> None:
+        # Only after a complete drain: a worker that still owes reports must
+        # look lost to the controller until it comes back with them.
+        if outbox.pending() or client.session is None:
+            return
+        with trio.move_on_after(STOP_REPORT_WINDOW_S):
+            try:
+                await client.deregister()
+                log.info("told the controller this worker is leaving (deregister)")
+            except ControllerError as e:
+                log.warning("deregister refused: %s", e)
+
+    async def _first_register(self, client: ControllerClient, http: httpx.AsyncClient) -> None:
+        try:
+            await self._register(client)
+        except ControllerError as e:
+            refused = register_refused(e, url=str(http.base_url), host=self.config.host)
+            if refused is None:
+                raise
+            raise refused from None
+
+    def _on_answer(self, endpoint: str, status: str) -> None:
+        self.metrics.controller_requests.labels(endpoint, status).inc()
+        if status.isdigit() and int(status) < 500:
+            self._last_answer = trio.current_time()
+            if status.startswith("2"):
+                self.metrics.controller_last_success.set(time.time())
+
+    def readiness(self) -> str | None:
+        """None when ready for work (``/readyz`` 200), else why not."""
+        if not self.registered.is_set():
+            return "not registered with the controller yet"
+        if self.draining:
+            return "draining: taking no new work"
+        try:
+            now = trio.current_time()
+        except RuntimeError:
+            return None
+        limit = 3 * self._heartbeat_interval
+        if self._last_answer is None or now - self._last_answer > limit:
+            since = "ever" if self._last_answer is None else f"{now - self._last_answer:.0f}s"
+            return (
+                f"the controller has not answered for {since} (more than three heartbeat "
+                f"intervals, {limit:g}s)"
+            )
+        return None
 
     async def _drain_deadline(self) -> None:
         # shutdown_grace bounds the drain: past it, running jobs are stopped.
@@ -245,11 +317,14 @@ class Worker:
     def status(self) -> dict[str, Any]:
         """The worker's own account of itself (``GET /status``)."""
         ctx = self._ctx
+        not_ready = self.readiness()
         return {
             "version": __version__,
             "host": self.config.host,
             "session": ctx.client.session if ctx is not None else None,
             "registered": self.registered.is_set(),
+            "ready": not_ready is None,
+            "not_ready_reason": not_ready,
             "draining": self.draining,
             "stopping": ctx is not None and ctx.stopping,
             "devices": {name: dev.status() for name, dev in self.devices.items()},
@@ -267,6 +342,8 @@ class Worker:
             },
             reports_pending=self._ctx.outbox.pending() if self._ctx is not None else 0,
             registered=self.registered.is_set(),
+            draining=self.draining,
+            spool_bytes=_tree_bytes(Path(self.config.state_dir) / "jobs"),
         )
 
     # -- register -------------------------------------------------------------
@@ -330,15 +407,8 @@ class Worker:
 
     def _apply_heartbeat(self, answer: Mapping[str, Any]) -> None:
         for cancel in answer.get("cancel") or ():
-            if not isinstance(cancel, Mapping):
-                continue
-            job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
-            for dev in self.devices.values():
-                dev.cancel(
-                    str(job_id),
-                    attempt if isinstance(attempt, int) else -1,
-                    str(cancel.get("reason") or ""),
-                )
+            if isinstance(cancel, Mapping):
+                self._apply_cancel(cancel)
         behaviours = answer.get("idle_behavior")
         if isinstance(behaviours, Mapping):
             for name, value in behaviours.items():
@@ -350,6 +420,43 @@ class Worker:
                 if name in self.devices and isinstance(ids, list):
                     self.devices[name].clear_faults({str(i) for i in ids})
         self._poke_poller()
+
+    def _apply_cancel(self, cancel: Mapping[str, Any]) -> None:
+        job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
+        for dev in self.devices.values():
+            # A job that already ended here is not this device's lease job any
+            # more: the cancel is ignored and the job keeps its own outcome.
+            dev.cancel(
+                str(job_id),
+                attempt if isinstance(attempt, int) else -1,
+                str(cancel.get("reason") or ""),
+            )
+
+    async def _cancel_watch(self, client: ControllerClient) -> None:
+        """Keep a long poll open while jobs are held here, answered early by a cancel.
+
+        The heartbeat also carries cancels, but only every heartbeat interval;
+        this brings one to the job within a round trip of the user's request.
+        """
+        known: set[tuple[str, int]] = set()
+        while True:
+            wake = self._poll_wake
+            held = {dev.lease.job for dev in self.devices.values() if dev.lease.job is not None}
+            known &= held
+            if not held:
+                await wake.wait()
+                continue
+            try:
+                cancels = await client.watch_cancels(sorted(known), self._poll_wait)
+            except ControllerError as e:
+                log.error("cancel watch refused: %s; retrying after the heartbeat interval", e)
+                await trio.sleep(self._heartbeat_interval)
+                continue
+            for cancel in cancels:
+                job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
+                if isinstance(job_id, str) and isinstance(attempt, int):
+                    known.add((job_id, attempt))
+                self._apply_cancel(cancel)
 
     def _set_idle(self, dev: DeviceSupervisor, value: Any) -> None:
         try:
@@ -468,6 +575,17 @@ def _state_dir_error(state_dir: str, e: OSError) -> ConfigError:
         f"state_dir: cannot create or use {state_dir} ({e.strerror}); "
         "make it writable by the worker's user, or point state_dir elsewhere"
     )
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                continue  # removed while we looked: delivered
+    return total
 
 
 def _positive(value: Any, default: float) -> float:

@@ -200,6 +200,8 @@ class Host:
     last_seen: float
     session: str | None = None
     lost: bool = False
+    left: bool = False
+    """Deregistered by a draining worker: gone on purpose, not lost."""
     pid: int | None = None
     worker_version: str = ""
     require_manual_clear: bool = False
@@ -209,4 +211,4 @@ class Host:
 
     @property
     def state(self) -> str:
-        return "lost" if self.lost else "up"
+        return "lost" if self.lost else "left" if self.left else "up"
