@@ -98,6 +98,7 @@ class Worker:
         self.metrics.watch(self._state_snapshot)
         self.status_urls: list[str] = []
         self._last_answer: float | None = None
+        self._register_scope: trio.CancelScope | None = None
 
     # -- control ------------------------------------------------------------
 
@@ -111,6 +112,8 @@ class Worker:
             return
         log.info("draining: no new work; running jobs finish, then the worker exits")
         self._ctx.draining = True
+        if self._register_scope is not None:
+            self._register_scope.cancel()
         if self._nursery is not None:
             self._nursery.start_soon(self._drain_deadline)
         self._poke_all()
@@ -194,7 +197,7 @@ class Worker:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if self.config.status_listen is not None:
-                    # Up before register, so /healthz can say "not registered"
+                    # Up before register, so /readyz can say "not registered"
                     # through a controller outage.
                     app = status_app(self.status, self.metrics)
                     self.status_urls = await nursery.start(
@@ -208,7 +211,15 @@ class Worker:
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
                 )
-                await self._first_register(client, http)
+                with trio.CancelScope() as self._register_scope:
+                    await self._first_register(client, http)
+                self._register_scope = None
+                if not self.registered.is_set():
+                    # Told to stop while the controller was not answering:
+                    # nothing ran, and what the journal holds stays for later.
+                    log.info("stopped before the controller answered a register")
+                    nursery.cancel_scope.cancel()
+                    return
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():
                     await nursery.start(dev.run)
