@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -141,3 +142,44 @@ def no_traceback(text: str) -> None:
     assert "Traceback" not in text, text
     assert "sub-exception" not in text, text
     assert "ExceptionGroup" not in text, text
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the caller binds it soon after)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Outage:
+    """A controller that can go away and come back on the same port, with the same store."""
+
+    def __init__(self, store: Store, tokens: Mapping[str, str], port: int) -> None:
+        self.app = create_app(store=store, worker_tokens=dict(tokens), user_tokens=[])
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._scope: trio.CancelScope | None = None
+        self._done = trio.Event()
+
+    async def up(self, nursery: trio.Nursery) -> None:
+        await nursery.start(self._serve)
+
+    async def _serve(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        self._done = trio.Event()
+        try:
+            with trio.CancelScope() as self._scope:
+                async with trio.open_nursery() as inner:
+                    await inner.start(serve, self.app, f"127.0.0.1:{self.port}")
+                    task_status.started()
+        finally:
+            self._done.set()
+
+    async def down(self) -> None:
+        """Stop serving; returns once the listening socket is closed."""
+        assert self._scope is not None
+        self._scope.cancel()
+        await self._done.wait()
