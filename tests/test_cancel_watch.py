@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 import trio
-from faults import Fault, FaultyTransport
+from faults import FaultyTransport
 
 from rc_worker.testing import local_system, make_config
 

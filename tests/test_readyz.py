@@ -13,7 +13,7 @@ from rc_worker.controller.store import Store, StoreConfig
 
 
 async def _until(http: httpx.AsyncClient, status: int, text: str) -> str:
-    """Poll /readyz until it answers ``status`` with ``text`` in its body (bounded by the caller)."""
+    """Poll /readyz until it answers ``status`` with ``text`` (the caller bounds it)."""
     while True:
         try:
             answer = await http.get("/readyz")
