@@ -115,6 +115,18 @@ class TextFormatter(logging.Formatter):
         return text
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at each line, not the one at set-up."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
 def setup_logging(
     level: str = "info",
     fmt: str = "text",
@@ -122,13 +134,21 @@ def setup_logging(
     host: str | None = None,
     stream: TextIO | None = None,
 ) -> None:
-    """Configure the root logger for the ``rc-worker`` process (replacing any handler)."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    """Configure the root logger for the ``rc-worker`` process.
+
+    Replaces the handler an earlier call installed, and only that one (a
+    test's capture handlers stay).
+    """
+    handler: logging.Handler = (
+        logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    )
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(_ContextFilter(host))
+    handler._rc_worker = True  # type: ignore[attr-defined]
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if getattr(old, "_rc_worker", False):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
     for name in THIRD_PARTY:
