@@ -1,4 +1,4 @@
-"""``examples/supervisord.conf`` under a real supervisord: stop, start and restart with a job running.
+"""``examples/supervisord.conf`` under a real supervisord: stop, start, restart, a job running.
 
 The example's ``[program:rc-worker]`` section is used as shipped, with only its
 paths pointed at this checkout and a temporary directory; supervisord's own
@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -68,6 +68,14 @@ class Supervisor:
         text = (await self.ctl_run("pid", "rc-worker")).strip()
         return int(text) if text.isdigit() else 0
 
+    async def wait_state(self, done: Callable[[str], bool]) -> str:
+        """Ask until the program's state satisfies ``done`` (the caller bounds it)."""
+        while True:
+            state = await self.state()
+            if done(state):
+                return state
+            await trio.sleep(0.1)
+
     async def state(self) -> str:
         words = (await self.ctl_run("status", "rc-worker")).split()
         return words[1] if len(words) > 1 and words[0] == "rc-worker" else ""
@@ -96,8 +104,7 @@ async def supervisord(worker_config: Path) -> AsyncIterator[Supervisor]:
     )
     sv = Supervisor(ctl, conf)
     try:
-        while await sv.state() in ("", "STARTING"):
-            await trio.sleep(0.1)
+        await sv.wait_state(lambda s: s not in ("", "STARTING"))
         yield sv
     finally:
         with trio.CancelScope(shield=True):
@@ -106,8 +113,7 @@ async def supervisord(worker_config: Path) -> AsyncIterator[Supervisor]:
                 pid = await sv.pid()
                 if pid:
                     os.kill(pid, signal.SIGQUIT)
-                    while await sv.pid() == pid:
-                        await trio.sleep(0.1)
+                    await sv.wait_state(lambda s: s != "RUNNING")
             if proc.returncode is None:
                 proc.terminate()
                 with trio.move_on_after(20):
@@ -164,8 +170,7 @@ async def test_the_example_supervisord_program_is_not_restarted_after_exit_2(
             url = await serve_controller(nursery, store, {"another-token": "op-host"})
             config = write_config(tmp_path, url, extra=f"token: {TOKEN}\n")
             async with supervisord(config) as sv:
-                while (state := await sv.state()) in ("RUNNING", "STARTING"):
-                    await trio.sleep(0.1)
+                state = await sv.wait_state(lambda s: s not in ("RUNNING", "STARTING"))
                 assert state == "EXITED"
                 # It stays exited: supervisord does not start it again.
                 await trio.sleep(1.5)
