@@ -11,6 +11,9 @@ each task it spawns).
 - ``json``: one object per line with ``time`` (UTC, RFC 3339, milliseconds),
   ``level``, ``logger``, ``message``, and the context fields present.
 
+A logged exception is its type and message on the same line (``error`` in
+JSON); its traceback only at ``debug`` (``traceback`` in JSON).
+
 Third-party loggers (httpx, httpcore, hypercorn) stay at WARNING unless the
 level asked for is ``debug``: their per-request lines drown the worker's own.
 """
@@ -87,7 +90,23 @@ class _ContextFilter(logging.Filter):
         return True
 
 
-class JsonFormatter(logging.Formatter):
+class _Formatter(logging.Formatter):
+    """Tracebacks only when asked for (``--log-level debug``); else the error in one line."""
+
+    def __init__(self, *, tracebacks: bool = False) -> None:
+        super().__init__()
+        self.tracebacks = tracebacks
+
+    def _error(self, record: logging.LogRecord) -> str | None:
+        if not record.exc_info or record.exc_info[1] is None:
+            return None
+        if self.tracebacks:
+            return self.formatException(record.exc_info)
+        exc = record.exc_info[1]
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class JsonFormatter(_Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
             "time": utc_timestamp(record.created),
@@ -96,12 +115,13 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         line.update(fields_of(record))
-        if record.exc_info:
-            line["traceback"] = self.formatException(record.exc_info)
+        error = self._error(record)
+        if error is not None:
+            line["traceback" if self.tracebacks else "error"] = error
         return json.dumps(line, default=str, ensure_ascii=False)
 
 
-class TextFormatter(logging.Formatter):
+class TextFormatter(_Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields = fields_of(record)
         fields.pop("host", None)  # one host per process: it would only repeat
@@ -110,8 +130,9 @@ class TextFormatter(logging.Formatter):
             f"{utc_timestamp(record.created)} {record.levelname} {record.name}: "
             f"{record.getMessage()}" + (f" [{tail}]" if tail else "")
         )
-        if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
+        error = self._error(record)
+        if error is not None:
+            text += ("\n" if self.tracebacks else " (") + error + ("" if self.tracebacks else ")")
         return text
 
 
@@ -142,7 +163,10 @@ def setup_logging(
     handler: logging.Handler = (
         logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     )
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    debug = level == "debug"
+    handler.setFormatter(
+        JsonFormatter(tracebacks=debug) if fmt == "json" else TextFormatter(tracebacks=debug)
+    )
     handler.addFilter(_ContextFilter(host))
     handler._rc_worker = True  # type: ignore[attr-defined]
     root = logging.getLogger()

@@ -93,3 +93,20 @@ async def test_a_real_worker_logs_json_lines_with_job_fields_and_no_token(
     assert finished["device"] == "gpu0"
     assert finished["job_id"] == job_id
     assert finished["attempt"] == 1
+
+
+def test_a_logged_exception_is_one_line_unless_debug(restore_logging: None) -> None:
+    log = logging.getLogger("rc_worker.test")
+    for fmt in ("text", "json"):
+        for level, traceback_wanted in (("info", False), ("debug", True)):
+            out = io.StringIO()
+            setup_logging(level, fmt, stream=out)
+            try:
+                raise OSError("disk full")
+            except OSError:
+                log.exception("device gpu0: internal error")
+            text = out.getvalue()
+            assert ("Traceback" in text) is traceback_wanted, (fmt, level, text)
+            if not traceback_wanted:
+                assert text.count("\n") == 1
+                assert "OSError: disk full" in text
