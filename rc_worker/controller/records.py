@@ -203,6 +203,7 @@ class Host:
     left: bool = False
     """Deregistered by a draining worker: gone on purpose, not lost."""
     pid: int | None = None
+    instance_id: str | None = None
     worker_version: str = ""
     require_manual_clear: bool = False
     facts: dict[str, str] = attrs.Factory(dict)
