@@ -345,11 +345,12 @@ class Store(StoreState):
     def deregister(self, host: str, session: str, *, now: float) -> None:
         """A draining worker leaves: forget its session without losing the host.
 
-        Its devices turn ``absent`` (kept, offered nothing) rather than
+        Its devices keep their state (a quarantine stays, a free device is not
         quarantined: the worker finished and reported everything before it
-        left. An offer it never started is offered again; a job still running
-        in the controller's view (it should be none) ends ``lost`` and its
-        device gets a fault, as at host loss.
+        left) and are offered nothing, since only a session polls. An offer it
+        never started is offered again; a job still running in the controller's
+        view (it should be none) ends ``lost`` and its device gets a fault, as
+        at host loss.
         """
         h = self._session(session, host)
         assert h.session is not None
@@ -366,7 +367,6 @@ class Store(StoreState):
                     d, job.job_id, cur.number, cur.start_boot_id, "the worker left while it ran"
                 )
                 self._terminate(job, "lost", reason="the worker left while it ran", by="controller")
-            d.present = False
         self._emit("host_left", host=host)
         self._changed()
 
