@@ -60,6 +60,32 @@ async def test_two_sigterms_stop_with_the_controller_down_and_the_report_goes_ou
     assert not list((tmp_path / "state" / "jobs").glob("*/finish.json"))
 
 
+async def test_one_sigterm_with_the_controller_down_is_bounded_by_shutdown_grace(
+    tmp_path: Path,
+) -> None:
+    store = Store(StoreConfig(heartbeat_interval_s=20.0, poll_wait_s=2.0))
+    controller = Outage(store, {TOKEN: "op-host"}, free_port())
+    config = write_config(tmp_path, controller.url, extra="shutdown_grace: 1s\n")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await controller.up(nursery)
+            async with worker_process(config) as w:
+                await wait_store(store, lambda: any(d.host == "op-host" for d in store.devices()))
+                job_id = store.submit(["sh", "-c", "echo a; exec sleep 60"], grace_s=1)
+                await wait_store(store, lambda: store.output(job_id) == b"a\n")
+                await controller.down()
+                w.proc.send_signal(signal.SIGTERM)
+                # One signal: the drain gives up on the job after shutdown_grace,
+                # stops it, and exits without the controller.
+                assert await w.wait() == 0
+                text = w.stderr.decode()
+            nursery.cancel_scope.cancel()
+    assert "drain still running after shutdown_grace (1s); stopping jobs" in text
+    assert "delivered after the next start" in text
+    no_traceback(text)
+    assert len(list((tmp_path / "state" / "jobs").glob("*/finish.json"))) == 1
+
+
 async def test_a_drained_worker_deregisters_and_its_devices_are_not_quarantined(
     tmp_path: Path,
 ) -> None:
