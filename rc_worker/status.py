@@ -148,6 +148,7 @@ def format_status(data: dict[str, Any]) -> str:
         f"host {data.get('host')}  session {data.get('session') or '-'}"
         + (f"  ({', '.join(flags)})" if flags else ""),
         f"reports pending: {data.get('reports_pending', 0)}",
+        "ready" if data.get("ready") else f"not ready: {data.get('not_ready_reason') or '-'}",
         f"{'DEVICE':<12} {'STATE':<12} {'IDLE':<6} {'JOB':<24} FAULTS",
     ]
     for name, dev in sorted(data.get("devices", {}).items()):

@@ -51,6 +51,8 @@ def test_status_table_shows_jobs_and_faults() -> None:
             "session": "s-1",
             "draining": True,
             "reports_pending": 2,
+            "ready": False,
+            "not_ready_reason": "draining: taking no new work",
             "devices": {
                 "gpu0": {"state": "running", "idle_behavior": "run", "job_id": "j-1", "attempt": 2},
                 "gpu1": {"state": "quarantined", "idle_behavior": "hold", "faults": ["f-7"]},
@@ -61,6 +63,7 @@ def test_status_table_shows_jobs_and_faults() -> None:
     assert "j-1#2" in text
     assert "f-7" in text
     assert "reports pending: 2" in text
+    assert "not ready: draining: taking no new work" in text
 
 
 def test_status_without_status_listen_names_the_fix(
