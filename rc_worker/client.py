@@ -235,6 +235,9 @@ class ControllerClient:
                         await trio.sleep(backoff.next_delay())
                     await self._reregister(generation)
                     reregistered = True
+                    again = self._retry_logs.get("register again")
+                    if again is not None and again.succeeded(trio.current_time()):
+                        log.info("registered again after the controller refused it for a while")
                     continue
                 except ControllerError as e:
                     # The register was refused, not this request: raising
@@ -242,7 +245,9 @@ class ControllerClient:
                     # and the caller would drop a report the controller never
                     # saw. Keep it, and try registering again later.
                     delay = backoff.next_delay()
-                    log.error(
+                    again = self._retry_logs.setdefault("register again", RetryLog())
+                    log.log(
+                        logging.ERROR if again.failed(trio.current_time()) else logging.DEBUG,
                         "%s %s: registering again was refused (%s); retrying in %.1fs",
                         method,
                         path,
