@@ -534,6 +534,11 @@ class Worker:
                 assignment.job_id,
                 assignment.attempt,
                 list(assignment.command),
+                extra={
+                    "device": dev.name,
+                    "job_id": assignment.job_id,
+                    "attempt": assignment.attempt,
+                },
             )
             dev.assign(assignment)
 
@@ -543,7 +548,13 @@ class Worker:
         if ident is None:
             log.error("ignoring an assignment with no usable job_id/attempt: %s", reason)
             return
-        log.warning("rejecting job %s attempt %d: %s", ident[0], ident[1], reason)
+        log.warning(
+            "rejecting job %s attempt %d: %s",
+            ident[0],
+            ident[1],
+            reason,
+            extra={"job_id": ident[0], "attempt": ident[1]},
+        )
         self._ctx.report(ident, not_run_report(ident, "rejected", reason))
 
     async def _probe_loop(self, client: ControllerClient) -> None:

@@ -89,10 +89,13 @@ async def test_a_real_worker_logs_json_lines_with_job_fields_and_no_token(
         assert {"time", "level", "logger", "message"} <= set(line), line
         assert RFC3339_MS_UTC.match(line["time"])
         assert line["host"] == "op-host"
+    [assigned] = [ln for ln in lines if "assigned job" in ln["message"]]
     [finished] = [ln for ln in lines if "succeeded" in ln["message"]]
-    assert finished["device"] == "gpu0"
-    assert finished["job_id"] == job_id
-    assert finished["attempt"] == 1
+    for line in (assigned, finished):
+        assert line["device"] == "gpu0"
+        assert line["job_id"] == job_id
+        assert line["attempt"] == 1
+    assert not any("job_id" in ln for ln in lines if "registered" in ln["message"])
 
 
 def test_a_logged_exception_is_one_line_unless_debug(restore_logging: None) -> None:
