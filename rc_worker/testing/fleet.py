@@ -57,6 +57,7 @@ from rc_worker.controller import create_app
 from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
+from rc_worker.labels import gpu_scope
 from rc_worker.testing.sim import Script, SimHost, SimProcess
 from rc_worker.worker import Worker
 
@@ -305,6 +306,9 @@ class Fleet:
         """What the harness did and saw, with virtual times, for reading a failure."""
         self.violations: list[str] = []
         """Invariant violations seen as they happened (see also :meth:`check`)."""
+        self.worker_environ: Mapping[str, str] = WORKER_ENVIRON
+        """The environment every worker process starts with (``PATH`` is the fleet's bin)."""
+        self._bin: Path | None = None
         # Finishes a worker process has sent and not yet had a final answer to,
         # by (host, device): such a device must not be listed ready.
         self._unacked: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
@@ -324,6 +328,33 @@ class Fleet:
         """
         for node in self.nodes.values():
             path = Path(node.config.verify_dir) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o755)
+            path.chmod(0o755)
+            node.host.program(str(path), script)
+
+    def program_nvidia_smi(self, script: Script) -> None:
+        """``nvidia-smi`` on every host runs ``script`` from now on.
+
+        An empty executable stands on the real disk, in the fleet's ``PATH``, where
+        the worker looks for it; the SimHosts run ``script`` for its path. Give it
+        to :func:`open_fleet` to have it there from the start, as on a GPU host.
+        """
+        assert self._bin is not None
+        path = self._bin / "nvidia-smi"
+        path.touch(mode=0o755)
+        path.chmod(0o755)
+        for node in self.nodes.values():
+            node.host.program(str(path), script)
+        self._note("nvidia-smi reprogrammed")
+
+    def probe_script(self, name: str, script: Script) -> None:
+        """Add the drop-in probe ``name`` (in every worker's ``probe_dir``) running ``script``.
+
+        Like :meth:`verify_script`: an empty executable on the real disk, run as ``script``.
+        """
+        for node in self.nodes.values():
+            path = Path(node.config.probe_dir) / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch(mode=0o755)
             path.chmod(0o755)
@@ -413,7 +444,7 @@ class Fleet:
         node.incarnations += 1
         # Built here, not in the task, so that node.worker is never the dead one.
         http = httpx.AsyncClient(transport=node.transport, base_url="http://controller")
-        node.worker = Worker(node.config, http=http, host=node.host, environ=WORKER_ENVIRON)
+        node.worker = Worker(node.config, http=http, host=node.host, environ=self.worker_environ)
         self._nursery.start_soon(self._serve, node, node.worker, http)
 
     def inject(self, endpoint: str, *faults: Fault, hosts: Iterable[str] | None = None) -> None:
@@ -669,7 +700,12 @@ class Fleet:
                         f"{node.name} has require_manual_clear but registered with "
                         f"require_manual_clear={body.get('require_manual_clear')}, claims {claims}"
                     )
+            labels = body.get("labels")
+            if isinstance(labels, Mapping):
+                self._check_labels(node, labels)
             return _with_json(request, body)
+        if endpoint == "labels":
+            self._check_labels(node, _json(request))
         if endpoint == "poll":
             for device in _json(request).get("ready", []):
                 alive = _job_processes(node, str(device))
@@ -697,6 +733,33 @@ class Fleet:
                     f"without quarantining {body.get('device')} itself"
                 )
         return request
+
+    def _check_labels(self, node: SimNode, payload: Mapping[str, Any]) -> None:
+        """Invariant 4: facts a pass could not confirm are not sent (they stay as they were).
+
+        The last ``nvidia-smi`` run on the host is the truth of the pass that sent
+        them: if it failed (an error exit, killed at its timeout), no GPU device it
+        speaks for may appear in the payload, where even an empty map would wipe
+        the device's facts at the controller.
+        """
+        if self._bin is None:
+            return
+        smi = str(self._bin / "nvidia-smi")
+        runs = [p for p in node.host.spawned() if p.argv[:1] == (smi,) and p.ended_at is not None]
+        if not runs:
+            return
+        last = runs[-1]  # in spawn order: probe passes never overlap
+        if last.returncode == 0 and not last.signalled:
+            return
+        devices = payload.get("devices")
+        scope = set(gpu_scope(node.config.device_names).values())
+        sent = sorted(set(devices) & scope) if isinstance(devices, Mapping) else []
+        if sent:
+            self._violation(
+                f"{node.name} sent facts for {sent} although nvidia-smi failed "
+                f"(exit {last.returncode}, signals {last.signals}): unconfirmed facts "
+                "must be left out so that they keep their previous values"
+            )
 
     def _on_send(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
         if endpoint == "finish":
@@ -774,9 +837,14 @@ async def open_fleet(
     heartbeat_interval: float = 5.0,
     poll_wait: float = 30.0,
     store_config: StoreConfig | None = None,
+    nvidia_smi: Script | None = None,
     **config_fields: Any,
 ) -> AsyncIterator[Fleet]:
     """A controller and a worker per host, each on its own SimHost and state directory.
+
+    ``nvidia_smi``: a script that stands for ``nvidia-smi`` on every host from the
+    start (its output is what the real one prints for the worker's query); change
+    it later with :meth:`Fleet.program_nvidia_smi`. Without it the hosts have no GPU tools.
 
     ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``devices``: names,
     or :class:`~rc_worker.config.DeviceConfig` with hooks, whose paths are
@@ -802,6 +870,9 @@ async def open_fleet(
             # As `rc serve` does: hosts are lost on time even when nobody calls.
             await nursery.start(housekeeping, app)
             fleet = Fleet(store, {}, nursery)
+            fleet._bin = base / "sim-bin"
+            fleet._bin.mkdir(parents=True, exist_ok=True)
+            fleet.worker_environ = {**WORKER_ENVIRON, "PATH": str(fleet._bin)}
             for name, token in ((n, t) for t, n in tokens.items()):
                 config = make_config(
                     base / name,
@@ -822,6 +893,9 @@ async def open_fleet(
                 node.transport.on_send = functools.partial(fleet._on_send, node)
                 node.transport.on_answer = functools.partial(fleet._on_answer, node)
                 fleet.nodes[name] = node
+            if nvidia_smi is not None:
+                fleet.program_nvidia_smi(nvidia_smi)
+            for name in fleet.nodes:
                 fleet.restart(name)
             try:
                 yield fleet

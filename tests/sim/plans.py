@@ -100,6 +100,32 @@ class UnofferPlan:
 
 
 @attrs.frozen
+class SmiPlan:
+    """nvidia-smi breaks (fails, or hangs past the probe timeout) at ``at`` for
+    ``duration``, with a probe pass forced at once: the GPUs' facts must be kept."""
+
+    at: float
+    duration: float
+    how: str  # fails or hangs
+
+
+SMI_OK = Script(
+    (
+        Write(
+            b"0, NVIDIA H100 80GB HBM3, GPU-5c1a9e3b-7f2d-4e8a-9b61-0d3f2a7c4e15, 81559, "
+            b"590.48.01, 00000000:00:09.0, 9.0, Disabled, 41, 0\n"
+            b"1, NVIDIA H100 80GB HBM3, GPU-6d2b0f4c-8a3e-4f9b-ac72-1e4a3b8d5f26, 81559, "
+            b"590.48.01, 00000000:00:0A.0, 9.0, Disabled, 40, 0\n"
+        ),
+    )
+)
+SMI_BROKEN = {
+    "fails": Script((Write(b"NVIDIA-SMI has failed because it couldn't communicate\n"),), 9),
+    "hangs": Script((Sleep(3600),)),
+}
+
+
+@attrs.frozen
 class HooksPlan:
     acquire: Script | None
     release: Script | None
@@ -118,6 +144,7 @@ class FleetPlan:
     cancels: tuple[CancelPlan, ...] = ()
     idles: tuple[IdlePlan, ...] = ()
     unoffers: tuple[UnofferPlan, ...] = ()
+    smi: tuple[SmiPlan, ...] = ()
     hooks: HooksPlan | None = None
     verify: Script | None = None
     require_manual_clear: bool = False
@@ -141,6 +168,7 @@ class FleetPlan:
             "hosts": self.hosts,
             "devices": tuple(devices),
             "require_manual_clear": self.require_manual_clear,
+            "nvidia_smi": SMI_OK if self.smi else None,
         }
 
 
@@ -281,6 +309,9 @@ def fleet_plans(
         st.sampled_from(names),
         st.sampled_from([f"gpu{i}" for i in range(devices)]),
     )
+    smi_plans = st.builds(
+        SmiPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(["fails", "hangs"])
+    )
     jobs = draw(st.lists(job_plans(extras=extras), min_size=1, max_size=5))
     hooks = draw(st.none() | HOOKS) if extras else None
     return FleetPlan(
@@ -302,6 +333,7 @@ def fleet_plans(
         else (),
         idles=tuple(draw(st.lists(idle_plans, max_size=2))) if extras else (),
         unoffers=tuple(draw(st.lists(unoffer_plans, max_size=2))) if extras else (),
+        smi=tuple(draw(st.lists(smi_plans, max_size=2))) if extras else (),
         hooks=hooks,
         verify=draw(st.none() | HOOK_SCRIPTS) if extras else None,
         require_manual_clear=draw(st.booleans()),
@@ -346,6 +378,8 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
             nursery.start_soon(_idle, fleet, idle)
         for unoffer in plan.unoffers:
             nursery.start_soon(_unoffer, fleet, unoffer)
+        for smi in plan.smi:
+            nursery.start_soon(_smi, fleet, smi)
     fleet.restore()
     for name, node in fleet.nodes.items():
         if not node.running:
@@ -398,6 +432,16 @@ async def _idle(fleet: Fleet, idle: IdlePlan) -> None:
         return  # not registered yet (a register outage): nothing for an operator to set
     await trio.sleep(idle.duration)
     fleet.set_idle_behavior(idle.host, idle.device, "run")
+
+
+async def _smi(fleet: Fleet, plan: SmiPlan) -> None:
+    await trio.sleep(plan.at)
+    fleet.program_nvidia_smi(SMI_BROKEN[plan.how])
+    for node in fleet.nodes.values():
+        if node.running and node.worker is not None:
+            node.worker.reprobe()
+    await trio.sleep(plan.duration)
+    fleet.program_nvidia_smi(SMI_OK)
 
 
 async def _unoffer(fleet: Fleet, plan: UnofferPlan) -> None:
