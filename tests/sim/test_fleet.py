@@ -328,3 +328,20 @@ def test_a_run_past_its_wall_limit_fails_instead_of_hanging() -> None:
 
     with pytest.raises(SimulationTimedOut, match="wall-clock limit"):
         simulate(fn, time_limit=1e9, wall_limit=0.5)
+
+
+def test_a_device_quarantined_while_its_poll_is_parked_then_a_submit_costs_no_job() -> None:
+    # The stale-offer window: the poll listing gpu0 is parked at the controller
+    # when the worker quarantines gpu0, and a job is submitted in the same instant.
+    async def fn(fleet: Fleet) -> None:
+        await fleet.wait_until(lambda: bool(fleet.store.devices()))
+        await trio.sleep(2)  # the poll that lists gpu0 is parked now
+        assert fleet.quarantine("h0", "gpu0")
+        job = fleet.submit(["train"])
+        await trio.sleep(60)
+        assert fleet.store.job(job).state == "queued"  # waits: not rejected, not run
+        assert fleet.clear_clean_devices() == ["h0/gpu0"]
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        assert fleet.store.job(job).state == "succeeded"
+
+    scenario(fn)
