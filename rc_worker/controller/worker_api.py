@@ -49,12 +49,13 @@ async def poll(request: Request) -> Response:
     host = request.path_params["host"]
     ctl.require_worker(request, host)
     fields = await json_body(request)
-    session, ready, wait_s = wire.poll(fields)
+    session, ready, wait_s, withdrawn = wire.poll(fields)
     known = wire.known_cancels(fields)
     watch = fields.flag("watch_cancels")
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
     deadline = ctl.now() + wait
+    offers = ctl.store.open_poll(host, ready, withdrawn)
     assignments: list[Assignment] = []
     cancels: list[CancelOrder] = []
     error: ApiError | None = None
@@ -65,11 +66,13 @@ async def poll(request: Request) -> Response:
             while True:
                 seen = ctl.changes.version
                 now = ctl.tick()
-                assignments = ctl.store.poll(host, session, ready, now=now)
+                assignments = ctl.store.poll(host, session, ready, now=now, offers=offers)
                 if watch:
                     cancels = ctl.store.cancels_for(host, session)
                 fresh = any((c.job_id, c.attempt) not in known for c in cancels)
-                if assignments or fresh or now >= deadline:
+                if assignments or fresh or now >= deadline or ctl.store.superseded(host, offers):
+                    # Superseded: the worker polled again with an updated ready set
+                    # (a device it listed here stopped being offerable): answer now.
                     break
                 await ctl.wait_change(seen, deadline)
         except ApiError as e:
