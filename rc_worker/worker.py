@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import time
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,13 @@ import httpx
 import trio
 
 from rc_worker._version import __version__
+from rc_worker.cancel_watch import watch_cancels
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
+from rc_worker.health import not_ready_reason, tree_bytes
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
@@ -241,7 +243,17 @@ class Worker:
                 nursery.start_soon(self._heartbeat_loop, client)
                 nursery.start_soon(self._poll_manager, client, nursery)
                 nursery.start_soon(self._probe_loop, client)
-                nursery.start_soon(self._cancel_watch, client)
+                nursery.start_soon(
+                    partial(
+                        watch_cancels,
+                        client,
+                        held=self._held_jobs,
+                        apply=self._apply_cancel,
+                        changed=lambda: self._poll_wake,
+                        wait_s=lambda: self._poll_wait,
+                        pause_s=lambda: self._heartbeat_interval,
+                    )
+                )
                 task_status.started()
                 await self._until_drained(outbox)
                 await self._deregister(client, outbox)
@@ -311,22 +323,17 @@ class Worker:
 
     def readiness(self) -> str | None:
         """None when ready for work (``/readyz`` 200), else why not."""
-        if not self.registered.is_set():
-            return "not registered with the controller yet"
-        if self.draining:
-            return "draining: taking no new work"
         try:
             now = trio.current_time()
         except RuntimeError:
-            return None
-        limit = 3 * self._heartbeat_interval
-        if self._last_answer is None or now - self._last_answer > limit:
-            since = "ever" if self._last_answer is None else f"{now - self._last_answer:.0f}s"
-            return (
-                f"the controller has not answered for {since} (more than three heartbeat "
-                f"intervals, {limit:g}s)"
-            )
-        return None
+            now = self._last_answer or 0.0  # outside Trio: silence cannot be judged
+        return not_ready_reason(
+            registered=self.registered.is_set(),
+            draining=self.draining,
+            last_answer=self._last_answer,
+            now=now,
+            heartbeat_interval=self._heartbeat_interval,
+        )
 
     async def _drain_deadline(self) -> None:
         # shutdown_grace bounds the drain: past it, running jobs are stopped.
@@ -369,7 +376,7 @@ class Worker:
             reports_pending=self._ctx.outbox.pending() if self._ctx is not None else 0,
             registered=self.registered.is_set(),
             draining=self.draining,
-            spool_bytes=_tree_bytes(Path(self.config.state_dir) / "jobs"),
+            spool_bytes=tree_bytes(Path(self.config.state_dir) / "jobs"),
         )
 
     # -- register -------------------------------------------------------------
@@ -460,31 +467,8 @@ class Worker:
                 str(cancel.get("reason") or ""),
             )
 
-    async def _cancel_watch(self, client: ControllerClient) -> None:
-        """Keep a long poll open while jobs are held here, answered early by a cancel.
-
-        The heartbeat also carries cancels, but only every heartbeat interval;
-        this brings one to the job within a round trip of the user's request.
-        """
-        known: set[tuple[str, int]] = set()
-        while True:
-            wake = self._poll_wake
-            held = {dev.lease.job for dev in self.devices.values() if dev.lease.job is not None}
-            known &= held
-            if not held:
-                await wake.wait()
-                continue
-            try:
-                cancels = await client.watch_cancels(sorted(known), self._poll_wait)
-            except ControllerError as e:
-                log.error("cancel watch refused: %s; retrying after the heartbeat interval", e)
-                await trio.sleep(self._heartbeat_interval)
-                continue
-            for cancel in cancels:
-                job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
-                if isinstance(job_id, str) and isinstance(attempt, int):
-                    known.add((job_id, attempt))
-                self._apply_cancel(cancel)
+    def _held_jobs(self) -> set[tuple[str, int]]:
+        return {dev.lease.job for dev in self.devices.values() if dev.lease.job is not None}
 
     def _set_idle(self, dev: DeviceSupervisor, value: Any) -> None:
         try:
@@ -669,17 +653,6 @@ def _state_dir_error(state_dir: str, e: OSError) -> ConfigError:
         f"state_dir: cannot create or use {state_dir} ({e.strerror}); "
         "make it writable by the worker's user, or point state_dir elsewhere"
     )
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except OSError:
-                continue  # removed while we looked: delivered
-    return total
 
 
 def _positive(value: Any, default: float) -> float:
