@@ -5,13 +5,16 @@
     Worker.run()                       root nursery
     ├── heartbeat loop                 device states up; cancels, idle behaviour, clears down
     ├── poll manager                   one long poll per batch of newly ready devices
+    ├── cancel watch                   a long poll the controller answers with a cancel
     ├── probe loop                     a probe pass every probe_interval; labels after each
     ├── outbox                         output, finish and fault reports, from disk
     └── one DeviceSupervisor per device
 
 ``drain()`` stops taking work, lets running jobs finish, releases held
-devices, delivers every report, then returns from ``run``. ``stop()`` does
-the same but stops running jobs first (grace ceilings honoured). Cancelling
+devices, delivers every report, deregisters, then returns from ``run``.
+``stop()`` does the same but stops running jobs first (grace ceilings
+honoured) and does not wait for a controller that does not take the reports:
+they stay on disk for the next start. Cancelling
 the scope around ``run`` abandons everything at once: jobs are killed
 (shielded, bounded) and whatever was not reported stays on disk for the
 next start to recover.
