@@ -8,6 +8,7 @@ or an exception group unless ``--log-level debug``.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 from pathlib import Path
@@ -166,3 +167,21 @@ def test_an_unexpected_failure_is_one_line_exit_1_and_a_traceback_only_in_debug(
         assert "Traceback" not in err
         assert err.count("\n") == 1
         assert "--log-level debug" in err
+
+
+async def test_with_json_logs_the_failure_is_one_json_line(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            url = await serve_controller(nursery, _store(), {"some-other-token": "op-host"})
+            config = write_config(tmp_path, url)
+            async with worker_process(config, args=("--log-format", "json")) as w:
+                code = await w.wait()
+                lines = w.lines
+            nursery.cancel_scope.cancel()
+    assert code == 2
+    last = json.loads(lines[-1])
+    assert last["level"] == "error"
+    assert "401 unauthorized" in last["message"]
+    assert "traceback" not in last
+    for line in lines:
+        json.loads(line)  # every line is JSON, the failure included
