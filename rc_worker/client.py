@@ -265,7 +265,7 @@ class ControllerClient:
                 delay = backoff.next_delay(e.retry_after)
                 if retry_log.failed(trio.current_time()):
                     log.warning(
-                        "%s: %s; retrying (next in %.1fs, %d failed tries so far)",
+                        "%s: %s; retrying (next in %.1fs, %d failed so far)",
                         endpoint,
                         self._explain(e),
                         delay,

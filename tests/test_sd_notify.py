@@ -59,6 +59,8 @@ async def test_a_real_worker_notifies_ready_status_watchdog_and_stopping(tmp_pat
             url = await serve_controller(nursery, store, {TOKEN: "op-host"})
             config = write_config(tmp_path, url)
             async with worker_process(config, env=env) as w:
+                registering = await notify.until("STATUS=registering")
+                assert registering == [f"STATUS=registering with the controller at {url}"]
                 ready = await notify.until("READY=1")
                 assert "STATUS=1 device: 1 free" in ready
                 assert any(d.host == "op-host" for d in store.devices())
