@@ -16,7 +16,6 @@ The rules implemented here are written down in docs/protocol.md.
 from __future__ import annotations
 
 import bisect
-import secrets
 from collections.abc import Mapping, Sequence
 
 from rc_worker.controller.errors import (
@@ -245,7 +244,7 @@ class Store(StoreState):
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
         if h.session is not None:
             del self._sessions[h.session]
-        h.session = f"{self._next_id('s')}-{secrets.token_hex(4)}"
+        h.session = f"{self._next_id('s')}-{self._token()}"
         self._sessions[h.session] = h
         h.lost = False
         h.last_seen = now
