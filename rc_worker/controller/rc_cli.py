@@ -336,6 +336,8 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
                 nursery.start_soon(_feed_stdin, client, job_id)
             job = await rc_follow.follow_output(client, job_id, 0, sink, reconnect)
             nursery.cancel_scope.cancel()
+    except* CliError as group:
+        raise _translate(group) from group
     except* KeyboardInterrupt:
         print(
             f"\nrc: job {job_id} keeps running; stop it with: rc cancel {job_id}", file=sys.stderr
@@ -348,6 +350,15 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         why = job.get("reason") or job.get("error") or ""
         print(f"rc: job {job_id} ended {job['state']}{': ' + why if why else ''}", file=sys.stderr)
     return status
+
+
+def _translate(group: BaseExceptionGroup[CliError]) -> CliError:
+    """One CliError (the first one's message and status) for a group of them."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    assert isinstance(first, CliError)
+    return CliError(str(first), first.status)
 
 
 async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
