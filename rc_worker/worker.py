@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -90,6 +91,9 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
         self.status_urls: list[str] = []
+        # Who this process is, for the controller's "same process or new" at
+        # register; in memory only, so no later process can repeat it.
+        self.instance_id = secrets.token_hex(8)
 
     # -- control ------------------------------------------------------------
 
@@ -276,7 +280,8 @@ class Worker:
         payload: dict[str, Any] = {
             "worker_version": __version__,
             "boot_id": self._ctx.boot_id,
-            "pid": _pid(),
+            "pid": self.host.own_pid(),
+            "instance_id": self.instance_id,
             "devices": [
                 {"name": d.name, "declared_labels": dict(d.labels)} for d in self.config.devices
             ],
@@ -474,12 +479,6 @@ def _positive(value: Any, default: float) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return float(value)
     return default
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def state_root(config: Config) -> Path:

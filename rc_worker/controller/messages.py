@@ -101,6 +101,9 @@ class RegisterRequest:
     devices: tuple[DeviceDecl, ...]
     worker_version: str = ""
     pid: int | None = None
+    # A per-process id the worker picks at start and keeps in memory only:
+    # the one thing that tells "the same live process again" from "a new one".
+    instance_id: str | None = None
     labels: LabelsUpdate = LabelsUpdate()
     sheets: SheetsUpdate = SheetsUpdate()
     recovery: tuple[Recovery, ...] = ()

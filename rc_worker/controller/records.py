@@ -205,6 +205,7 @@ class Host:
     session: str | None = None
     lost: bool = False
     pid: int | None = None
+    instance_id: str | None = None
     worker_version: str = ""
     require_manual_clear: bool = False
     facts: dict[str, str] = attrs.Factory(dict)

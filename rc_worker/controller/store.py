@@ -65,6 +65,29 @@ def _check_name(kind: str, name: str) -> None:
         )
 
 
+def _same_process(h: Host, req: RegisterRequest, running: Sequence[tuple[Job, Attempt]]) -> bool:
+    """Whether a registration comes from the live worker process the host last had.
+
+    A worker sends an ``instance_id`` it picked at start and keeps in memory only,
+    so a new process (even one with the same pid, as in a restarted container)
+    never repeats it; with one the answer comes from that id and the boot id alone,
+    never from the ``recovery`` entries, which a restarted worker legitimately
+    resends, at every registration, until their finishes are delivered. Without one
+    (an older worker) the old rule stands: same boot, same pid, and no recovery
+    entry for a job running here.
+    """
+    if h.boot_id != req.boot_id:
+        return False
+    if req.instance_id is not None or h.instance_id is not None:
+        return req.instance_id is not None and req.instance_id == h.instance_id
+    running_here = {job.job_id for job, _ in running}
+    return (
+        h.pid is not None
+        and h.pid == req.pid
+        and not any(r.job_id in running_here for r in req.recovery)
+    )
+
+
 class Store(StoreState):
     """The reference controller's state and every operation on it (see :class:`StoreState`)."""
 
@@ -261,16 +284,7 @@ class Store(StoreState):
         if len(set(names)) != len(names):
             raise BadRequest("devices: device names must be unique")
         h = self._hosts.get(host)
-        # The same live process registering again (after an unknown_session) interrupted
-        # nothing: same boot, same pid, and no journal entry for a job running here, which
-        # a new process (even one given the same pid) would have for every such job.
-        running_here = {job.job_id for job, _ in self.running_on(host)}
-        same_process = (
-            h is not None
-            and h.pid is not None
-            and (h.pid, h.boot_id) == (req.pid, req.boot_id)
-            and not any(r.job_id in running_here for r in req.recovery)
-        )
+        same_process = h is not None and _same_process(h, req, self.running_on(host))
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
         if h.session is not None:
@@ -280,6 +294,7 @@ class Store(StoreState):
         h.lost = False
         h.last_seen = now
         h.pid = req.pid
+        h.instance_id = req.instance_id
         h.worker_version = req.worker_version
         h.require_manual_clear = req.require_manual_clear
         wanted = {decl.name: decl for decl in req.devices}

@@ -203,6 +203,7 @@ def register(f: Fields) -> RegisterRequest:
         devices=tuple(devices),
         worker_version=f.opt_str("worker_version") or "",
         pid=f.opt_int("pid"),
+        instance_id=f.opt_str("instance_id"),
         labels=LabelsUpdate() if labels is None else labels_update(labels),
         sheets=SheetsUpdate() if sheets is None else sheets_update(sheets),
         recovery=tuple(recovery),

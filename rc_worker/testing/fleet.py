@@ -543,9 +543,6 @@ class Fleet:
     def _on_request(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
         if endpoint == "register":
             body = _json(request)
-            # The worker reports os.getpid(), the same for every simulated
-            # process; a restarted worker is a new process, so say so.
-            body["pid"] = node.host.worker_pid
             if node.config.require_manual_clear:
                 claims = [(r.get("job_id"), r.get("claim")) for r in body.get("recovery", [])]
                 if ("gone" in (c for _, c in claims)) or not body.get("require_manual_clear"):

@@ -260,3 +260,31 @@ def test_a_blind_sweep_does_not_offer_a_device_an_unseen_escapee_may_hold() -> N
         assert fleet.violations == []
 
     scenario(fn)
+
+
+def test_a_reregistration_resending_an_undelivered_recovery_entry_loses_no_running_job() -> None:
+    # The re-registration issue's reduced case: the restarted worker's recovered job
+    # cannot be finished yet (output answers unknown_session), a second job starts on
+    # the other device, and every re-registration resends the recovery entry. The
+    # controller once took that for a new process and ended the second job `lost`.
+    async def fn(fleet: Fleet) -> None:
+        fleet.program("long", Script.printing((1, b"a\n"), (120, b"b\n")))
+        await fleet.wait_until(lambda: len(fleet.store.devices()) == 2)
+        first = fleet.submit(["train"], device="h0/gpu0")
+        await trio.sleep(5)
+        fleet.outage("output", Fault.UNKNOWN_SESSION)
+        await fleet.crash("h0")
+        fleet.restart("h0")
+        await trio.sleep(10)
+        second = fleet.submit(["long"], device="h0/gpu1")
+        await fleet.wait_until(lambda: fleet.store.job(second).state == "running")
+        await trio.sleep(60)  # many re-registrations, each resending the entry
+        assert fleet.store.job(second).state == "running"
+        fleet.restore()
+        await fleet.wait_until(lambda: fleet.store.job(second).terminal)
+        assert fleet.store.job(second).state == "succeeded"
+        assert fleet.store.output(second) == b"a\nb\n"
+        await fleet.wait_until(lambda: fleet.store.job(first).terminal)
+        assert fleet.store.job(first).state == "lost"
+
+    scenario(fn, devices=("gpu0", "gpu1"))
