@@ -336,7 +336,7 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
                 nursery.start_soon(_feed_stdin, client, job_id)
             job = await rc_follow.follow_output(client, job_id, 0, sink, reconnect)
             nursery.cancel_scope.cancel()
-    except* CliError as group:
+    except* (CliError, httpx.HTTPError) as group:
         raise _translate(group) from group
     except* KeyboardInterrupt:
         print(
@@ -352,13 +352,17 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     return status
 
 
-def _translate(group: BaseExceptionGroup[CliError]) -> CliError:
+def _translate(group: BaseExceptionGroup[CliError | httpx.HTTPError]) -> CliError:
     """One CliError (the first one's message and status) for a group of them."""
     first: BaseException = group
     while isinstance(first, BaseExceptionGroup):
         first = first.exceptions[0]
-    assert isinstance(first, CliError)
-    return CliError(str(first), first.status)
+    if isinstance(first, CliError):
+        return CliError(str(first), first.status)
+    what = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
+    if isinstance(first, httpx.TransportError):
+        return CliError(f"cannot reach the controller: {what}", EXIT_CONTROLLER_GONE)
+    return CliError(what)
 
 
 async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:

@@ -293,3 +293,13 @@ def test_one_line_escapes_what_would_break_a_row() -> None:
 
     assert one_line("plain é ✓") == "plain é ✓"
     assert one_line("a\nb\tc\x00d\u2028") == "a\\nb\\tc\\x00d\\u2028"
+
+
+def test_errors_from_rc_runs_nursery_become_one_error() -> None:
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [httpx.ReadError("boom")])])
+    error = rc_cli._translate(nested)
+    assert (error.status, str(error)) == (3, "cannot reach the controller: ReadError: boom")
+    refused = rc_cli._translate(ExceptionGroup("g", [rc_cli.CliError("nope", 1)]))
+    assert (refused.status, str(refused)) == (1, "nope")
+    other = rc_cli._translate(ExceptionGroup("g", [httpx.DecodingError("bad gzip")]))
+    assert (other.status, str(other)) == (1, "DecodingError: bad gzip")
