@@ -145,7 +145,7 @@ def _first_failing(selector: Selector, labels: Mapping[str, str]) -> Term:
 
 def _waiting(free: Sequence[Candidate]) -> str:
     c = free[0]
-    state = f" (worker: {c.worker_state})" if c.worker_state not in (None, "ready") else ""
+    state = f" (worker: {c.worker_state})" if c.worker_state not in (None, "free") else ""
     others = f" (and {len(free) - 1} more)" if len(free) > 1 else ""
     return (
         f"{c.address}{others} is free; waiting for its worker to ask for work{state}, "

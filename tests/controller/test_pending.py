@@ -76,7 +76,9 @@ def test_pinned_device_free_waits_for_its_worker() -> None:
     why = explain(parse_selector(""), "b/g0", [dev("b/g0", worker_state="verifying")])
     assert why.code == "waiting_for_worker"
     assert "b/g0 is free" in why.reason
-    assert "verifying" in why.reason
+    assert "(worker: verifying)" in why.reason
+    idle = explain(parse_selector(""), "b/g0", [dev("b/g0", worker_state="free")])
+    assert "worker:" not in idle.reason
 
 
 def test_every_matching_device_busy() -> None:
