@@ -154,6 +154,9 @@ class FinishRequest:
     sweep: Mapping[str, object] | None = attrs.field(default=None, hash=False)
     verify: Verify | None = None
     fault_id: str | None = None
+    # With ``refused``: the offer was stale (the device stopped being offerable
+    # between the poll and its answer), so the refusal is no mark against the job.
+    stale_offer: bool = False
 
 
 @attrs.frozen

@@ -77,6 +77,7 @@ class Job:
     attempts: list[Attempt] = attrs.Factory(list)
     cancel_reason: str | None = None
     refusals: int = 0
+    stale_refusals: int = 0
     output: bytearray = attrs.Factory(bytearray)
     started_at: float | None = None
     finished_at: float | None = None

@@ -5,8 +5,8 @@ than the last one; see ``store._same_process``) means the process that
 supervised this host's jobs is gone, so every job it was running was
 interrupted. (The same live process registering again after an
 ``unknown_session`` interrupted nothing: its jobs stay as they are, and the
-recovery entries it resends were judged when it first registered.) For each interrupted job, and each device
-quarantined for one:
+recovery entries it resends were judged when it first registered.) For each
+interrupted job, and each device quarantined for one:
 
 - the boot id now differs from the one recorded when the job started: a reboot
   proves nothing of it survives, the device is freed;

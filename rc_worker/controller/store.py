@@ -385,16 +385,59 @@ class Store(StoreState):
             if d.cleared_pending[fault_id] >= self.config.cleared_omissions:
                 del d.cleared_pending[fault_id]
 
+    def open_poll(
+        self, host: str, ready: Sequence[str], withdrawn: Sequence[str] = ()
+    ) -> dict[str, int]:
+        """A long poll begins: it supersedes every earlier poll listing its devices.
+
+        Returns the offer generations to hand to each :meth:`poll` of this long
+        poll. A worker that sees a device it listed in a parked poll stop being
+        offerable polls again at once, with the devices still ready in ``ready``
+        and that one in ``withdrawn``: the older poll, superseded, is answered
+        at once (:meth:`superseded`) and is handed nothing more for any of them.
+        """
+        gens: dict[str, int] = {}
+        h = self._hosts.get(host)
+        bumped = False
+        for name in dict.fromkeys([*ready, *withdrawn]):
+            if h is None or name not in h.devices:
+                continue  # poll() skips it anyway; keep the table to known devices
+            key = (host, name)
+            old = self._poll_gen.get(key, 0)
+            bumped = bumped or old > 0
+            gen = self._poll_gen[key] = old + 1
+            if name in ready:
+                gens[name] = gen
+        if bumped:
+            self._changed()  # wake the superseded poll, so that it answers now
+        return gens
+
+    def superseded(self, host: str, offers: Mapping[str, int]) -> bool:
+        """Whether a newer poll has listed or withdrawn any device of this one's offers."""
+        return any(self._poll_gen.get((host, name)) != gen for name, gen in offers.items())
+
     def poll(
-        self, host: str, session: str, ready: Sequence[str], *, now: float
+        self,
+        host: str,
+        session: str,
+        ready: Sequence[str],
+        *,
+        now: float,
+        offers: Mapping[str, int] | None = None,
     ) -> list[Assignment]:
-        """Assign at most one queued job to each ready device; never waits."""
+        """Assign at most one queued job to each ready device; never waits.
+
+        ``offers``: this long poll's generations from :meth:`open_poll`; a device
+        a newer poll has offered since is skipped (the offer is superseded).
+        """
         h = self._session(session, host)
         out: list[Assignment] = []
         changed = False
         for name in dict.fromkeys(ready):
             d = h.devices.get(name)
             if d is None or not d.present:
+                continue
+            if offers is not None and self._poll_gen.get((host, name)) != offers.get(name):
                 continue
             held = d.job
             cur = None if held is None else held.current
@@ -550,6 +593,12 @@ class Store(StoreState):
             self._terminate(job, "error", by="worker", reason="refused after it had started")
         elif job.cancel_reason is not None:
             self._terminate(job, "killed", by="controller", reason=job.cancel_reason, killed=True)
+        elif req.stale_offer and job.stale_refusals < self.config.max_stale_refusals:
+            # The device stopped being offerable after the poll that listed it: the
+            # offer was stale, not the job unrunnable. Back in its place in the queue,
+            # not counted (a separate, generous bound stops a worker stuck saying so).
+            job.stale_refusals += 1
+            self._requeue(job, f"refused (stale offer): {req.reason}")
         else:
             job.refusals += 1
             if job.refusals >= self.config.max_refusals:

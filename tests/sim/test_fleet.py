@@ -18,7 +18,8 @@ import trio
 from hypothesis import given, note, settings
 
 from rc_worker.config import DeviceConfig
-from rc_worker.testing.fleet import Fault, Fleet, simulate
+from rc_worker.retry import Backoff
+from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
 from rc_worker.testing.sim import Fork, Hang, Script, Write
 
 from .plans import FleetPlan, describe, fleet_plans, play
@@ -288,3 +289,42 @@ def test_a_reregistration_resending_an_undelivered_recovery_entry_loses_no_runni
         assert fleet.store.job(first).state == "lost"
 
     scenario(fn, devices=("gpu0", "gpu1"))
+
+
+# -- the harness is safe to use ------------------------------------------------------
+
+
+def test_register_cannot_meet_unknown_session() -> None:
+    async def fn(fleet: Fleet) -> None:
+        with pytest.raises(ValueError, match="register cannot meet unknown_session"):
+            fleet.outage("register", Fault.UNKNOWN_SESSION)
+        with pytest.raises(ValueError, match="register cannot meet unknown_session"):
+            fleet.inject("register", Fault.UNAVAILABLE, Fault.UNKNOWN_SESSION)
+
+    scenario(fn)
+
+
+def test_a_retry_loop_without_backoff_is_reported_as_stalled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker bug: retries with no delay. Virtual time stops moving while the
+    # loop spins; the stall guard must end the run with a clear error.
+    monkeypatch.setattr(Backoff, "next_delay", lambda self, retry_after=None: 0.0)
+
+    async def fn(fleet: Fleet) -> None:
+        await trio.sleep(10)
+        fleet.outage("heartbeat", Fault.UNAVAILABLE)
+        await trio.sleep(60)
+
+    with pytest.raises(SimulationStalled, match="virtual time stopped"):
+        simulate(fn, stall_steps=20_000)
+
+
+def test_a_run_past_its_wall_limit_fails_instead_of_hanging() -> None:
+    async def fn(fleet: Fleet) -> None:
+        while True:  # a scenario that never ends, in virtual time as in real time
+            fleet.submit(["true"])
+            await trio.sleep(1)
+
+    with pytest.raises(SimulationTimedOut, match="wall-clock limit"):
+        simulate(fn, time_limit=1e9, wall_limit=0.5)
