@@ -99,9 +99,9 @@ def _log_options(parser: argparse.ArgumentParser, *, default: Any) -> None:
 
 
 def _optional_subcommands() -> list[Any]:
-    from rc_worker import cli_exec, cli_probe, status
+    from rc_worker import cli_exec, cli_probe, completion, status
 
-    return [cli_exec, cli_probe, status]
+    return [cli_exec, cli_probe, completion, status]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,10 @@ class Fault:
     boot_id: str | None = None
     """For ``interrupted``: the host's boot id when the job started, if known."""
 
+    def describe(self) -> str:
+        """``kind: detail``, for the one-line reasons people read."""
+        return f"{self.kind}: {self.detail}" if self.detail else self.kind
+
     def info(self) -> FaultInfo:
         return FaultInfo(
             fault_id=self.fault_id,

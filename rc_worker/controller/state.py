@@ -11,6 +11,7 @@ adds the public operations on top. Sans-IO: no Trio, no anyio; time comes in as
 from __future__ import annotations
 
 import bisect
+import random
 import secrets
 import time
 from collections import deque
@@ -61,8 +62,11 @@ class StoreState:
         *,
         instance: str | None = None,
         wall_clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config or StoreConfig()
+        # Session tokens: unguessable by default; a simulation seeds them to replay.
+        self._rng = rng
         self.instance = instance or secrets.token_hex(3)
         self._wall = wall_clock
         self._hosts: dict[str, Host] = {}
@@ -90,6 +94,12 @@ class StoreState:
         self.version += 1
         for callback in list(self._subscribers):
             callback()
+
+    def _token(self) -> str:
+        """Eight hex digits nobody can guess (or, seeded, the same in every replay)."""
+        if self._rng is None:
+            return secrets.token_hex(4)
+        return f"{self._rng.getrandbits(32):08x}"
 
     def _next_id(self, prefix: str) -> str:
         n = self._counters[prefix] = self._counters.get(prefix, 0) + 1

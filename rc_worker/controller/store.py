@@ -16,8 +16,9 @@ The rules implemented here are written down in docs/protocol.md.
 from __future__ import annotations
 
 import bisect
-import secrets
 from collections.abc import Mapping, Sequence
+
+import attrs
 
 from rc_worker.controller.errors import (
     BadRequest,
@@ -47,6 +48,7 @@ from rc_worker.controller.messages import (
     SheetsUpdate,
     StartRequest,
 )
+from rc_worker.controller.pending import Candidate, Pending, explain
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
@@ -144,12 +146,53 @@ class Store(StoreState):
         return job_id
 
     def job(self, job_id: str) -> JobInfo:
-        return self._job(job_id).info()
+        return self._view(self._job(job_id))
 
     def jobs(self, state: str | None = None) -> list[JobInfo]:
         if state is not None and state not in JOB_STATES:
             raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
-        return [j.info() for j in self._jobs.values() if state is None or j.state == state]
+        candidates: list[Candidate] | None = None  # computed once, and only if a job is queued
+        out = []
+        for j in self._jobs.values():
+            if state is None or j.state == state:
+                if j.state == "queued" and candidates is None:
+                    candidates = self._candidates()
+                out.append(self._view(j, candidates))
+        return out
+
+    def pending(self, select: str = "", device: str | None = None) -> Pending:
+        """Why a job with this selector and pin would wait now (``no_match``: it never runs)."""
+        try:
+            selector = parse_selector(select)
+        except SelectorError as e:
+            raise BadRequest(f"select: {e}") from None
+        return explain(selector, device, self._candidates())
+
+    def _view(self, job: Job, candidates: list[Candidate] | None = None) -> JobInfo:
+        # Computed on every read, so a queued job's reason is always the current one.
+        info = job.info()
+        if job.state != "queued":
+            return info
+        why = explain(
+            job.selector, job.spec.device, self._candidates() if candidates is None else candidates
+        )
+        return attrs.evolve(info, pending_reason=why.reason, pending_code=why.code)
+
+    def _candidates(self) -> list[Candidate]:
+        return [
+            Candidate(
+                address=f"{h.name}/{d.name}",
+                labels=d.labels(h),
+                present=d.present,
+                host_lost=h.lost,
+                fault=None if (f := d.first_fault()) is None else f.describe(),
+                idle_behavior=d.idle_behavior,
+                job_id=None if d.job is None else d.job.job_id,
+                worker_state=d.worker_state,
+            )
+            for h in self._hosts.values()
+            for d in h.devices.values()
+        ]
 
     def output(self, job_id: str, offset: int = 0, limit: int | None = None) -> bytes:
         """The job's committed output from ``offset`` (at most ``limit`` bytes)."""
@@ -245,7 +288,7 @@ class Store(StoreState):
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
         if h.session is not None:
             del self._sessions[h.session]
-        h.session = f"{self._next_id('s')}-{secrets.token_hex(4)}"
+        h.session = f"{self._next_id('s')}-{self._token()}"
         self._sessions[h.session] = h
         h.lost = False
         h.left = False
