@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the heartbeat interval workers are told to keep (default 10s)",
     )
     p.add_argument(
+        "--heartbeat-rate",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="aim at N heartbeats per second across the fleet: with many hosts each is "
+        "told a longer interval, hosts/N at least (default 0: no target)",
+    )
+    p.add_argument(
         "--poll-wait",
         type=_duration,
         default=30.0,
@@ -492,7 +500,13 @@ async def run_serve(
     """``rc serve ARGS``: serve until cancelled (or ``shutdown_trigger``); reports bound URLs."""
     args = build_parser().parse_args(["serve", *argv])
     worker, users = serve_settings(args, os.environ if env is None else env)
-    config = StoreConfig(heartbeat_interval_s=args.heartbeat_interval, poll_wait_s=args.poll_wait)
+    if args.heartbeat_rate < 0 or args.heartbeat_rate != args.heartbeat_rate:
+        raise CliError("--heartbeat-rate: must be a number >= 0 (0: no target)", 2)
+    config = StoreConfig(
+        heartbeat_interval_s=args.heartbeat_interval,
+        poll_wait_s=args.poll_wait,
+        heartbeat_rate=args.heartbeat_rate,
+    )
     app = create_app(
         store=Store(config), worker_tokens=worker, user_tokens=users, webhooks=args.webhook
     )

@@ -382,9 +382,10 @@ class Store(StoreState):
         reconcile_registration(self, h, req, now, same_process=same_process)
         h.boot_id = req.boot_id
         self._changed()
+        h.heartbeat_interval_s = self.heartbeat_interval_now()
         return RegisterReply(
             session=h.session,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_interval_s=h.heartbeat_interval_s,
             poll_wait_s=self.config.poll_wait_s,
             devices={name: self._status(h.devices[name]) for name in wanted},
         )

@@ -13,9 +13,15 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from rc_worker.controller.errors import Conflict, NotFound
-from rc_worker.controller.messages import DeviceInfo, JobInfo, JobSpec
+from rc_worker.controller.messages import (
+    DeviceDecl,
+    DeviceInfo,
+    JobInfo,
+    JobSpec,
+    RegisterRequest,
+)
 from rc_worker.controller.pool import DEVICE_STATES, device_state, host_states, pool_view
-from rc_worker.controller.store import Store
+from rc_worker.controller.store import Store, StoreConfig
 
 from .helpers import USER_TOKEN, FakeWorker
 from .storekit import assign, register, start
@@ -205,3 +211,35 @@ async def test_metrics_count_the_pool(client: httpx.AsyncClient, store: Store) -
     assert 'rc_controller_devices{idle_behavior="run",state="free"} 1.0' in text
     assert 'rc_controller_free_devices{class="H100"} 1.0' in text
     assert 'rc_controller_jobs{state="queued"} 1.0' in text
+
+
+# -- heartbeats scale with the fleet ------------------------------------------------------
+
+
+def test_with_a_heartbeat_rate_a_large_fleet_is_told_a_longer_interval() -> None:
+    store = Store(StoreConfig(heartbeat_interval_s=1.0, heartbeat_rate=10.0), instance="t")
+    told = []
+    for i in range(50):
+        reply = store.register(
+            f"h{i}", RegisterRequest(boot_id="b", devices=(DeviceDecl("gpu0"),)), now=0
+        )
+        told.append(reply.heartbeat_interval_s)
+    # Ten hosts at 1 s are ten a second; past that each new host is told hosts / rate.
+    assert told[:10] == [1.0] * 10
+    assert told[-1] == pytest.approx(5.0)
+    assert told == sorted(told)
+    # A host is lost after missed heartbeats of the interval it was told.
+    store.tick(3.5)  # the first host (1 s, 3 missed) is lost; the last (5 s) is not
+    assert store.device("h0", "gpu0").host_state == "lost"
+    assert store.device("h49", "gpu0").host_state == "up"
+    store.tick(15.5)
+    assert store.device("h49", "gpu0").host_state == "lost"
+
+
+def test_without_a_rate_every_host_is_told_the_configured_interval() -> None:
+    store = Store(StoreConfig(heartbeat_interval_s=2.0), instance="t")
+    for i in range(30):
+        reply = store.register(
+            f"h{i}", RegisterRequest(boot_id="b", devices=(DeviceDecl("gpu0"),)), now=0
+        )
+        assert reply.heartbeat_interval_s == 2.0
