@@ -54,6 +54,9 @@ class WorkerContext:
                 "boot_id": self.boot_id,
                 # A reported timestamp, never used for a timeout.
                 "started_at": time.time(),
+                # A lower bound of the job's start time in the process
+                # table's clock: recovery's sweep skips older processes.
+                "since_ticks": self.host.boot_ticks(),
                 "spawned": True,
             },
         )

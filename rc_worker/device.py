@@ -27,6 +27,7 @@ from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult,
 from rc_worker.reports import finish_report, not_run_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
+from rc_worker.sweep import unproven
 from rc_worker.verify import run_verify
 
 if TYPE_CHECKING:
@@ -379,11 +380,9 @@ class DeviceSupervisor:
         fault_id = None
         if not verify.ok:
             fault_id = self._quarantine("verify_failed", verify.reason, report=False)
-        elif result.sweep.remaining:
-            survivors = list(result.sweep.remaining)
-            fault_id = self._quarantine(
-                "dirty", f"processes {survivors} survived SIGKILL", report=False
-            )
+        elif (doubt := unproven(result.sweep)) is not None:
+            # The one rule recovery decides by too: not proven clean is dirty.
+            fault_id = self._quarantine("dirty", doubt, report=False)
         return result, verify, fault_id, spool.size
 
     def _settle(self) -> None:

@@ -19,6 +19,7 @@ import errno
 import fcntl
 import os
 import platform
+import signal
 import socket
 import struct
 import subprocess
@@ -47,13 +48,21 @@ _DEAD_STATES = frozenset({"Z", "X", "x"})
 
 @attrs.frozen
 class ProcessInfo:
-    """One row of the process table (from ``/proc/<pid>/stat``)."""
+    """One row of the process table (from ``/proc/<pid>/stat``).
+
+    ``start_time``: when it started, in clock ticks since boot (field 22 of
+    ``/proc/<pid>/stat``, the clock of :meth:`Host.boot_ticks`). With the pid
+    it names one process for good: a recycled pid has a later start time.
+    ``uid``: its owner (the owner of its ``/proc/<pid>/stat``), or -1 unknown.
+    """
 
     pid: int
     ppid: int
     pgid: int
     sid: int
     state: str  # the one-letter state: R, S, D, T, Z, ...
+    start_time: int = 0
+    uid: int = -1
 
     @property
     def alive(self) -> bool:
@@ -158,6 +167,15 @@ class Host(Protocol):
 
     def own_pid(self) -> int: ...
 
+    def boot_ticks(self) -> int:
+        """Now, in the clock of :attr:`ProcessInfo.start_time`."""
+        ...
+
+    def pin(self, pid: int, start_time: int) -> ProcessPin | None:
+        """Hold ``pid`` for signalling, if it is still the process that started at
+        ``start_time``; ``None`` when it has gone (or its pid now names another)."""
+        ...
+
 
 class LinuxHost:
     """The real host: /proc, os and signals."""
@@ -243,17 +261,33 @@ class LinuxHost:
         for name in os.listdir(PROC):
             if not name.isdigit():
                 continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    raw = f.read()
-            except OSError:
-                # Gone between listdir and open (ENOENT/ESRCH), or hidden
-                # from us by hidepid: either way not a row we can report.
-                continue
-            info = parse_proc_stat(raw)
+            info = read_proc_stat(int(name))
             if info is not None:
                 table.append(info)
         return table
+
+    def boot_ticks(self) -> int:
+        return boot_ticks()
+
+    def pin(self, pid: int, start_time: int) -> ProcessPin | None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None
+        except OSError as e:
+            if e.errno != errno.ENOSYS:
+                return None
+            # A kernel before 5.3: no pidfd. Re-check the start time right
+            # before each signal instead; the window shrinks to microseconds.
+            return _StatPin(pid, start_time)
+        # Read after opening: if the pid was recycled before the open, the
+        # pidfd names the newcomer and its start time gives it away; after
+        # the open, the pidfd can only ever reach the process it names.
+        now = read_proc_stat(pid)
+        if now is None or now.start_time != start_time:
+            os.close(fd)
+            return None
+        return _PidfdPin(fd)
 
     def environ(self, pid: int) -> Mapping[str, str]:
         try:
@@ -269,6 +303,92 @@ class LinuxHost:
         return os.getpid()
 
 
+def read_proc_stat(pid: int) -> ProcessInfo | None:
+    """One row of the process table, or ``None`` when ``pid`` is gone or hidden."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The file belongs to the process's owner: one fstat on the
+            # open descriptor gives its uid without another path walk.
+            uid = os.fstat(f.fileno()).st_uid
+            raw = f.read()
+    except OSError:
+        # Gone between listdir and open (ENOENT/ESRCH), or hidden from us
+        # by hidepid: either way not a row we can report.
+        return None
+    return parse_proc_stat(raw, uid)
+
+
+def boot_ticks() -> int:
+    """Now, in the clock of ``ProcessInfo.start_time`` (clock ticks since boot).
+
+    ``/proc/uptime`` and a process's start time both count CLOCK_BOOTTIME;
+    both are truncated to a tick, so a process started after this call never
+    shows an earlier start time.
+    """
+    with open("/proc/uptime", "rb") as f:
+        seconds = f.read().split()[0]
+    whole, _, frac = seconds.partition(b".")
+    hundredths = int(whole) * 100 + int((frac + b"00")[:2])
+    return hundredths * _CLK_TCK // 100
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class ProcessPin(Protocol):
+    """One process, held by identity (pid *and* start time), to signal later.
+
+    ``send_signal`` returns ``False`` once that process has gone: never does a
+    signal reach another process that got its pid since.
+    """
+
+    def send_signal(self, sig: int) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class _PidfdPin:
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def send_signal(self, sig: int) -> bool:
+        if self._fd is None:
+            return False
+        try:
+            signal.pidfd_send_signal(self._fd, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@attrs.define
+class _StatPin:
+    pid: int
+    start_time: int
+
+    def send_signal(self, sig: int) -> bool:
+        now = read_proc_stat(self.pid)
+        if now is None or now.start_time != self.start_time:
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        pass
+
+
 def _widen_pipe(fd: int) -> None:
     # A chatty job then blocks less often and each wakeup of ours finds more
     # to read: about a seventh less CPU per byte in bench_supervise.py. The
@@ -277,7 +397,7 @@ def _widen_pipe(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, OUTPUT_PIPE_BYTES)
 
 
-def parse_proc_stat(raw: bytes) -> ProcessInfo | None:
+def parse_proc_stat(raw: bytes, uid: int = -1) -> ProcessInfo | None:
     """Parse ``/proc/<pid>/stat``; ``None`` when it is not in the expected shape."""
     # The command name sits in parentheses and may itself contain spaces
     # and ")", so split at the last ")".
@@ -293,6 +413,9 @@ def parse_proc_stat(raw: bytes) -> ProcessInfo | None:
             pgid=int(fields[2]),
             sid=int(fields[3]),
             state=fields[0].decode("ascii", "replace"),
+            # Field 22 of the whole line; the tail starts at field 3.
+            start_time=int(fields[19]),
+            uid=uid,
         )
     except (ValueError, IndexError):
         return None

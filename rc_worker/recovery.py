@@ -30,7 +30,7 @@ from rc_worker.host import Host
 from rc_worker.model import Claim
 from rc_worker.reports import lost_report, sweep_json
 from rc_worker.spool import JobDir, job_dirs, read_json, write_json_durably
-from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
+from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors, unproven
 
 log = logging.getLogger("rc_worker.recovery")
 
@@ -63,7 +63,8 @@ def decide_claim(sweep: SweepReport, *, reboot: bool, require_manual_clear: bool
     """The claim for one interrupted job (sans-IO)."""
     if require_manual_clear:
         return Claim.UNKNOWN
-    if reboot or sweep.clean:
+    # The rule a job's end decides by too (sweep.unproven): gone only when proven.
+    if reboot or unproven(sweep) is None:
         return Claim.GONE
     if sweep.remaining:
         return Claim.ALIVE
@@ -109,7 +110,13 @@ async def recover(
         if reboot:
             sweep = NOT_SWEPT
         else:
-            sweep = await sweep_job_survivors(job_id, grace=RECOVERY_GRACE, host=host)
+            since = journal.get("since_ticks")
+            sweep = await sweep_job_survivors(
+                job_id,
+                grace=RECOVERY_GRACE,
+                host=host,
+                since=since if isinstance(since, int) and not isinstance(since, bool) else None,
+            )
         claim = decide_claim(sweep, reboot=reboot, require_manual_clear=require_manual_clear)
         log.warning(
             "job %s attempt %d on %s %s: %s, claim %s%s",
@@ -164,6 +171,8 @@ def _from_json(data: dict[str, Any]) -> Recovered:
             found=tuple(sweep.get("found", ())),
             remaining=tuple(sweep.get("remaining", ())),
             blind=bool(sweep.get("blind")),
+            blind_pids=tuple(sweep.get("blind_pids", ())),
+            method=str(sweep.get("method", "environ")),
         ),
         reboot=bool(data.get("reboot")),
     )

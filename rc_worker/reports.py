@@ -17,6 +17,8 @@ def sweep_json(sweep: SweepReport | None) -> dict[str, Any] | None:
         "found": list(sweep.found),
         "remaining": list(sweep.remaining),
         "blind": sweep.blind,
+        "blind_pids": list(sweep.blind_pids),
+        "method": sweep.method,
     }
 
 

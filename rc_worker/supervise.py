@@ -34,7 +34,7 @@ import trio
 
 from rc_worker.host import Host, HostProcess, LinuxHost
 from rc_worker.sweep import KILL_WAIT as SWEEP_KILL_WAIT
-from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
+from rc_worker.sweep import NOT_SWEPT, NOTHING_STARTED, SweepReport, sweep_job_survivors
 
 log = logging.getLogger(__name__)
 
@@ -329,8 +329,14 @@ async def run_job(
         handle._settle()
         await trio.lowlevel.checkpoint()
         return Result(
-            exit_code=None, reason=handle.stop_reason, error="stopped before it was started"
+            exit_code=None,
+            reason=handle.stop_reason,
+            error="stopped before it was started",
+            sweep=NOTHING_STARTED if spec.sweep_job_id is not None else NOT_SWEPT,
         )
+    # A lower bound of the job's start time, taken before it exists: the
+    # sweep never inspects a process that started earlier (see sweep.candidate).
+    since = host.boot_ticks() if spec.sweep_job_id is not None else None
     try:
         proc = await host.spawn(
             spec.command,
@@ -343,17 +349,25 @@ async def run_job(
     except OSError as exc:
         handle._settle()
         why = describe_spawn_error(exc, spec.command, spec.cwd, spec.env.get("PATH"))
-        return Result(exit_code=None, error=why)
+        swept = NOTHING_STARTED if spec.sweep_job_id is not None else NOT_SWEPT
+        return Result(exit_code=None, error=why, sweep=swept)
     # No checkpoint between the spawn and the try/finally in run(): a
     # cancellation must not find a started process nobody will kill.
-    return await _Supervisor(spec, sink, host, proc, handle).run()
+    return await _Supervisor(spec, sink, host, proc, handle, since).run()
 
 
 class _Supervisor:
     def __init__(
-        self, spec: JobSpec, sink: Sink, host: Host, proc: HostProcess, handle: JobHandle
+        self,
+        spec: JobSpec,
+        sink: Sink,
+        host: Host,
+        proc: HostProcess,
+        handle: JobHandle,
+        since: int | None,
     ) -> None:
         self.spec = spec
+        self.since = since
         self.sink = sink
         self.host = host
         self.proc = proc
@@ -493,7 +507,10 @@ class _Supervisor:
             await self._teardown()
             if self.spec.sweep_job_id is not None:
                 self.sweep = await sweep_job_survivors(
-                    self.spec.sweep_job_id, grace=self.spec.grace_ceiling, host=self.host
+                    self.spec.sweep_job_id,
+                    grace=self.spec.grace_ceiling,
+                    host=self.host,
+                    since=self.since,
                 )
 
     def _signal(self, sig: int) -> bool:

@@ -53,7 +53,7 @@ from types import MappingProxyType
 import attrs
 import trio
 
-from rc_worker.host import HostProcess, ProcessInfo
+from rc_worker.host import HostProcess, ProcessInfo, ProcessPin
 
 __all__ = [
     "DEFAULT_PIPE_CAPACITY",
@@ -75,6 +75,9 @@ DEFAULT_PIPE_CAPACITY = 4096
 """Bytes a simulated pipe holds: small, so that backpressure is exercised."""
 
 INIT_PID = 1
+
+CLOCK_TICKS = 100
+"""Clock ticks per virtual second in start times (Linux's USER_HZ)."""
 
 # Signals whose default action is to do nothing; everything else not handled
 # below kills, as the default disposition does.
@@ -165,12 +168,14 @@ class Script:
     hypothesis can build them (``st.builds(Script, ...)``). ``environ_readable``
     False makes the process's environment unreadable to the worker (another
     user's process, for a worker that is not root): sweeps go blind.
+    ``uid`` is the owner the process table shows.
     """
 
     steps: tuple[Step, ...] = attrs.field(default=(), converter=_steps)
     exit_code: int = 0
     on_sigterm: OnSigterm = OnSigterm()
     environ_readable: bool = True
+    uid: int = 0
 
     @classmethod
     def sleeping(cls, seconds: float, *, exit_code: int = 0) -> Script:
@@ -384,6 +389,7 @@ class SimProcess:
     started_at: float
     spawned_by_worker: bool
     readable: bool = True
+    started_ticks: int = 0
     signalable: bool = True
     state: str = "R"
     returncode: int | None = None
@@ -414,8 +420,21 @@ class SimProcess:
         """Whether any signal reached it before it ended."""
         return bool(self.signals)
 
+    @property
+    def start_time(self) -> int:
+        """When it started, in clock ticks since the (simulated) boot."""
+        return self.started_ticks
+
     def info(self) -> ProcessInfo:
-        return ProcessInfo(self.pid, self.ppid, self.pgid, self.sid, self.state)
+        return ProcessInfo(
+            self.pid,
+            self.ppid,
+            self.pgid,
+            self.sid,
+            self.state,
+            start_time=self.started_ticks,
+            uid=self.script.uid,
+        )
 
     def _outputs(self) -> list[SimPipe]:
         # stderr merged into stdout is one pipe, held once.
@@ -463,6 +482,24 @@ class _SimHandle:
             self._stdin_writer.drop()
 
 
+class _SimPin:
+    """A pidfd: it reaches the one process it was opened on, or nothing."""
+
+    def __init__(self, host: SimHost, proc: SimProcess) -> None:
+        self._host = host
+        self._proc: SimProcess | None = proc
+
+    def send_signal(self, sig: int) -> bool:
+        proc = self._proc
+        if proc is None or not self._host.worker_alive or not proc.alive:
+            return False
+        self._host._deliver(proc, sig)
+        return True
+
+    def close(self) -> None:
+        self._proc = None
+
+
 # -- the host -------------------------------------------------------------------
 
 
@@ -492,6 +529,7 @@ class SimHost:
         self._handles: list[_SimHandle] = []
         self.worker_pid = self._allocate_pid()
         self.worker_alive = True
+        self._booted_at = 0.0
 
     # -- what simulations drive --
 
@@ -508,13 +546,19 @@ class SimHost:
         environ: Mapping[str, str] | None = None,
         argv: Sequence[str] = ("daemon",),
         signalable: bool = True,
+        pid: int | None = None,
     ) -> SimProcess:
         """Start a process the worker did not spawn (a daemon, another user's job).
 
         It leads a session of its own under init. ``signalable`` False
         answers the worker's signals with EPERM: they arrive nowhere.
+        ``pid`` reuses a pid no live process holds (a recycled pid); by
+        default the next free one.
         """
-        pid = self._allocate_pid()
+        if pid is None:
+            pid = self._allocate_pid()
+        elif pid in self._table or pid in (INIT_PID, self.worker_pid):
+            raise ValueError(f"pid {pid} is in use; only a pid nothing holds can be recycled")
         proc = SimProcess(
             pid=pid,
             ppid=INIT_PID,
@@ -572,6 +616,7 @@ class SimHost:
             self._end(proc, -signal.SIGKILL)
             self._reap(proc)
         self.boots += 1
+        self._booted_at = trio.current_time()
         self.current_boot_id = boot_id if boot_id is not None else f"{self.name}-boot-{self.boots}"
 
     def table(self) -> list[SimProcess]:
@@ -685,8 +730,8 @@ class SimHost:
         if not self.worker_alive:
             raise OSError(errno.ESRCH, "the worker process is gone (simulated crash)")
         rows = [
-            ProcessInfo(INIT_PID, 0, INIT_PID, INIT_PID, "S"),
-            ProcessInfo(self.worker_pid, INIT_PID, self.worker_pid, self.worker_pid, "S"),
+            ProcessInfo(INIT_PID, 0, INIT_PID, INIT_PID, "S", uid=0),
+            ProcessInfo(self.worker_pid, INIT_PID, self.worker_pid, self.worker_pid, "S", uid=0),
         ]
         return rows + [p.info() for p in self._table.values()]
 
@@ -704,6 +749,15 @@ class SimHost:
     def own_pid(self) -> int:
         return self.worker_pid
 
+    def boot_ticks(self) -> int:
+        return int((trio.current_time() - self._booted_at) * CLOCK_TICKS)
+
+    def pin(self, pid: int, start_time: int) -> ProcessPin | None:
+        proc = self._table.get(pid)
+        if not self.worker_alive or proc is None or proc.started_ticks != start_time:
+            return None
+        return _SimPin(self, proc)
+
     # -- internals --
 
     def _allocate_pid(self) -> int:
@@ -719,6 +773,7 @@ class SimHost:
         return script
 
     def _launch(self, proc: SimProcess) -> None:
+        proc.started_ticks = self.boot_ticks()
         for pipe in proc._outputs():
             pipe.add_writer()
         self._table[proc.pid] = proc

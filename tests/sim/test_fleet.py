@@ -241,14 +241,6 @@ def test_a_poll_outage_while_lingering_does_not_spin() -> None:
     scenario(fn, devices=(DeviceConfig("gpu0", on_release="/sim/release", release_linger=5.0),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="device.py _run: a blind sweep (some environment unreadable: a worker that is not "
-    "root) does not keep the device from being offered, so a job's escaped child that the "
-    "worker could not see lives on while the device is ready. Recovery treats the same "
-    "blindness as 'cannot prove' (claim unknown, quarantine); invariant 1 says 'may still be "
-    "alive'. Fix, or decide that blind-at-finish is accepted and document it",
-)
 def test_a_blind_sweep_does_not_offer_a_device_an_unseen_escapee_may_hold() -> None:
     async def fn(fleet: Fleet) -> None:
         fleet.nodes["h0"].host.environ_readable = False  # the worker is not root
