@@ -337,7 +337,7 @@ class DeviceSupervisor:
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
-        self.ctx.journal(job_dir, a)
+        cgroup = self.ctx.journal(job_dir, a)
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)
@@ -355,6 +355,8 @@ class DeviceSupervisor:
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
+            cgroup=cgroup,
+            cgroup_limits=self.ctx.cgroup_limits(self.config),
         )
         began = trio.current_time()
         try:

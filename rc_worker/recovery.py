@@ -26,6 +26,8 @@ from typing import Any
 
 import attrs
 
+from rc_worker.cgroup import remove as remove_cgroup
+from rc_worker.cgroup import sweep_cgroup
 from rc_worker.host import Host
 from rc_worker.model import Claim
 from rc_worker.reports import lost_report, sweep_json
@@ -110,13 +112,7 @@ async def recover(
         if reboot:
             sweep = NOT_SWEPT
         else:
-            since = journal.get("since_ticks")
-            sweep = await sweep_job_survivors(
-                job_id,
-                grace=RECOVERY_GRACE,
-                host=host,
-                since=since if isinstance(since, int) and not isinstance(since, bool) else None,
-            )
+            sweep = await _sweep(journal, job_id, host)
         claim = decide_claim(sweep, reboot=reboot, require_manual_clear=require_manual_clear)
         log.warning(
             "job %s attempt %d on %s %s: %s, claim %s%s",
@@ -143,6 +139,30 @@ async def recover(
         )
         found.append(entry)
     return found
+
+
+async def _sweep(journal: dict[str, Any], job_id: str, host: Host | None) -> SweepReport:
+    """End what is left of an interrupted job: through its cgroup when it had one.
+
+    The cgroup is proof either way, for a worker that is not root too: still
+    populated after the kill is alive (``remaining``); empty, or removed
+    (the worker removes only empty ones), is gone. Where the hierarchy cannot
+    be read at all, the RC_JOB_ID sweep decides instead.
+    """
+    cgroup = journal.get("cgroup")
+    if isinstance(cgroup, str) and cgroup and host is not None:
+        report = await sweep_cgroup(host, cgroup, grace=RECOVERY_GRACE)
+        if report.scanned:
+            if report.clean:
+                remove_cgroup(host, cgroup)
+            return report
+    since = journal.get("since_ticks")
+    return await sweep_job_survivors(
+        job_id,
+        grace=RECOVERY_GRACE,
+        host=host,
+        since=since if isinstance(since, int) and not isinstance(since, bool) else None,
+    )
 
 
 def _write_lost(job_dir: JobDir, entry: Recovered) -> None:

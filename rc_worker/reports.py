@@ -57,6 +57,8 @@ def finish_report(
         "sweep": sweep_json(result.sweep),
         "verify": {"ok": verify.ok, "reason": verify.reason},
         "fault_id": fault_id,
+        # The job's cgroup accounting; only with a cgroup (see docs/operations.md).
+        **({"usage": dict(result.usage)} if result.usage else {}),
     }
 
 

@@ -30,8 +30,10 @@ import httpx
 import trio
 
 from rc_worker._version import __version__
+from rc_worker.cgroup import remove as remove_cgroup
+from rc_worker.cgroup import start_containment, state_tag
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config
+from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
@@ -155,6 +157,22 @@ class Worker:
         if warning:
             log.warning("%s", warning)
         boot_id = self.host.boot_id()
+        # Before anything is spawned (probes included): a cgroup per process.
+        containment = start_containment(
+            self.host,
+            self.config.cgroup,
+            tag=state_tag(self.config.state_dir),
+            needs=cgroup_needs(self.config),
+        )
+        try:
+            await self._serve(root, boot_id, task_status)
+        finally:
+            if containment is not None:
+                # Empty cgroups only: one a survivor still holds stays, for
+                # the next start's recovery to find.
+                remove_cgroup(self.host, containment.tree)
+
+    async def _serve(self, root: Path, boot_id: str, task_status: trio.TaskStatus[None]) -> None:
         async with AsyncExitStack() as stack:
             http = self._http
             if http is None:

@@ -46,6 +46,7 @@ threads, no real I/O.
 from __future__ import annotations
 
 import errno
+import posixpath
 import signal
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -53,6 +54,7 @@ from types import MappingProxyType
 import attrs
 import trio
 
+from rc_worker.cgroup import Containment
 from rc_worker.host import HostProcess, ProcessInfo, ProcessPin
 
 __all__ = [
@@ -390,6 +392,7 @@ class SimProcess:
     spawned_by_worker: bool
     readable: bool = True
     started_ticks: int = 0
+    cgroup: str = "/"
     signalable: bool = True
     state: str = "R"
     returncode: int | None = None
@@ -530,6 +533,16 @@ class SimHost:
         self.worker_pid = self._allocate_pid()
         self.worker_alive = True
         self._booted_at = 0.0
+        self.cgroup_v2 = False
+        """True: a unified (v2) hierarchy the worker may use (a root worker, Delegate=yes)."""
+        self.cgroup_controllers: frozenset[str] = frozenset()
+        """The controllers delegated to the worker's cgroup (``memory``, ``cpu``...)."""
+        self.service_cgroup = "/system.slice/rc-worker.service"
+        """Where the service manager starts the worker."""
+        self.worker_cgroup = self.service_cgroup
+        self.containment: Containment | None = None
+        self._cgroups: dict[str, dict[str, str]] = {}
+        self._reset_cgroups()
 
     # -- what simulations drive --
 
@@ -602,6 +615,8 @@ class SimHost:
         self.worker_died()
         self.worker_pid = self._allocate_pid()
         self.worker_alive = True
+        self.worker_cgroup = self.service_cgroup
+        self.containment = None
         return self.worker_pid
 
     def reboot(self, boot_id: str | None = None) -> None:
@@ -617,6 +632,7 @@ class SimHost:
             self._reap(proc)
         self.boots += 1
         self._booted_at = trio.current_time()
+        self._reset_cgroups()
         self.current_boot_id = boot_id if boot_id is not None else f"{self.name}-boot-{self.boots}"
 
     def table(self) -> list[SimProcess]:
@@ -674,12 +690,15 @@ class SimHost:
         stdin: bool,
         separate_stderr: bool,
         pty: bool,
+        cgroup: str | None = None,
     ) -> HostProcess:
         # As trio.lowlevel.open_process: a cancel point before, none after,
         # so a cancellation never strands a started process.
         await trio.lowlevel.checkpoint_if_cancelled()
         if not self.worker_alive:
             raise OSError(errno.ESRCH, "the worker process is gone (simulated crash)")
+        if cgroup is not None:
+            self._cgroup(cgroup)
         script = self._resolve(argv)
         out = SimPipe(self.pipe_capacity)
         err = SimPipe(self.pipe_capacity) if separate_stderr and not pty else None
@@ -699,6 +718,7 @@ class SimHost:
             stdout=out,
             stderr=err if err is not None else out,
             stdin=feed,
+            cgroup=self.worker_cgroup if cgroup is None else cgroup,
         )
         writer = None
         if feed is not None:
@@ -757,6 +777,132 @@ class SimHost:
         if not self.worker_alive or proc is None or proc.started_ticks != start_time:
             return None
         return _SimPin(self, proc)
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        proc = self._table.get(pid)
+        return None if proc is None or not self.worker_alive else proc.info()
+
+    # -- cgroup v2: a small model of the unified hierarchy --
+
+    def members(self, path: str, *, below: bool = False) -> list[SimProcess]:
+        """The live processes in cgroup ``path`` (``below``: or any cgroup under it)."""
+        return [
+            p
+            for p in self._table.values()
+            if p.alive
+            and (p.cgroup == path or (below and p.cgroup.startswith(path.rstrip("/") + "/")))
+        ]
+
+    def cgroups(self) -> list[str]:
+        """Every cgroup that exists now, for checks."""
+        return sorted(self._cgroups)
+
+    def own_cgroup(self) -> str:
+        self._alive_or_raise()
+        if not self.cgroup_v2:
+            raise OSError(errno.ENODEV, "no cgroup2 filesystem in /proc/self/mountinfo")
+        return self.worker_cgroup
+
+    def cgroup_read(self, path: str, name: str) -> str:
+        files = self._cgroup(path)
+        if name == "cgroup.procs":
+            pids = [str(p.pid) for p in self.members(path)]
+            if self.worker_cgroup == path:
+                pids.append(str(self.worker_pid))
+            return "".join(f"{pid}\n" for pid in pids)
+        if name == "cgroup.events":
+            populated = bool(self.members(path, below=True)) or self.worker_cgroup == path
+            return f"populated {int(populated)}\nfrozen 0\n"
+        if name == "cgroup.controllers":
+            return " ".join(sorted(self._controllers(path))) + "\n"
+        if name == "cpu.stat":
+            now = trio.current_time()
+            usec = sum(
+                int(((p.ended_at if p.ended_at is not None else now) - p.started_at) * 1e6)
+                for p in self.history
+                if p.cgroup == path
+            )
+            return f"usage_usec {usec}\nuser_usec {usec}\nsystem_usec 0\n"
+        if name == "memory.peak" and "memory" in self._controllers(path):
+            return "0\n"
+        if name in files:
+            return files[name]
+        raise FileNotFoundError(errno.ENOENT, f"{path}/{name}: No such file or directory")
+
+    def cgroup_write(self, path: str, name: str, value: str) -> None:
+        files = self._cgroup(path)
+        if name == "cgroup.procs":
+            pid = int(value)
+            if pid in (0, self.worker_pid):
+                self.worker_cgroup = path
+            elif pid in self._table:
+                self._table[pid].cgroup = path
+            else:
+                raise ProcessLookupError(errno.ESRCH, f"no process {pid}")
+        elif name == "cgroup.kill":
+            for proc in self.members(path, below=True):
+                self._deliver(proc, signal.SIGKILL)
+        elif name == "cgroup.subtree_control":
+            wanted = {word[1:] for word in value.split() if word.startswith("+")}
+            if not wanted <= self._controllers(path):
+                raise FileNotFoundError(errno.ENOENT, f"{sorted(wanted)} not available")
+            if path != "/" and self.members(path):
+                raise OSError(errno.EBUSY, "a cgroup with processes cannot delegate")
+            files[name] = " ".join(sorted(wanted))
+        elif name.split(".", 1)[0] in ("memory", "cpu", "io"):
+            if name.split(".", 1)[0] not in self._controllers(path):
+                raise FileNotFoundError(errno.ENOENT, f"{path}/{name}: No such file")
+            files[name] = value
+        else:
+            files[name] = value
+
+    def cgroup_mkdir(self, path: str) -> None:
+        self._alive_or_raise()
+        if path in self._cgroups:
+            return
+        self._cgroup(posixpath.dirname(path))
+        self._cgroups[path] = {}
+
+    def cgroup_rmdir(self, path: str) -> None:
+        self._cgroup(path)
+        if path == "/" or self.cgroup_children(path) or self.members(path):
+            raise OSError(errno.EBUSY, f"{path}: Device or resource busy")
+        if self.worker_cgroup == path:
+            raise OSError(errno.EBUSY, f"{path}: Device or resource busy")
+        del self._cgroups[path]
+
+    def cgroup_children(self, path: str) -> list[str]:
+        self._cgroup(path)
+        return [
+            posixpath.basename(c)
+            for c in self._cgroups
+            if c != path and posixpath.dirname(c) == path
+        ]
+
+    def _cgroup(self, path: str) -> dict[str, str]:
+        self._alive_or_raise()
+        if not self.cgroup_v2:
+            raise OSError(errno.ENODEV, "no cgroup2 filesystem")
+        files = self._cgroups.get(path)
+        if files is None:
+            raise FileNotFoundError(errno.ENOENT, f"{path}: No such file or directory")
+        return files
+
+    def _controllers(self, path: str) -> set[str]:
+        if path in ("/", self.service_cgroup):
+            return set(self.cgroup_controllers)
+        parent = self._cgroups.get(posixpath.dirname(path), {})
+        return set(parent.get("cgroup.subtree_control", "").split())
+
+    def _reset_cgroups(self) -> None:
+        self._cgroups = {"/": {}}
+        parts = self.service_cgroup.strip("/").split("/")
+        for i in range(1, len(parts) + 1):
+            self._cgroups["/" + "/".join(parts[:i])] = {}
+
+    def _alive_or_raise(self) -> None:
+        if not self.worker_alive:
+            raise OSError(errno.ESRCH, "the worker process is gone (simulated crash)")
 
     # -- internals --
 
@@ -902,6 +1048,7 @@ class SimHost:
             started_at=trio.current_time(),
             spawned_by_worker=False,
             readable=step.child.environ_readable,
+            cgroup=parent.cgroup,
             stdout=parent.stdout if step.holds_output else None,
             stderr=parent.stderr if step.holds_output else None,
             # Its parent is a script (a shell waits for it) or init: reaped at once.
