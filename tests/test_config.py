@@ -1213,9 +1213,7 @@ def test_an_unknown_cgroup_mode_is_refused(tmp_path: Path) -> None:
 
 
 def test_device_limits(tmp_path: Path) -> None:
-    config = _load(
-        tmp_path, "devices:\n  - name: gpu0\n    memory_max: 2Gi\n    cpu_max: 1.50\n"
-    )
+    config = _load(tmp_path, "devices:\n  - name: gpu0\n    memory_max: 2Gi\n    cpu_max: 1.50\n")
     assert config.devices[0].memory_max == 2 * 2**30
     assert config.devices[0].cpu_max == "1.50"
 

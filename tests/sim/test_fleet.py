@@ -19,7 +19,7 @@ from hypothesis import given, note, settings
 
 from rc_worker.config import DeviceConfig
 from rc_worker.testing.fleet import Fault, Fleet, simulate
-from rc_worker.testing.sim import Fork, Hang, Script, Write
+from rc_worker.testing.sim import Fork, Hang, Script, Sleep, Write
 
 from .plans import FleetPlan, describe, fleet_plans, play
 
@@ -252,3 +252,21 @@ def test_a_blind_sweep_does_not_offer_a_device_an_unseen_escapee_may_hold() -> N
         assert fleet.violations == []
 
     scenario(fn)
+
+
+def test_with_a_cgroup_a_worker_that_is_not_root_ends_the_escapee_and_offers_the_device() -> None:
+    async def fn(fleet: Fleet) -> None:
+        host = fleet.nodes["h0"].host
+        host.environ_readable = False  # the worker is not root: no environment is readable
+        hidden = Script((Sleep(300),), environ_readable=False)
+        fleet.program("leaky", Script((Write(b"x"), Fork(hidden, setsid=True))))
+        job = fleet.submit(["leaky"])
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        await trio.sleep(10)
+        assert host.live() == []  # the escapee went with the job's cgroup
+        assert [e for e in fleet.events() if e.type == "device_quarantined"] == []
+        second = fleet.submit(["train"])  # the device is offered again
+        await fleet.wait_until(lambda: fleet.store.job(second).terminal)
+        assert fleet.violations == []
+
+    scenario(fn, cgroups=True)
