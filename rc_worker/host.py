@@ -19,7 +19,6 @@ import errno
 import fcntl
 import os
 import platform
-import signal
 import socket
 import struct
 import subprocess
@@ -32,6 +31,10 @@ import attrs
 import trio
 
 from rc_worker.cgroup_parse import parse_mountinfo, parse_proc_cgroup
+from rc_worker.procfs import PidfdPin, StatPin, boot_ticks, parse_environ, read_proc_stat
+from rc_worker.procfs import ProcessInfo as ProcessInfo
+from rc_worker.procfs import ProcessPin as ProcessPin
+from rc_worker.procfs import parse_proc_stat as parse_proc_stat
 
 if TYPE_CHECKING:
     from rc_worker.cgroup import Containment
@@ -46,33 +49,6 @@ PTY_ROWS, PTY_COLS = 24, 80
 # 1 MiB is the unprivileged ceiling (/proc/sys/fs/pipe-max-size) by default;
 # past it the kernel refuses and the pipe keeps its 64 KiB.
 OUTPUT_PIPE_BYTES = 1 << 20
-
-# /proc/<pid>/stat states that mean "exited, not yet (or being) reaped".
-_DEAD_STATES = frozenset({"Z", "X", "x"})
-
-
-@attrs.frozen
-class ProcessInfo:
-    """One row of the process table (from ``/proc/<pid>/stat``).
-
-    ``start_time``: when it started, in clock ticks since boot (field 22 of
-    ``/proc/<pid>/stat``, the clock of :meth:`Host.boot_ticks`). With the pid
-    it names one process for good: a recycled pid has a later start time.
-    ``uid``: its owner (the owner of its ``/proc/<pid>/stat``), or -1 unknown.
-    """
-
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    state: str  # the one-letter state: R, S, D, T, Z, ...
-    start_time: int = 0
-    uid: int = -1
-
-    @property
-    def alive(self) -> bool:
-        """Whether it still runs; a zombie has exited and holds nothing but its pid."""
-        return self.state not in _DEAD_STATES
 
 
 class HostProcess(Protocol):
@@ -405,7 +381,7 @@ class LinuxHost:
                 return None
             # A kernel before 5.3: no pidfd. Re-check the start time right
             # before each signal instead; the window shrinks to microseconds.
-            return _StatPin(pid, start_time)
+            return StatPin(pid, start_time)
         # Read after opening: if the pid was recycled before the open, the
         # pidfd names the newcomer and its start time gives it away; after
         # the open, the pidfd can only ever reach the process it names.
@@ -413,7 +389,7 @@ class LinuxHost:
         if now is None or now.start_time != start_time:
             os.close(fd)
             return None
-        return _PidfdPin(fd)
+        return PidfdPin(fd)
 
     def environ(self, pid: int) -> Mapping[str, str]:
         try:
@@ -429,133 +405,12 @@ class LinuxHost:
         return os.getpid()
 
 
-def read_proc_stat(pid: int) -> ProcessInfo | None:
-    """One row of the process table, or ``None`` when ``pid`` is gone or hidden."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # The file belongs to the process's owner: one fstat on the
-            # open descriptor gives its uid without another path walk.
-            uid = os.fstat(f.fileno()).st_uid
-            raw = f.read()
-    except OSError:
-        # Gone between listdir and open (ENOENT/ESRCH), or hidden from us
-        # by hidepid: either way not a row we can report.
-        return None
-    return parse_proc_stat(raw, uid)
-
-
-def boot_ticks() -> int:
-    """Now, in the clock of ``ProcessInfo.start_time`` (clock ticks since boot).
-
-    ``/proc/uptime`` and a process's start time both count CLOCK_BOOTTIME;
-    both are truncated to a tick, so a process started after this call never
-    shows an earlier start time.
-    """
-    with open("/proc/uptime", "rb") as f:
-        seconds = f.read().split()[0]
-    whole, _, frac = seconds.partition(b".")
-    hundredths = int(whole) * 100 + int((frac + b"00")[:2])
-    return hundredths * _CLK_TCK // 100
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class ProcessPin(Protocol):
-    """One process, held by identity (pid *and* start time), to signal later.
-
-    ``send_signal`` returns ``False`` once that process has gone: never does a
-    signal reach another process that got its pid since.
-    """
-
-    def send_signal(self, sig: int) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-class _PidfdPin:
-    def __init__(self, fd: int) -> None:
-        self._fd: int | None = fd
-
-    def send_signal(self, sig: int) -> bool:
-        if self._fd is None:
-            return False
-        try:
-            signal.pidfd_send_signal(self._fd, sig)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-@attrs.define
-class _StatPin:
-    pid: int
-    start_time: int
-
-    def send_signal(self, sig: int) -> bool:
-        now = read_proc_stat(self.pid)
-        if now is None or now.start_time != self.start_time:
-            return False
-        try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def close(self) -> None:
-        pass
-
-
 def _widen_pipe(fd: int) -> None:
     # A chatty job then blocks less often and each wakeup of ours finds more
     # to read: about a seventh less CPU per byte in bench_supervise.py. The
     # buffer is kernel memory, bounded per pipe; our reads stay CHUNK_SIZE.
     with contextlib.suppress(OSError):
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, OUTPUT_PIPE_BYTES)
-
-
-def parse_proc_stat(raw: bytes, uid: int = -1) -> ProcessInfo | None:
-    """Parse ``/proc/<pid>/stat``; ``None`` when it is not in the expected shape."""
-    # The command name sits in parentheses and may itself contain spaces
-    # and ")", so split at the last ")".
-    head, sep, tail = raw.rpartition(b")")
-    if not sep:
-        return None
-    fields = tail.split()
-    try:
-        pid = int(head.split(b"(", 1)[0])
-        return ProcessInfo(
-            pid=pid,
-            ppid=int(fields[1]),
-            pgid=int(fields[2]),
-            sid=int(fields[3]),
-            state=fields[0].decode("ascii", "replace"),
-            # Field 22 of the whole line; the tail starts at field 3.
-            start_time=int(fields[19]),
-            uid=uid,
-        )
-    except (ValueError, IndexError):
-        return None
-
-
-def parse_environ(raw: bytes) -> dict[str, str]:
-    """Parse ``/proc/<pid>/environ`` (NUL-separated ``KEY=VALUE``)."""
-    env: dict[str, str] = {}
-    for entry in raw.split(b"\0"):
-        key, sep, value = entry.partition(b"=")
-        if sep and key:
-            # With duplicate keys getenv(3) answers with the first one.
-            env.setdefault(os.fsdecode(key), os.fsdecode(value))
-    return env
 
 
 @attrs.define

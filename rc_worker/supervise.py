@@ -34,6 +34,7 @@ import trio
 
 from rc_worker import cgroup as cgroups
 from rc_worker.host import Host, HostProcess, LinuxHost
+from rc_worker.spawn_status import describe_spawn_error, exit_status
 from rc_worker.sweep import KILL_WAIT as SWEEP_KILL_WAIT
 from rc_worker.sweep import NOT_SWEPT, NOTHING_STARTED, SweepReport, sweep_job_survivors
 
@@ -282,37 +283,6 @@ class JobHandle:
     def _settle(self) -> None:
         self._settled = True
         self._scope = None
-
-
-# -- sans-IO decisions ------------------------------------------------------
-
-
-def exit_status(returncode: int) -> tuple[int, int | None]:
-    """``(exit_code, signal)`` in the shell convention from a Popen-style returncode."""
-    if returncode < 0:
-        return 128 - returncode, -returncode
-    return returncode, None
-
-
-def describe_spawn_error(
-    exc: OSError, command: Sequence[str], cwd: str | None, path: str | None
-) -> str:
-    """A readable sentence for a job that could not be started.
-
-    ``path`` is the PATH of the job's environment, ``None`` when it has none.
-    """
-    why = exc.strerror or str(exc)
-    if cwd is not None and exc.filename == cwd:
-        return f"cannot start {command[0]!r}: working directory {cwd!r}: {why}"
-    if isinstance(exc, FileNotFoundError) and "/" not in command[0]:
-        if path is None:
-            return (
-                f"cannot start {command[0]!r}: command not found; the job's environment "
-                f"has no PATH (JobSpec.env is the whole environment), so {os.defpath} "
-                "was searched"
-            )
-        return f"cannot start {command[0]!r}: command not found on the job's PATH ({path})"
-    return f"cannot start {command[0]!r}: {why}"
 
 
 # -- the Trio shell ---------------------------------------------------------

@@ -6,11 +6,19 @@ the sweep finds it the other way: by the ``RC_JOB_ID=<id>`` it inherited in
 its environment (``/proc/<pid>/environ``), and signals it the same way the
 group was (SIGTERM, the grace window, SIGKILL).
 
+This is the sweep for a job WITHOUT a cgroup; with one, ``cgroup.py`` ends
+what is left through the cgroup instead, exactly. Only processes that started
+at or after the job are inspected (a process older than the job cannot be
+its descendant), so a sweep costs one table walk plus the environments of
+what started since. Every signal goes through a pin (a pidfd) taken at scan
+time, its start time checked, so a pid recycled in between is never signalled.
+
 Residuals, accepted and documented rather than hidden: a process that
 rewrote its own environment block or exec'd with a cleared environment
 carries no id and is invisible here (a session leader found by id has its
-whole group signalled too, which catches its env-less children); a pid can
-in principle be reused between the scan and the signal.
+whole group signalled too, which catches its env-less children); a process
+whose environment cannot be read (a worker that is not root) makes the
+sweep blind, and :func:`unproven` then refuses to call the job's end clean.
 
 REAPING A SURVIVOR MUST NEVER RELABEL A SUCCESSFUL JOB AS KILLED. The sweep
 produces a :class:`SweepReport` and nothing else; it never sees, let alone

@@ -46,7 +46,6 @@ threads, no real I/O.
 from __future__ import annotations
 
 import errno
-import posixpath
 import signal
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -56,6 +55,7 @@ import trio
 
 from rc_worker.cgroup import Containment
 from rc_worker.host import HostProcess, ProcessInfo, ProcessPin
+from rc_worker.testing.sim_cgroup import SimCgroupFs
 
 __all__ = [
     "DEFAULT_PIPE_CAPACITY",
@@ -506,7 +506,7 @@ class _SimPin:
 # -- the host -------------------------------------------------------------------
 
 
-class SimHost:
+class SimHost(SimCgroupFs):
     """A complete :class:`~rc_worker.host.Host` with scripted processes (see the module doc)."""
 
     def __init__(
@@ -781,128 +781,6 @@ class SimHost:
     def process(self, pid: int) -> ProcessInfo | None:
         proc = self._table.get(pid)
         return None if proc is None or not self.worker_alive else proc.info()
-
-    # -- cgroup v2: a small model of the unified hierarchy --
-
-    def members(self, path: str, *, below: bool = False) -> list[SimProcess]:
-        """The live processes in cgroup ``path`` (``below``: or any cgroup under it)."""
-        return [
-            p
-            for p in self._table.values()
-            if p.alive
-            and (p.cgroup == path or (below and p.cgroup.startswith(path.rstrip("/") + "/")))
-        ]
-
-    def cgroups(self) -> list[str]:
-        """Every cgroup that exists now, for checks."""
-        return sorted(self._cgroups)
-
-    def own_cgroup(self) -> str:
-        self._alive_or_raise()
-        if not self.cgroup_v2:
-            raise OSError(errno.ENODEV, "no cgroup2 filesystem in /proc/self/mountinfo")
-        return self.worker_cgroup
-
-    def cgroup_read(self, path: str, name: str) -> str:
-        files = self._cgroup(path)
-        if name == "cgroup.procs":
-            pids = [str(p.pid) for p in self.members(path)]
-            if self.worker_cgroup == path:
-                pids.append(str(self.worker_pid))
-            return "".join(f"{pid}\n" for pid in pids)
-        if name == "cgroup.events":
-            populated = bool(self.members(path, below=True)) or self.worker_cgroup == path
-            return f"populated {int(populated)}\nfrozen 0\n"
-        if name == "cgroup.controllers":
-            return " ".join(sorted(self._controllers(path))) + "\n"
-        if name == "cpu.stat":
-            now = trio.current_time()
-            usec = sum(
-                int(((p.ended_at if p.ended_at is not None else now) - p.started_at) * 1e6)
-                for p in self.history
-                if p.cgroup == path
-            )
-            return f"usage_usec {usec}\nuser_usec {usec}\nsystem_usec 0\n"
-        if name == "memory.peak" and "memory" in self._controllers(path):
-            return "0\n"
-        if name in files:
-            return files[name]
-        raise FileNotFoundError(errno.ENOENT, f"{path}/{name}: No such file or directory")
-
-    def cgroup_write(self, path: str, name: str, value: str) -> None:
-        files = self._cgroup(path)
-        if name == "cgroup.procs":
-            pid = int(value)
-            if pid in (0, self.worker_pid):
-                self.worker_cgroup = path
-            elif pid in self._table:
-                self._table[pid].cgroup = path
-            else:
-                raise ProcessLookupError(errno.ESRCH, f"no process {pid}")
-        elif name == "cgroup.kill":
-            for proc in self.members(path, below=True):
-                self._deliver(proc, signal.SIGKILL)
-        elif name == "cgroup.subtree_control":
-            wanted = {word[1:] for word in value.split() if word.startswith("+")}
-            if not wanted <= self._controllers(path):
-                raise FileNotFoundError(errno.ENOENT, f"{sorted(wanted)} not available")
-            if path != "/" and self.members(path):
-                raise OSError(errno.EBUSY, "a cgroup with processes cannot delegate")
-            files[name] = " ".join(sorted(wanted))
-        elif name.split(".", 1)[0] in ("memory", "cpu", "io"):
-            if name.split(".", 1)[0] not in self._controllers(path):
-                raise FileNotFoundError(errno.ENOENT, f"{path}/{name}: No such file")
-            files[name] = value
-        else:
-            files[name] = value
-
-    def cgroup_mkdir(self, path: str) -> None:
-        self._alive_or_raise()
-        if path in self._cgroups:
-            return
-        self._cgroup(posixpath.dirname(path))
-        self._cgroups[path] = {}
-
-    def cgroup_rmdir(self, path: str) -> None:
-        self._cgroup(path)
-        if path == "/" or self.cgroup_children(path) or self.members(path):
-            raise OSError(errno.EBUSY, f"{path}: Device or resource busy")
-        if self.worker_cgroup == path:
-            raise OSError(errno.EBUSY, f"{path}: Device or resource busy")
-        del self._cgroups[path]
-
-    def cgroup_children(self, path: str) -> list[str]:
-        self._cgroup(path)
-        return [
-            posixpath.basename(c)
-            for c in self._cgroups
-            if c != path and posixpath.dirname(c) == path
-        ]
-
-    def _cgroup(self, path: str) -> dict[str, str]:
-        self._alive_or_raise()
-        if not self.cgroup_v2:
-            raise OSError(errno.ENODEV, "no cgroup2 filesystem")
-        files = self._cgroups.get(path)
-        if files is None:
-            raise FileNotFoundError(errno.ENOENT, f"{path}: No such file or directory")
-        return files
-
-    def _controllers(self, path: str) -> set[str]:
-        if path in ("/", self.service_cgroup):
-            return set(self.cgroup_controllers)
-        parent = self._cgroups.get(posixpath.dirname(path), {})
-        return set(parent.get("cgroup.subtree_control", "").split())
-
-    def _reset_cgroups(self) -> None:
-        self._cgroups = {"/": {}}
-        parts = self.service_cgroup.strip("/").split("/")
-        for i in range(1, len(parts) + 1):
-            self._cgroups["/" + "/".join(parts[:i])] = {}
-
-    def _alive_or_raise(self) -> None:
-        if not self.worker_alive:
-            raise OSError(errno.ESRCH, "the worker process is gone (simulated crash)")
 
     # -- internals --
 
