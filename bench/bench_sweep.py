@@ -172,12 +172,14 @@ def main() -> int:
         return 0
     print(f"{args.others} unrelated processes, {args.reps} interleaved repetitions")
     base = figures["median_s"]["baseline"]
-    print(f"  baseline (bare /proc scan): {base * 1e3:8.2f} ms")
+    cpu = figures["cpu_s_per_sweep"]
+    print(f"  baseline (bare /proc scan): {base * 1e3:8.2f} ms, CPU {cpu['baseline'] * 1e3:.2f} ms")
     for name, r in figures["ratio_to_baseline"].items():
         ms = figures["median_s"][name] * 1e3
         print(
             f"  {name:<20}: {ms:8.2f} ms  {r['median']:.3f}x baseline "
-            f"({r['min']:.3f}-{r['max']:.3f})"
+            f"({r['min']:.3f}-{r['max']:.3f}), CPU {cpu[name] * 1e3:.2f} ms "
+            f"({cpu[name] / cpu['baseline']:.3f}x)"
         )
     cgroup = figures["ratio_to_baseline"].get("cgroup")
     if cgroup is not None:

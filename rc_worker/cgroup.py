@@ -399,3 +399,32 @@ def start_containment(
     host.containment = containment
     log.info("cgroup: %s", why)
     return containment
+
+
+async def clear_strays(host: Host, containment: Containment, *, keep: set[str]) -> list[str]:
+    """End and remove what an earlier worker process left in the tree, but ``keep``.
+
+    Run after recovery, which dealt with every journalled job's cgroup; what
+    is left is a hook, probe or verify script's cgroup from a worker that
+    crashed while it ran, or a job cgroup recovery kept (named in ``keep``: a
+    survivor stuck in the kernel, which the quarantine reports). Returns the
+    names of the cgroups it had to end processes in.
+    """
+    try:
+        names = host.cgroup_children(containment.tree)
+    except OSError:
+        return []
+    ended: list[str] = []
+    for name in names:
+        if name in keep:
+            continue
+        path = join(containment.tree, name)
+        report = await sweep_cgroup(host, path, grace=1.0)
+        if report.found:
+            ended.append(name)
+            log.warning(
+                "cgroup %s: ended %s left by an earlier worker process", path, list(report.found)
+            )
+        if report.clean:
+            remove(host, path)
+    return ended

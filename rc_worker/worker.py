@@ -30,8 +30,8 @@ import httpx
 import trio
 
 from rc_worker._version import __version__
+from rc_worker.cgroup import clear_strays, start_containment, state_tag
 from rc_worker.cgroup import remove as remove_cgroup
-from rc_worker.cgroup import start_containment, state_tag
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
@@ -217,6 +217,9 @@ class Worker:
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
                 )
+                if self.host.containment is not None:
+                    kept = {job_key(r.job_id, r.attempt) for r in self.recovered}
+                    await clear_strays(self.host, self.host.containment, keep=kept)
                 await self._register(client)
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():

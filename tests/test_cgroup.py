@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from rc_worker.cgroup import (
     CgroupUnavailable,
     Containment,
+    clear_strays,
     cpu_max_value,
     kill_all,
     limits_for,
@@ -424,3 +425,26 @@ def test_containment_leaves_are_unique() -> None:
     assert c.leaf() != c.leaf()
     with pytest.raises(ValueError, match="one path component"):
         c.leaf("../x")
+
+
+async def test_at_start_strays_of_a_crashed_worker_are_ended_and_kept_ones_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    host = sim_host()
+    containment = start_containment(host, "auto", tag="t", needs={})
+    assert containment is not None
+    host.program("hook", Script((Fork(Script.sleeping(math.inf), setsid=True), Sleep(1))))
+    stray, kept, empty = (containment.leaf(n) for n in ("p-1", "j-1.1", "p-2"))
+    for path in (stray, kept, empty):
+        host.cgroup_mkdir(path)
+    for path in (stray, kept):
+        await host.spawn(
+            ["hook"], cwd=None, env=ENV, stdin=False, separate_stderr=False, pty=False, cgroup=path
+        )
+    host.worker_died()
+    host.worker_started()
+    start_containment(host, "auto", tag="t", needs={})
+    assert await clear_strays(host, containment, keep={"j-1.1"}) == ["p-1"]
+    assert stray not in host.cgroups()
+    assert empty not in host.cgroups()
+    assert len(host.members(kept)) == 2  # recovery's to report, not ours to touch
