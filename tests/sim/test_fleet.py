@@ -250,6 +250,10 @@ def test_a_blind_sweep_does_not_offer_a_device_an_unseen_escapee_may_hold() -> N
         await fleet.wait_until(lambda: fleet.store.job(job).terminal)
         await trio.sleep(10)
         assert fleet.violations == []
+        [escapee] = fleet.nodes["h0"].host.live()
+        [quarantine] = [e for e in fleet.events() if e.type == "device_quarantined"]
+        assert quarantine.data["kind"] == "dirty"
+        assert str(escapee.pid) in str(quarantine.data["detail"])
 
     scenario(fn)
 
