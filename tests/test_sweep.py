@@ -17,7 +17,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.host import ProcessInfo
+from rc_worker.host import LinuxHost, ProcessInfo
 from rc_worker.sweep import (
     NOT_SWEPT,
     SweepReport,
@@ -317,6 +317,25 @@ def start(
 
 def new_id() -> str:
     return f"sweep-{uuid.uuid4()}"
+
+
+async def test_real_processes_older_than_the_job_are_never_inspected(
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    # The same id on a process started before the job (a reused id, another
+    # worker's job): it cannot descend from the job, so the sweep leaves it.
+    job_id = new_id()
+    older = start(children, ["sleep", "300"], job_id, start_new_session=True)
+    host = LinuxHost()
+    await trio.sleep(0.05)  # a few clock ticks
+    since = host.boot_ticks()
+    newer = start(children, ["sleep", "300"], job_id, start_new_session=True)
+    with trio.fail_after(GUARD):
+        report = await sweep_job_survivors(job_id, grace=1, host=host, since=since)
+    assert report.found == (newer.pid,)
+    assert report.clean
+    assert older.poll() is None
+    assert newer.wait(timeout=10) == -signal.SIGTERM
 
 
 async def test_real_escaped_process_is_found_and_removed(
