@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import platform
 import socket
@@ -38,6 +39,8 @@ from rc_worker.procfs import parse_proc_stat as parse_proc_stat
 
 if TYPE_CHECKING:
     from rc_worker.cgroup import Containment
+
+log = logging.getLogger("rc_worker.host")
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 PROC = Path("/proc")
@@ -261,7 +264,13 @@ class LinuxHost:
             try:
                 return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty)
             finally:
-                self.cgroup_write(home, "cgroup.procs", str(os.getpid()))
+                try:
+                    self.cgroup_write(home, "cgroup.procs", str(os.getpid()))
+                except OSError as e:
+                    # Not raised: that would strand the child just started.
+                    # It cannot fail where the move in succeeded (same
+                    # delegation), but if it ever does, say so loudly.
+                    log.error("could not move the worker back to cgroup %s: %s", home, e)
 
     async def _spawn(
         self,
