@@ -9,6 +9,7 @@ of its own and removes it, whatever happens.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -50,6 +51,7 @@ from rc_worker.recovery import recover
 from rc_worker.spool import JobDir, write_json_durably
 from rc_worker.supervise import JobSpec, run_job
 from rc_worker.sweep import unproven
+from rc_worker.testing import local_system, make_config
 from rc_worker.testing.sim import Fork, Hang, Script, SimHost, Sleep
 
 GUARD = 60
@@ -448,3 +450,38 @@ async def test_at_start_strays_of_a_crashed_worker_are_ended_and_kept_ones_left(
     assert stray not in host.cgroups()
     assert empty not in host.cgroups()
     assert len(host.members(kept)) == 2  # recovery's to report, not ours to touch
+
+
+# -- the worker ----------------------------------------------------------------------------
+
+
+async def test_a_worker_with_cgroup_required_and_none_to_use_refuses_to_start(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    config = make_config(tmp_path, cgroup="required")
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(ConfigError, match="cgroup: required, but no cgroup v2 hierarchy"),
+        flatten_subgroups=True,
+    ):
+        async with local_system(config, host=SimHost()):
+            pass
+
+
+async def test_a_worker_says_once_whether_cgroups_are_in_use(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rc_worker.cgroup")
+    for host, expected in ((SimHost(), "cgroup: not in use: "), (sim_host(), "cgroup: in use: ")):
+        caplog.clear()
+        host.program("true", Script())
+        async with local_system(make_config(tmp_path / expected[8:11]), host=host) as system:
+            job = system.submit(["true"])
+            await system.wait_job(job)
+            assert system.job(job).state == "succeeded"
+        said = [r.getMessage() for r in caplog.records if r.name == "rc_worker.cgroup"]
+        assert len([m for m in said if m.startswith("cgroup: ")]) == 1
+        assert said[0].startswith(expected)
+    # In use: the job ran in a cgroup of its own, which is gone with the worker's tree.
+    [proc] = host.spawned()
+    assert proc.cgroup.startswith(f"{host.service_cgroup}/rc-worker-")
+    assert host.cgroups() == ["/", "/system.slice", host.service_cgroup]
