@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from rc_worker.cgroup_parse import parse_keyed, parse_pids
+from rc_worker.cgroup_parse import parse_io_stat, parse_keyed, parse_pids
 from rc_worker.errors import ConfigError
 from rc_worker.sweep import KILL_WAIT, METHOD_CGROUP, NOT_SWEPT, SweepReport
 
@@ -208,6 +208,9 @@ def usage(host: Host, path: str) -> dict[str, int]:
     with contextlib.suppress(OSError, ValueError):
         # Only with the memory controller enabled (and Linux 5.19).
         out["memory_peak_bytes"] = int(host.cgroup_read(path, "memory.peak").strip())
+    with contextlib.suppress(OSError):
+        # Only with the io controller enabled (cgroup_io: true asks for it).
+        out.update(parse_io_stat(host.cgroup_read(path, "io.stat")))
     return out
 
 
@@ -371,7 +374,8 @@ def start_containment(
         log.info("cgroup: off (cgroup: off in the config); jobs are swept by RC_JOB_ID")
         return None
     try:
-        containment, why = set_up(host, tag=tag, wanted=LIMIT_CONTROLLERS)
+        wanted = LIMIT_CONTROLLERS | frozenset(needs.values())
+        containment, why = set_up(host, tag=tag, wanted=wanted)
     except CgroupUnavailable as e:
         if mode == "required":
             raise ConfigError(

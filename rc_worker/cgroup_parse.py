@@ -64,3 +64,19 @@ def parse_keyed(text: str) -> dict[str, int]:
 
 def parse_pids(text: str) -> tuple[int, ...]:
     return tuple(int(word) for word in text.split() if word.isdigit())
+
+
+def parse_io_stat(text: str) -> dict[str, int]:
+    """``io.stat`` summed over devices: ``io_read_bytes``, ``io_write_bytes`` and the op counts.
+
+    One line per device: ``MAJ:MIN rbytes=N wbytes=N rios=N wios=N dbytes=N dios=N``.
+    """
+    names = {"rbytes": "io_read_bytes", "wbytes": "io_write_bytes", "rios": "io_reads",
+             "wios": "io_writes"}  # fmt: skip
+    out = dict.fromkeys(names.values(), 0)
+    for line in text.splitlines():
+        for field in line.split()[1:]:
+            key, _, value = field.partition("=")
+            if key in names and value.isdigit():
+                out[names[key]] += int(value)
+    return out

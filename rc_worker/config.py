@@ -113,6 +113,8 @@ class Config:
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
     cgroup: str = "auto"
     """``auto``, ``required`` or ``off``: a cgroup v2 per job (see docs/operations.md)."""
+    cgroup_io: bool = False
+    """Report each job's I/O (``io.stat``) in its finish; needs the ``io`` controller."""
 
     def device(self, name: str) -> DeviceConfig:
         for dev in self.devices:
@@ -210,6 +212,8 @@ def cgroup_needs(config: Config) -> dict[str, str]:
             needs[f"devices[{i}].memory_max"] = "memory"
         if dev.cpu_max is not None:
             needs[f"devices[{i}].cpu_max"] = "cpu"
+    if config.cgroup_io:
+        needs["cgroup_io"] = "io"
     return needs
 
 

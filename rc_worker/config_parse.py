@@ -345,6 +345,12 @@ def _check(loc: _Locator, config: Config) -> None:
         problem = host_problem(config.host)
         if problem:
             loc.fail_at(("host",), problem)
+    if config.cgroup_io and config.cgroup == "off":
+        loc.fail_at(
+            ("cgroup_io",),
+            "I/O is accounted through the job's cgroup, and cgroup is off; "
+            "expected cgroup: auto or required, or cgroup_io: false",
+        )
     if config.cgroup not in CGROUP_MODES:
         loc.fail_at(
             ("cgroup",),

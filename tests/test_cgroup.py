@@ -39,6 +39,7 @@ from rc_worker.cgroup import (
 )
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.cgroup_parse import (
+    parse_io_stat,
     parse_keyed,
     parse_mountinfo,
     parse_pids,
@@ -46,8 +47,9 @@ from rc_worker.cgroup_parse import (
 )
 from rc_worker.errors import ConfigError
 from rc_worker.host import LinuxHost
-from rc_worker.model import Claim
+from rc_worker.model import Assignment, Claim, VerifyResult
 from rc_worker.recovery import recover
+from rc_worker.reports import finish_report
 from rc_worker.spool import JobDir, write_json_durably
 from rc_worker.supervise import JobSpec, run_job
 from rc_worker.sweep import unproven
@@ -80,6 +82,17 @@ def test_the_own_cgroup_is_the_0_line() -> None:
     assert parse_proc_cgroup("0::/\n") == "/"
     assert parse_proc_cgroup("0::/gone (deleted)\n") == "/gone"
     assert parse_proc_cgroup("4:memory:/x\n") is None
+
+
+def test_io_stat_is_summed_over_devices() -> None:
+    text = "8:0 rbytes=10 wbytes=20 rios=1 wios=2 dbytes=0 dios=0\n259:0 rbytes=5 wbytes=0\n"
+    assert parse_io_stat(text) == {
+        "io_read_bytes": 15,
+        "io_write_bytes": 20,
+        "io_reads": 1,
+        "io_writes": 2,
+    }
+    assert parse_io_stat("") == dict.fromkeys(parse_io_stat(""), 0)
 
 
 def test_flat_keyed_files_and_pid_lists() -> None:
@@ -485,3 +498,25 @@ async def test_a_worker_says_once_whether_cgroups_are_in_use(
     [proc] = host.spawned()
     assert proc.cgroup.startswith(f"{host.service_cgroup}/rc-worker-")
     assert host.cgroups() == ["/", "/system.slice", host.service_cgroup]
+
+
+async def test_io_accounting_on_request(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    host = sim_host(controllers=frozenset({"io"}))
+    assert start_containment(host, "auto", tag="t", needs={"cgroup_io": "io"}) is not None
+    host.program("job", Script.sleeping(1))
+    result = await run_job(JobSpec(["job"], env=ENV, sweep_job_id="j-1"), Sink(), host=host)
+    assert result.usage["io_read_bytes"] == 4096
+    assignment = Assignment(job_id="j-1", attempt=1, device="gpu0", command=("job",))
+    report = finish_report(
+        assignment, result, verify=VerifyResult(ok=True), fault_id=None, output_bytes=0
+    )
+    assert report["usage"] == dict(result.usage)
+    # Without the io controller delegated, asking for it refuses the start.
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(ConfigError, match="cgroup_io: the io controller is not delegated"),
+        flatten_subgroups=True,
+    ):
+        async with local_system(make_config(tmp_path, cgroup_io=True), host=sim_host()):
+            pass

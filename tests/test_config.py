@@ -1236,3 +1236,9 @@ def test_a_limit_with_cgroups_off_is_refused(tmp_path: Path) -> None:
     path = _write(tmp_path, "cgroup: off\ndevices:\n  - name: gpu0\n    memory_max: 1Gi\n")
     with pytest.raises(ConfigError, match="memory_max is applied through the job's cgroup"):
         load_config(path, environ={})
+
+
+def test_io_accounting_with_cgroups_off_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "cgroup: off\ncgroup_io: true\ndevices: [gpu0]\n")
+    with pytest.raises(ConfigError, match="cgroup_io: I/O is accounted through the job's cgroup"):
+        load_config(path, environ={})

@@ -80,6 +80,8 @@ class SimCgroupFs:
                 if p.cgroup == path
             )
             return f"usage_usec {usec}\nuser_usec {usec}\nsystem_usec 0\n"
+        if name == "io.stat" and "io" in self._controllers(path):
+            return "8:0 rbytes=4096 wbytes=0 rios=1 wios=0 dbytes=0 dios=0\n"
         if name == "memory.peak" and "memory" in self._controllers(path):
             return "0\n"
         if name in files:
