@@ -176,9 +176,21 @@ async def test_delegating_controllers_moves_the_worker_into_a_leaf(
     assert containment.controllers == {"memory", "cpu"}
     limits = limits_for(2**30, 2.0, containment.controllers)
     host.program("job", Script.sleeping(3))
-    result = await run_job(
-        JobSpec(["job"], env=ENV, sweep_job_id="j-1", cgroup_limits=limits), Sink(), host=host
-    )
+    written: dict[str, str] = {}
+
+    async def look_while_it_runs() -> None:
+        await trio.sleep(1)
+        [proc] = host.spawned()
+        written.update(
+            (name, host.cgroup_read(proc.cgroup, name)) for name in ("memory.max", "cpu.max")
+        )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(look_while_it_runs)
+        result = await run_job(
+            JobSpec(["job"], env=ENV, sweep_job_id="j-1", cgroup_limits=limits), Sink(), host=host
+        )
+    assert written == {"memory.max": str(2**30), "cpu.max": "200000 100000"}
     assert result.sweep.method == "cgroup"
     assert result.usage["cpu_usec"] == 3_000_000  # the simulated host counts wall time
     assert result.usage["memory_peak_bytes"] == 0
