@@ -432,3 +432,31 @@ async def clear_strays(host: Host, containment: Containment, *, keep: set[str]) 
         if report.clean:
             remove(host, path)
     return ended
+
+
+def preflight(host: Host, mode: str, needs: Mapping[str, str]) -> str | None:
+    """What would stop a worker with these settings from starting here, read-only.
+
+    For ``rc-worker check-config`` (a systemd ``ExecStartPre``): ``required``
+    with no v2 hierarchy, or a limit whose controller the worker's cgroup is
+    not given. Whether the worker may *create* cgroups is only found out at
+    start. ``None``: nothing known to stop it.
+    """
+    if mode == "off" or (mode == "auto" and not needs):
+        return None
+    try:
+        own = host.own_cgroup()
+        available = frozenset(host.cgroup_read(own, "cgroup.controllers").split())
+    except OSError as e:
+        if mode == "required":
+            return f"cgroup: required, but no cgroup v2 hierarchy to use: {e}"
+        where = next(iter(needs))
+        return f"{where}: needs a cgroup per job, and there is no cgroup v2 hierarchy to use: {e}"
+    for where, controller in needs.items():
+        if controller not in available:
+            return (
+                f"{where}: the {controller} controller is not delegated to the worker's cgroup "
+                f"{own} (its cgroup.controllers lists: {' '.join(sorted(available)) or 'none'}); "
+                f"delegate it (systemd: Delegate=yes) or remove {where}"
+            )
+    return None

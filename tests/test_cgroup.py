@@ -32,6 +32,7 @@ from rc_worker.cgroup import (
     kill_all,
     limits_for,
     plan_tree,
+    preflight,
     set_up,
     start_containment,
     sweep_cgroup,
@@ -532,3 +533,18 @@ async def test_io_accounting_on_request(
     ):
         async with local_system(make_config(tmp_path, cgroup_io=True), host=sim_host()):
             pass
+
+
+def test_preflight_says_what_would_stop_the_worker_without_touching_anything() -> None:
+    none, some = SimHost(), sim_host(controllers=frozenset({"cpu"}))
+    assert preflight(none, "auto", {}) is None
+    assert preflight(none, "off", {}) is None
+    assert "cgroup: required, but no cgroup v2" in str(preflight(none, "required", {}))
+    memory = {"devices[0].memory_max": "memory"}
+    assert "devices[0].memory_max: needs a cgroup per job" in str(preflight(none, "auto", memory))
+    assert preflight(some, "required", {"devices[0].cpu_max": "cpu"}) is None
+    problem = preflight(some, "auto", memory)
+    assert problem is not None
+    assert problem.startswith("devices[0].memory_max: the memory controller is not delegated")
+    assert "lists: cpu" in problem
+    assert some.cgroups() == ["/", "/system.slice", some.service_cgroup]  # read-only
