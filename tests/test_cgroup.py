@@ -363,27 +363,36 @@ async def test_a_child_that_clears_its_environment_and_leaves_its_session_is_kil
 BOMB = """\
 d=$1
 if [ "$d" -gt 0 ]; then
-  setsid sh "$0" $((d - 1)) &
-  setsid sh "$0" $((d - 1)) &
+  setsid sh "$0" $((d - 1)) "$2" &
+  setsid sh "$0" $((d - 1)) "$2" &
 fi
+touch "$2/$$"
 exec sleep 300
 """
 
 
 async def test_a_fork_bomb_bounded_by_depth_is_contained(real: LinuxHost, tmp_path: Path) -> None:
-    # Depth 5: 63 processes, each leading a session of its own, and the job's
-    # main process gone at once, so nothing but the cgroup holds them together.
+    # Depth 5: 63 processes, all but the first leading a session of its own.
+    # The job's main process ends once all have started, so nothing but the
+    # cgroup holds them together.
     bomb = tmp_path / "bomb.sh"
     bomb.write_text(BOMB)
-    argv = ["sh", "-c", 'sh "$0" 5 & sleep 0.5', str(bomb)]
+    marks = tmp_path / "started"
+    marks.mkdir()
+    wait = f'sh "$0" 5 {marks} & while [ $(ls {marks} | wc -l) -lt 63 ]; do sleep 0.05; done'
     with trio.fail_after(GUARD):
         result = await run_job(
-            JobSpec(argv, env=ENV, sweep_job_id="j-1", grace_ceiling=0.5), Sink(), host=real
+            JobSpec(["sh", "-c", wait, str(bomb)], env=ENV, sweep_job_id="j-1", grace_ceiling=0.5),
+            Sink(),
+            host=real,
         )
+    assert result.exit_code == 0
     assert result.sweep.method == "cgroup"
     assert result.sweep.clean
-    assert len(result.sweep.found) >= 2
-    assert not any(alive(pid) for pid in result.sweep.found)
+    # The first is in the job's process group, ended by the group teardown; the
+    # 62 that left it are the sweep's.
+    assert len(result.sweep.found) >= 62
+    assert not any(alive(int(mark.name)) for mark in marks.iterdir())
     assert real.containment is not None
     assert real.cgroup_children(real.containment.tree) == []
 
