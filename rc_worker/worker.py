@@ -96,6 +96,9 @@ class Worker:
         self.registered = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._labels: dict[str, Any] = {"host": {}, "devices": {}}
+        # What the controller has of them (sent at register or by PUT): an
+        # unchanged probe pass sends nothing, which at fleet scale is most of them.
+        self._labels_sent: dict[str, Any] | None = None
         self._last_probe: list[dict[str, Any]] = []
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
@@ -326,6 +329,7 @@ class Worker:
             "require_manual_clear": self.config.require_manual_clear,
         }
         answer = await client.register(payload)
+        self._labels_sent = payload["labels"]
         log.info("registered with the controller as session %s", client.session)
         self._heartbeat_interval = _positive(
             answer.get("heartbeat_interval_s"), self._heartbeat_interval
@@ -512,10 +516,15 @@ class Worker:
                     log.error("sheets refused: %s", e)
 
     async def _send_labels(self, client: ControllerClient) -> None:
+        labels = self._labels
+        if labels == self._labels_sent:
+            return
         try:
-            await client.put_labels(self._labels)
+            await client.put_labels(labels)
         except ControllerError as e:
             log.error("labels refused: %s", e)
+            return
+        self._labels_sent = labels
 
     async def _gather(self) -> ProbeResult:
         with self.metrics.probe_seconds.time():

@@ -87,3 +87,29 @@ def test_a_worker_that_wipes_unconfirmed_facts_is_caught(monkeypatch: pytest.Mon
 
     found = simulate(main, devices=("gpu0", "gpu1"), nvidia_smi=SMI_OK)
     assert any("although nvidia-smi failed" in p for p in found), found
+
+
+def test_an_unchanged_probe_pass_sends_no_labels_and_a_change_sends_one() -> None:
+    async def main(fleet: Fleet) -> list[int]:
+        node = fleet.nodes["h0"]
+        await fleet.wait_until(lambda: bool(fleet.store.devices()))
+        assert node.worker is not None
+
+        def puts() -> int:
+            return sum(1 for x in node.transport.log if x.endpoint == "labels")
+
+        before = puts()
+        for _ in range(5):  # five passes that find what the controller already has
+            node.worker.reprobe()
+            await trio.sleep(30)
+        unchanged = puts() - before
+        fleet.program_nvidia_smi(
+            Script((Write(SMI_OK.steps[0].data.replace(b"590.48.01", b"595.10.02")),))  # type: ignore[union-attr]
+        )
+        node.worker.reprobe()
+        await fleet.wait_until(lambda: facts(fleet, "gpu0").get("driver_version") == "595.10.02")
+        changed = puts() - before - unchanged
+        await fleet.drain()
+        return [unchanged, changed]
+
+    assert simulate(main, devices=("gpu0", "gpu1"), nvidia_smi=SMI_OK) == [0, 1]
