@@ -150,8 +150,11 @@ async def _sweep(journal: dict[str, Any], job_id: str, host: Host | None) -> Swe
     be read at all, the RC_JOB_ID sweep decides instead.
     """
     cgroup = journal.get("cgroup")
-    if isinstance(cgroup, str) and cgroup and host is not None:
-        report = await sweep_cgroup(host, cgroup, grace=RECOVERY_GRACE)
+    if isinstance(cgroup, str) and cgroup.startswith("/") and host is not None:
+        try:
+            report = await sweep_cgroup(host, cgroup, grace=RECOVERY_GRACE)
+        except ValueError:  # not a cgroup path (a damaged journal): no proof from it
+            report = NOT_SWEPT
         if report.scanned:
             if report.clean:
                 remove_cgroup(host, cgroup)

@@ -120,12 +120,13 @@ def test_recovery_as_nobody_proves_gone_from_an_empty_cgroup(state_dir: Path) ->
             ["sh", "-c", f"echo $$ > {host._path(path, 'cgroup.procs')}; exit 0"], check=False
         )
         assert done.returncode == 0
-        job_dir = JobDir(tmp_path, "j-1.1")
+        job_id = f"j-{uuid.uuid4().hex}"  # an id nothing else carries
+        job_dir = JobDir(tmp_path, f"{job_id}.1")
         job_dir.create()
         write_json_durably(
             job_dir.journal,
             {
-                "job_id": "j-1",
+                "job_id": job_id,
                 "attempt": 1,
                 "device": "gpu0",
                 "boot_id": host.boot_id(),

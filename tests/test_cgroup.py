@@ -280,13 +280,13 @@ async def test_recovery_after_a_crash_proves_gone_from_the_cgroup_for_a_worker_n
     assert leftover not in host.cgroups()
 
 
-def journal(root: Path, boot_id: str, cgroup: str) -> None:
-    job_dir = JobDir(root, "j-1.1")
+def journal(root: Path, boot_id: str, cgroup: str, *, job_id: str = "j-1") -> None:
+    job_dir = JobDir(root, f"{job_id}.1")
     job_dir.create()
     write_json_durably(
         job_dir.journal,
         {
-            "job_id": "j-1",
+            "job_id": job_id,
             "attempt": 1,
             "device": "gpu0",
             "boot_id": boot_id,
@@ -413,7 +413,7 @@ async def test_recovery_of_a_real_cgroup_kills_what_is_left_and_proves_gone(
             pty=False,
             cgroup=leftover,
         )
-        journal(tmp_path, real.boot_id(), leftover)
+        journal(tmp_path, real.boot_id(), leftover, job_id=f"j-{uuid.uuid4().hex}")
         [entry] = await recover(
             tmp_path, boot_id=real.boot_id(), require_manual_clear=False, host=real
         )
@@ -557,3 +557,19 @@ def test_preflight_says_what_would_stop_the_worker_without_touching_anything() -
     assert problem.startswith("devices[0].memory_max: the memory controller is not delegated")
     assert "lists: cpu" in problem
     assert some.cgroups() == ["/", "/system.slice", some.service_cgroup]  # read-only
+
+
+async def test_a_damaged_journal_cgroup_falls_back_to_the_environment_sweep(
+    tmp_path: Path,
+) -> None:
+    host = LinuxHost()
+    job_id = f"j-{uuid.uuid4().hex}"  # real processes: an id nothing else carries
+    for damaged in ("relative/x", "/a/../../etc"):
+        journal(tmp_path, host.boot_id(), damaged, job_id=job_id)
+        with trio.fail_after(GUARD):
+            [entry] = await recover(
+                tmp_path, boot_id=host.boot_id(), require_manual_clear=True, host=host
+            )
+        assert entry.sweep.method == "environ"
+        assert entry.sweep.found == ()
+        (tmp_path / "jobs" / f"{job_id}.1" / "recovery.json").unlink()
