@@ -139,6 +139,7 @@ def set_up(
         raise CgroupUnavailable(f"cannot read {own}/cgroup.controllers: {e}") from None
     plan = plan_tree(own, available, tag, wanted)
     enabled: frozenset[str] = frozenset()
+    moved = False
     try:
         host.cgroup_mkdir(plan.tree)
     except OSError as e:
@@ -151,9 +152,10 @@ def set_up(
             if plan.move_self:
                 host.cgroup_mkdir(plan.home)
                 host.cgroup_write(plan.home, "cgroup.procs", str(host.own_pid()))
+                moved = True
+            # Down the path: own's children (the tree) get them, then the tree's (jobs).
             controllers = " ".join(f"+{c}" for c in sorted(plan.enable))
-            if own != "/" or plan.move_self:
-                host.cgroup_write(own, "cgroup.subtree_control", controllers)
+            host.cgroup_write(own, "cgroup.subtree_control", controllers)
             host.cgroup_write(plan.tree, "cgroup.subtree_control", controllers)
             enabled = plan.enable
         except OSError as e:
@@ -163,7 +165,7 @@ def set_up(
                 sorted(plan.enable),
                 e.strerror or e,
             )
-    home = plan.home if plan.move_self and enabled else own
+    home = plan.home if moved else own
     containment = Containment(tree=plan.tree, home=home, controllers=enabled)
     why = (
         f"in use: every job, hook, probe and verify script runs in its own cgroup under "

@@ -573,3 +573,18 @@ async def test_a_damaged_journal_cgroup_falls_back_to_the_environment_sweep(
         assert entry.sweep.method == "environ"
         assert entry.sweep.found == ()
         (tmp_path / "jobs" / f"{job_id}.1" / "recovery.json").unlink()
+
+
+async def test_at_the_root_the_worker_stays_and_still_delegates(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    host = sim_host(controllers=frozenset({"memory"}))
+    host.service_cgroup = host.worker_cgroup = "/"  # a root worker outside any service
+    containment = start_containment(host, "auto", tag="t", needs={"m": "memory"})
+    assert containment is not None
+    assert containment.home == "/"
+    assert host.worker_cgroup == "/"
+    assert containment.controllers == {"memory"}
+    leaf = containment.leaf("j.1")
+    host.cgroup_mkdir(leaf)
+    assert host.cgroup_read(leaf, "cgroup.controllers") == "memory\n"
