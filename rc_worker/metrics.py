@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -69,6 +69,25 @@ class WorkerMetrics:
         self.swept = Counter(
             "rc_worker_swept_processes",
             "Processes the RC_JOB_ID sweep found after a job's group was torn down.",
+            registry=r,
+        )
+
+        self.gpu_health_checks = Counter(
+            "rc_worker_gpu_health_checks",
+            "GPU health checks run, by check and result (ok, or error: could not run).",
+            ["check", "result"],
+            registry=r,
+        )
+        self.gpu_xid = Counter(
+            "rc_worker_gpu_xid",
+            "Xid events read from the kernel log, by code.",
+            ["code"],
+            registry=r,
+        )
+        self.gpu_ecc_errors = Gauge(
+            "rc_worker_gpu_ecc_errors",
+            "Volatile ECC error counts summed over this host's GPUs, by kind.",
+            ["kind"],
             registry=r,
         )
 
