@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ class WorkerContext:
     draining: bool = False
     stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
+    # The GPU health gate (gpu_health_coord.py): (device, job_id or None,
+    # grace) -> why the device cannot take work, or None. None: no checks.
+    health_gate: Callable[[str, str | None, float], Awaitable[str | None]] | None = None
 
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)
@@ -97,7 +100,11 @@ class WorkerContext:
         return env
 
     def cuda_visible_devices(self, device: str) -> str | None:
-        """The GPU UUID from the device's probe labels, else N for ``gpu<N>``."""
+        """The MIG UUID of a slice, else the GPU UUID from the device's probe
+        labels, else N for ``gpu<N>``."""
+        mig = self.device_labels.get(device, {}).get("mig_uuid")
+        if mig:
+            return mig
         uuid = self.device_labels.get(device, {}).get("uuid")
         if uuid:
             return uuid

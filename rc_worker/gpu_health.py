@@ -44,6 +44,22 @@ CHECK_XID = "xid"
 CHECK_PRESENCE = "presence"
 CHECK_PCI = "pci"
 
+# The recommended step for the worker's other fault kinds, so every fault
+# carries a severity and an action (the controller applies the same table to
+# faults that arrive without them).
+KIND_DEFAULTS: dict[str, tuple[str, str]] = {
+    "dirty": ("error", "reboot"),  # processes that survived SIGKILL: stuck in the kernel
+    "verify_failed": ("error", "clear"),
+    "hook_failed": ("error", "clear"),
+    "interrupted": ("warning", "clear"),
+}
+
+
+def kind_defaults(kind: str) -> tuple[str, str]:
+    """``(severity, action)`` for a fault kind raised without them."""
+    return KIND_DEFAULTS.get(kind, ("error", "clear"))
+
+
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 """NVIDIA's k8s device plugin ignores these: application errors, not the GPU's."""
 

@@ -118,7 +118,7 @@ class GpuHealthMonitor:
         self._settings = config.gpu_health
         self._host = host
         self._environ = environ
-        self._metrics = metrics
+        self.metrics = metrics
         self._state_dir = state_dir
         self._memory: dict[int, MemoryState] = {}
         self._kmsg_fd: int | None = None
@@ -186,7 +186,7 @@ class GpuHealthMonitor:
         return text
 
     def _count(self, check: str, result: str) -> None:
-        self._metrics.gpu_health_checks.labels(check, result).inc()
+        self.metrics.gpu_health_checks.labels(check, result).inc()
 
     # -- the checks ------------------------------------------------------------
 
@@ -196,6 +196,7 @@ class GpuHealthMonitor:
         *,
         expected_uuid: Mapping[str, str],
         bus_ids: Mapping[str, str],
+        memory: bool = True,
         resident: bool = True,
         xids: bool = True,
         pci: bool = False,
@@ -211,7 +212,8 @@ class GpuHealthMonitor:
             verdicts = {t.device: DeviceVerdict() for t in targets}
             if not targets:
                 return verdicts
-            await self._check_health(targets, verdicts, expected_uuid)
+            if memory:
+                await self._check_health(targets, verdicts, expected_uuid)
             if resident:
                 await self._check_resident(targets, verdicts, expected_uuid)
             if xids:
@@ -240,7 +242,7 @@ class GpuHealthMonitor:
             totals["uncorrected_volatile"] += row.ecc_uncorrected or 0
         for kind, value in totals.items():
             # Summed over the host's GPUs: the metric is labelled by kind only.
-            self._metrics.gpu_ecc_errors.labels(kind).set(value)
+            self.metrics.gpu_ecc_errors.labels(kind).set(value)
         await self._resolve_slices(targets, reading)
         for t in targets:
             v = verdicts[t.device]
@@ -333,7 +335,7 @@ class GpuHealthMonitor:
             event = parse_xid(line)
             if event is None:
                 continue
-            self._metrics.gpu_xid.labels(str(event.code)).inc()
+            self.metrics.gpu_xid.labels(str(event.code)).inc()
             fault = decide_xid(event, ignored)
             hit = by_bus.get(event.bus, [])
             if fault is None:
