@@ -160,6 +160,12 @@ class FaultRequest:
     kind: str
     reason: str = ""
     job_id: str | None = None
+    severity: str | None = None
+    action: str | None = None
+    scope: str | None = None
+    """``host``: a fault of the whole host, raised on each of its GPU devices."""
+    parent_fault: str | None = None
+    """For a MIG slice: the fault id of its physical GPU's fault."""
 
 
 # --- replies --------------------------------------------------------------------------------
@@ -344,6 +350,12 @@ class FaultInfo:
     job_id: str | None
     raised_by: str
     """``worker`` or ``controller``."""
+    severity: str = "error"
+    """``warning``, ``error`` or ``fatal``."""
+    action: str = "clear"
+    """The recommended step: ``clear``, ``reset``, ``reboot`` or ``replace``."""
+    scope: str = "device"
+    parent_fault: str | None = None
 
     def to_json(self) -> JsonObject:
         return {
@@ -353,6 +365,10 @@ class FaultInfo:
             "detail": self.detail,
             "job_id": self.job_id,
             "raised_by": self.raised_by,
+            "severity": self.severity,
+            "action": self.action,
+            "scope": self.scope,
+            "parent_fault": self.parent_fault,
         }
 
 

@@ -269,6 +269,10 @@ def fault(f: Fields) -> FaultRequest:
         kind=f.opt_str("kind") or "fault",
         reason=f.opt_str("reason") or "",
         job_id=f.opt_str("job_id"),
+        severity=f.opt_str("severity"),
+        action=f.opt_str("action"),
+        scope=f.opt_str("scope"),
+        parent_fault=f.opt_str("parent_fault"),
     )
 
 
