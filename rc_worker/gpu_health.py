@@ -494,8 +494,8 @@ def parse_gpu_list(text: str) -> list[ListedGpu]:
     """Parse ``nvidia-smi -L``: each GPU, with its MIG slices under it."""
     gpus: list[ListedGpu] = []
     for raw in text.splitlines():
-        if not raw.strip():
-            continue
+        if not raw.strip() or _LOST_RE.search(raw):
+            continue  # a lost GPU's line: counted by ``listed_count``
         g = _GPU_LINE_RE.match(raw.strip())
         if g:
             gpus.append(ListedGpu(int(g.group("index")), g.group("name"), g.group("uuid")))
@@ -508,6 +508,13 @@ def parse_gpu_list(text: str) -> list[ListedGpu]:
             continue
         raise HealthReadError(f"nvidia-smi -L: cannot read {raw.strip()[:120]!r}")
     return gpus
+
+
+def listed_count(text: str) -> int:
+    """GPUs nvidia-smi -L accounts for: listed ones and lost ones (whose loss the
+    presence check already attributes to a device)."""
+    lost = sum(1 for line in text.splitlines() if _LOST_RE.search(line))
+    return len(parse_gpu_list(text)) + lost
 
 
 def resolve_mig_uuid(gpus: Sequence[ListedGpu], parent_index: int, mig_index: int) -> str | None:

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rc_worker.gpu_health")
 
-_IDLE = (DeviceState.FREE, DeviceState.LINGERING, DeviceState.QUARANTINED)
-
 
 class GpuHealthCoordinator:
     def __init__(
@@ -59,6 +57,9 @@ class GpuHealthCoordinator:
             if parent in devices:
                 devices[parent].carries_slices = True
         self._host_fault: str | None = None
+        # Devices some check has run for: before that, no gpu_health label
+        # (nothing is known, and "ok" would be a guess).
+        self._checked: set[str] = set()
 
     # -- what the checks need from the probe ----------------------------------
 
@@ -91,7 +92,7 @@ class GpuHealthCoordinator:
         """The labels selectors can use: ``gpu_health`` and the ECC facts."""
         target = self.monitor.targets.get(device)
         dev = self._devices.get(device)
-        if target is None or dev is None:
+        if target is None or dev is None or device not in self._checked:
             return {}
         out = dict(self.monitor.ecc_labels.get(target.index, {}))
         out["gpu_health"] = health_label(bool(dev.lease.health_hold), dev.health_faulted())
@@ -153,27 +154,35 @@ class GpuHealthCoordinator:
 
     async def check_idle(self) -> None:
         targets = list(self.monitor.targets)
-        idle = [d for d in targets if self._devices[d].lease.state in _IDLE]
         uuids, buses = self._labels()
         verdicts = await self.monitor.check(
             targets, expected_uuid=uuids, bus_ids=buses, resident=False, pci=True
         )
+        idle = [d for d in targets if self._idle(d)]
         if idle:
             resident = await self.monitor.check(
                 idle, expected_uuid=uuids, bus_ids=buses, memory=False, xids=False
             )
             for name, v in resident.items():
+                if not self._idle(name):
+                    # Taken while the listing ran: its processes may be its job's.
+                    continue
                 verdicts[name].faults.extend(v.faults)
                 verdicts[name].held.update(v.held)
                 verdicts[name].passed.update(v.passed)
         self._apply(verdicts)
         self.sync_slice_labels()
 
+    def _idle(self, device: str) -> bool:
+        dev = self._devices[device]
+        return dev.idle() or dev.lease.state is DeviceState.LINGERING
+
     # -- applying verdicts ---------------------------------------------------------
 
     def _apply(self, verdicts: Mapping[str, DeviceVerdict]) -> None:
         host_faults = [f for v in verdicts.values() for f in v.faults if f.host_level]
         for name, v in verdicts.items():
+            self._checked.add(name)
             self._devices[name].set_health_hold(v.held, v.passed)
             for fault in v.faults:
                 if not fault.host_level:

@@ -49,6 +49,7 @@ from rc_worker.gpu_health import (
     decide_presence,
     decide_resident,
     decide_xid,
+    listed_count,
     parse_compute_apps,
     parse_gpu_list,
     parse_health_query,
@@ -385,14 +386,14 @@ class GpuHealthMonitor:
             return  # no lspci: nothing to compare with, and nothing wrong
         try:
             on_bus = count_lspci_gpus(await self._run(LSPCI, LSPCI_ARGS))
-            listing = parse_gpu_list(await self._run(NVIDIA_SMI, LIST_ARGS))
+            listed = listed_count(await self._run(NVIDIA_SMI, LIST_ARGS))
         except (CheckFailed, HealthReadError) as e:
             self._count(CHECK_PCI, "error")
             for t in targets:
                 verdicts[t.device].held[CHECK_PCI] = str(e)
             return
         self._count(CHECK_PCI, "ok")
-        fault = decide_pci(on_bus, len(listing))
+        fault = decide_pci(on_bus, listed)
         for t in targets:
             verdicts[t.device].passed.add(CHECK_PCI)
             if fault is not None:

@@ -87,12 +87,10 @@ class Lease:
         the controller just switched from hold back to run must not reject
         the job the controller then gave it.
         """
-        return (
-            self.state in (S.FREE, S.LINGERING)
-            and not self.faults
-            and not self.health_hold
-            and not draining
-        )
+        # A health hold is left out too: an assignment made while the poll
+        # was in flight reaches the health gate, which refuses it (requeued)
+        # rather than rejecting it for good.
+        return self.state in (S.FREE, S.LINGERING) and not self.faults and not draining
 
     def begin(self, job: tuple[str, int]) -> bool:
         """Take an assignment; returns whether the acquire hook must run first."""

@@ -430,6 +430,15 @@ class Worker:
         dev = self.devices.get(assignment.device)
         if dev is None:
             self._reject(raw, f"unknown device {assignment.device!r} on host {self.config.host}")
+        elif not dev.can_take() and dev.idle() and dev.lease.faults:
+            # Quarantined since the poll offered it (a GPU health check on an
+            # idle device): not the job's fault, so refused, and requeued.
+            self._ctx.report(
+                assignment,
+                not_run_report(
+                    assignment, "refused", f"device {assignment.device} was quarantined"
+                ),
+            )
         elif not dev.can_take():
             self._reject(raw, f"device {assignment.device} is not ready ({dev.lease.state})")
         else:

@@ -53,6 +53,9 @@ def main(argv: list[str]) -> int:
     if kind == "-L":
         for g in gpus:
             if g.get("lost"):
+                print(
+                    f"Unable to determine the device handle for gpu {g['pci.bus_id']}: GPU is lost."
+                )
                 continue
             print(f"GPU {g['index']}: {g.get('name', 'NVIDIA H100')} (UUID: {g['uuid']})")
             for m in g.get("migs", []):
