@@ -219,6 +219,55 @@ async def test_a_process_left_after_a_job_quarantines_before_verify(
             assert fault.job_id == job
 
 
+async def test_a_gpu_process_of_the_job_is_swept_not_quarantined(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    # A process carrying the job's RC_JOB_ID, outside its process group, holding
+    # GPU memory: swept like any escapee, so nothing is left resident.
+    gate = tmp_path / "go"
+    with trio.fail_after(60):
+        async with local_system(
+            config(tmp_path, interval=3600.0), environ=environ(tmp_path, gpus)
+        ) as system:
+            job = system.submit(
+                ["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done"], device="test-host/gpu0"
+            )
+            await system.wait_until(lambda: system.job(job).state == "running")
+            escapee = await trio.lowlevel.open_process(
+                ["sleep", "300"],
+                env={"RC_JOB_ID": job, "PATH": "/usr/bin:/bin"},
+                start_new_session=True,
+            )
+            try:
+                gpus.set(
+                    "apps",
+                    [
+                        {
+                            "gpu_uuid": UUID0,
+                            "pid": escapee.pid,
+                            "process_name": "sleep",
+                            "used_memory": 64,
+                            "live": True,
+                        }
+                    ],
+                )
+                gate.touch()
+                info = await system.wait_job(job)
+                assert info.state == "succeeded"
+                with trio.fail_after(10):
+                    await escapee.wait()  # reaped: the sweep killed it
+                assert escapee.returncode is not None
+                assert escapee.returncode < 0
+                assert faults(system, "gpu0") == []
+                follow = system.submit(["true"], device="test-host/gpu0")
+                assert (await system.wait_job(follow)).state == "succeeded"
+            finally:
+                if escapee.returncode is None:
+                    escapee.kill()
+                    with trio.move_on_after(5, shield=True):
+                        await escapee.wait()
+
+
 # -- fail closed -------------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@ a test can change the GPUs between checks::
                "pci.bus_id": "00000000:3B:00.0", "lost": false,
                "fields": {"ecc.errors.uncorrected.volatile.total": "0", ...},
                "migs": [{"index": 0, "uuid": "MIG-...", "profile": "1g.10gb"}]}],
-     "apps": [{"gpu_uuid": "GPU-...", "pid": 123, "process_name": "python", "used_memory": 100}],
+     "apps": [{"gpu_uuid": "GPU-...", "pid": 123, "process_name": "python", "used_memory": 100,
+               "live": true}],
      "lspci_extra": 0,
      "hang": ["compute-apps"], "fail": ["query-gpu-health"], "garbage": ["-L"]}
 
@@ -65,6 +66,7 @@ def main(argv: list[str]) -> int:
         rows = [
             [str(a.get(f if f != "used_gpu_memory" else "used_memory", "[N/A]")) for f in fields]
             for a in table.get("apps", [])
+            if not a.get("live") or _alive(int(a["pid"]))
         ]
         _csv(fields, rows, fmt)
         return 0
@@ -89,6 +91,16 @@ def main(argv: list[str]) -> int:
         rows.append([values.get(f, "[N/A]") for f in fields])
     _csv(fields, rows, fmt)
     return rc
+
+
+def _alive(pid: int) -> bool:
+    """An app marked ``live`` is listed only while its process runs, as nvidia-smi does."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has released its GPU memory
 
 
 def _kind(tool: str, args: list[str]) -> tuple[str, list[str], str]:
