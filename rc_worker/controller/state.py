@@ -72,6 +72,8 @@ class StoreState:
         self._live: dict[str, Job] = {}
         self._events: deque[Event] = deque(maxlen=self.config.max_events)
         self._counters: dict[str, int] = {}
+        # Faults ever raised, by (kind, action): the controller's /metrics.
+        self.faults_raised: dict[tuple[str, str], int] = {}
         self._event_seq = 0
         self.version = 0
         self._subscribers: list[Callable[[], None]] = []
@@ -276,6 +278,8 @@ class StoreState:
             return False
         d.seen_faults.add(fault.fault_id)
         d.faults[fault.fault_id] = fault
+        key = (fault.kind, fault.action)
+        self.faults_raised[key] = self.faults_raised.get(key, 0) + 1
         self._emit(
             "device_quarantined",
             host=d.host,
