@@ -517,3 +517,53 @@ async def test_a_resident_process_on_a_slice_quarantines_the_slice(
             fault = await wait_fault(system, "gpu0-mig2", "gpu_resident_process")
             assert "pid 99 (train, 10 MiB)" in fault.detail
             assert faults(system, "gpu0-mig1") == []
+
+
+# -- enabled: auto ---------------------------------------------------------------------------
+
+
+async def test_auto_remembers_nvidia_smi_and_fails_closed_when_it_vanishes(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    from rc_worker.gpu_health_run import SEEN_MARKER, GpuHealthMonitor
+    from rc_worker.host import LinuxHost
+    from rc_worker.metrics import WorkerMetrics
+
+    cfg = config(tmp_path)
+    cfg = attrs.evolve(cfg, gpu_health=attrs.evolve(cfg.gpu_health, enabled="auto"))
+    state = tmp_path / "state"
+    state.mkdir()
+    bare = {"PATH": "/usr/bin:/bin"}
+
+    def monitor(env: dict[str, str]) -> GpuHealthMonitor:
+        return GpuHealthMonitor(
+            cfg, host=LinuxHost(), environ=env, metrics=WorkerMetrics(), state_dir=state
+        )
+
+    assert not monitor(bare).enabled()  # never seen here: a GPU-less host stays quiet
+    assert monitor(environ(tmp_path, gpus)).enabled()
+    assert (state / SEEN_MARKER).exists()
+    gone = monitor(bare)
+    assert gone.enabled()  # seen once: its checks stay on ...
+    with trio.fail_after(30):
+        verdicts = await gone.check(["gpu0"], expected_uuid={}, bus_ids={})
+    # ... and cannot run, so the device is held, never passed.
+    assert "nvidia-smi not found on PATH" in verdicts["gpu0"].held["memory"]
+    assert "memory" not in verdicts["gpu0"].passed
+    assert verdicts["gpu0"].faults == []
+
+
+def test_status_text_shows_a_health_hold() -> None:
+    from rc_worker.status import format_status
+
+    data = {
+        "host": "box1",
+        "devices": {
+            "gpu0": {
+                "state": "free",
+                "idle_behavior": "run",
+                "held_for_health": "memory: nvidia-smi --query-gpu=... timed out after 10s",
+            }
+        },
+    }
+    assert "held for health: memory: nvidia-smi" in format_status(data)
