@@ -298,6 +298,12 @@ async def test_a_check_that_cannot_run_holds_the_device_and_lifts_by_itself(
             assert system.device("gpu0").faults == ()
             status = system.worker.status()["devices"]["gpu0"]
             assert says in status["held_for_health"]
+            # The controller shows it too, from the heartbeat.
+            await system.wait_until(lambda: says in (system.device("gpu0").held_for_health or ""))
+            body = await rc_json(system, "devices")
+            [gpu0] = [d for d in body["devices"] if d["device"] == "gpu0"]
+            assert says in gpu0["held_for_health"]
+            assert gpu0["faults"] == []  # held, not quarantined
             # The check works again: the hold lifts and the job runs.
             gpus.set(mode, [])
             assert (await system.wait_job(job)).state == "succeeded"

@@ -118,6 +118,8 @@ class DeviceReport:
     job_id: str | None = None
     attempt: int | None = None
     faults: tuple[str, ...] = ()
+    held_for_health: str | None = None
+    """Why the worker's GPU checks hold the device (not offered, not quarantined)."""
 
 
 @attrs.frozen
@@ -403,6 +405,7 @@ class DeviceInfo:
     host_state: str = "up"
     worker_state: str | None = None
     cleared_pending: tuple[str, ...] = ()
+    held_for_health: str | None = None
 
     @property
     def address(self) -> str:
@@ -426,6 +429,7 @@ class DeviceInfo:
             "present": self.present,
             "host_state": self.host_state,
             "worker_state": self.worker_state,
+            "held_for_health": self.held_for_health,
         }
 
 

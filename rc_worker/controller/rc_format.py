@@ -117,7 +117,8 @@ def devices_table(devices: Sequence[Mapping[str, Any]]) -> str:
             [
                 str(d["address"]),
                 str(d["state"]),
-                d.get("reason") or "-",
+                d.get("reason")
+                or (f"held: {d['held_for_health']}" if d.get("held_for_health") else "-"),
                 faults or "-",
                 fault_action(d.get("faults", [])),
                 str(d["idle_behavior"]),

@@ -185,6 +185,8 @@ class Device:
     job: Job | None = None
     """The job holding this device in the controller's view (assigned or running)."""
     worker_state: str | None = None
+    held_for_health: str | None = None
+    """From the worker's last heartbeat: why its GPU checks hold the device."""
 
     @property
     def state(self) -> str:
@@ -228,6 +230,7 @@ class Device:
             host_state=host.state,
             worker_state=self.worker_state,
             cleared_pending=tuple(self.cleared_pending),
+            held_for_health=self.held_for_health,
         )
 
 

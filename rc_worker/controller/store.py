@@ -315,6 +315,7 @@ class Store(StoreState):
             if d is None:
                 continue
             d.worker_state = report.state
+            d.held_for_health = report.held_for_health
             self._age_cleared(d, report.faults)
             if report.job_id is None or report.attempt is None:
                 continue

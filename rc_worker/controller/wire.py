@@ -220,6 +220,7 @@ def heartbeat(f: Fields) -> HeartbeatRequest:
             job_id=d.opt_str("job_id"),
             attempt=d.opt_int("attempt"),
             faults=tuple(d.str_list("faults")),
+            held_for_health=d.opt_str("held_for_health"),
         )
     return HeartbeatRequest(session=f.req_str("session"), devices=devices)
 
