@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -36,6 +37,8 @@ class WorkerContext:
     # The GPU health gate (gpu_health_coord.py): (device, job_id or None,
     # grace) -> why the device cannot take work, or None. None: no checks.
     health_gate: Callable[[str, str | None, float], Awaitable[str | None]] | None = None
+    rng: random.Random = attrs.field(factory=random.Random)
+    """Ids (faults) and jitter come from here: a simulation seeds it to replay exactly."""
 
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)

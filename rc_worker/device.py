@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-import uuid
+import random
 from collections.abc import Collection, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +38,9 @@ log = logging.getLogger("rc_worker.device")
 S = DeviceState
 
 
-def new_fault_id() -> str:
-    return f"f-{uuid.uuid4().hex[:12]}"
+def new_fault_id(rng: random.Random) -> str:
+    """A fault id: random, so that no two workers (or restarts) ever repeat one."""
+    return f"f-{rng.getrandbits(48):012x}"
 
 
 class DeviceSupervisor:
@@ -139,7 +140,7 @@ class DeviceSupervisor:
         """Raise a fault of this worker's own; ``report`` sends it with ``fault``
         (a fault outside a finish), else the caller puts it in the finish.
         ``extra`` carries severity, action, scope, parent_fault (docs/protocol.md)."""
-        fault_id = fault_id or new_fault_id()
+        fault_id = fault_id or new_fault_id(self.ctx.rng)
         log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
@@ -300,7 +301,7 @@ class DeviceSupervisor:
             detail = f"internal worker error: {type(exc).__name__}: {exc}"
             if a is not None and self._finished != self.ctx.job_key(a):
                 self._finish_after_error(a, detail)
-            fault_id = new_fault_id()
+            fault_id = new_fault_id(self.ctx.rng)
             self.ctx.metrics.quarantines.labels("dirty").inc()
             self.ctx.outbox.fault(
                 self.name, {"fault_id": fault_id, "kind": "dirty", "reason": detail}

@@ -212,6 +212,6 @@ class GpuHealthCoordinator:
             return
         from rc_worker.device import new_fault_id
 
-        self._host_fault = fault_id = new_fault_id()
+        self._host_fault = fault_id = new_fault_id(self._ctx.rng)
         for name in self.monitor.targets:
             self._devices[name].raise_health_fault(fault, fault_id=fault_id)

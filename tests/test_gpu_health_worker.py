@@ -384,7 +384,9 @@ async def test_xid_maps_the_kernel_bus_id_to_the_device(tmp_path: Path, gpus: Gp
             ) as http:
                 text = (await http.get("/metrics")).text
             assert 'rc_controller_faults_total{action="reboot",kind="gpu_xid"} 1.0' in text
-            assert 'rc_controller_device_faults{action="reboot",kind="gpu_xid"} 1.0' in text
+            assert (
+                'rc_controller_device_faults_by_action{action="reboot",kind="gpu_xid"} 1.0' in text
+            )
 
 
 async def test_an_unreadable_kernel_log_turns_the_xid_check_off_without_quarantine(
