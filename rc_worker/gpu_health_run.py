@@ -257,6 +257,7 @@ class GpuHealthMonitor:
             v.faults.extend(faults)
             self.ecc_labels[t.index] = {
                 "ecc_uncorrected_volatile": _label(row.ecc_uncorrected),
+                "ecc_corrected_volatile": _label(row.ecc_corrected),
                 "remapped_rows_pending": _label(row.remap_pending),
             }
 

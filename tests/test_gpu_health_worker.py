@@ -160,6 +160,7 @@ async def test_healthy_gpus_run_jobs_and_say_so_in_labels(tmp_path: Path, gpus: 
             facts = labels(system, "gpu0")
             assert facts["ecc_uncorrected_volatile"] == "0"
             assert facts["remapped_rows_pending"] == "no"
+            assert facts["ecc_corrected_volatile"] == "0"
             assert system.device("gpu0").state == "free"
             metrics = system.worker.metrics.registry.get_sample_value(
                 "rc_worker_gpu_health_checks_total", {"check": "memory", "result": "ok"}
