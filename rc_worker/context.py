@@ -108,6 +108,11 @@ class WorkerContext:
         mig = self.device_labels.get(device, {}).get("mig_uuid")
         if mig:
             return mig
+        slice_config = next((d for d in self.config.devices if d.name == device), None)
+        if slice_config is not None and slice_config.mig_of is not None:
+            # A MIG slice whose UUID is not known yet: no GPU at all rather
+            # than every GPU (an unset variable would show them all).
+            return slice_config.mig_uuid or ""
         uuid = self.device_labels.get(device, {}).get("uuid")
         if uuid:
             return uuid

@@ -43,6 +43,7 @@ CHECK_MEMORY = "memory"
 CHECK_XID = "xid"
 CHECK_PRESENCE = "presence"
 CHECK_PCI = "pci"
+CHECK_MIG = "mig"
 
 # The recommended step for the worker's other fault kinds, so every fault
 # carries a severity and an action (the controller applies the same table to

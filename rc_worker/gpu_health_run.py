@@ -27,6 +27,7 @@ import trio
 from rc_worker.config import Config, DeviceConfig, child_environ
 from rc_worker.gpu_health import (
     CHECK_MEMORY,
+    CHECK_MIG,
     CHECK_PCI,
     CHECK_PRESENCE,
     CHECK_RESIDENT,
@@ -38,7 +39,6 @@ from rc_worker.gpu_health import (
     ComputeApp,
     Fault,
     HealthReadError,
-    HealthReading,
     ListedGpu,
     MemoryState,
     apps_on,
@@ -213,6 +213,7 @@ class GpuHealthMonitor:
             verdicts = {t.device: DeviceVerdict() for t in targets}
             if not targets:
                 return verdicts
+            await self._resolve_slices(targets, verdicts)
             if memory:
                 await self._check_health(targets, verdicts, expected_uuid)
             if resident:
@@ -244,7 +245,6 @@ class GpuHealthMonitor:
         for kind, value in totals.items():
             # Summed over the host's GPUs: the metric is labelled by kind only.
             self.metrics.gpu_ecc_errors.labels(kind).set(value)
-        await self._resolve_slices(targets, reading)
         for t in targets:
             v = verdicts[t.device]
             missing = decide_presence(t.index, expected_uuid.get(t.parent), reading)
@@ -261,22 +261,37 @@ class GpuHealthMonitor:
                 "remapped_rows_pending": _label(row.remap_pending),
             }
 
-    async def _resolve_slices(self, targets: Sequence[GpuTarget], _: HealthReading) -> None:
-        """Give each ``mig_index`` slice its MIG UUID from ``nvidia-smi -L``."""
-        if not any(t.mig_uuid is None and t.device != t.parent for t in targets):
-            return
-        try:
-            listing: list[ListedGpu] = parse_gpu_list(await self._run(NVIDIA_SMI, LIST_ARGS))
-        except (CheckFailed, HealthReadError) as e:
-            log.warning("cannot resolve MIG slices: %s", e)
-            return
-        for dev in self._config.devices:
-            if dev.mig_index is not None and dev.name in self.targets:
-                t = self.targets[dev.name]
-                uuid = resolve_mig_uuid(listing, t.index, dev.mig_index)
-                if uuid is not None:
-                    self.mig_uuids[dev.name] = uuid
-                    self.targets[dev.name] = attrs.evolve(t, mig_uuid=uuid)
+    async def _resolve_slices(
+        self, targets: Sequence[GpuTarget], verdicts: dict[str, DeviceVerdict]
+    ) -> None:
+        """Give each ``mig_index`` slice its MIG UUID from ``nvidia-smi -L``.
+
+        A slice whose UUID is not known is held: without it the job's
+        CUDA_VISIBLE_DEVICES could not name the slice, and it would see the GPU.
+        """
+        slices = [t for t in targets if t.device != t.parent]
+        why = ""
+        if any(t.mig_uuid is None for t in slices):
+            try:
+                listing: list[ListedGpu] = parse_gpu_list(await self._run(NVIDIA_SMI, LIST_ARGS))
+            except (CheckFailed, HealthReadError) as e:
+                why = f"cannot resolve the MIG slice: {e}"
+                listing = []
+            for dev in self._config.devices:
+                if dev.mig_index is not None and dev.name in self.targets:
+                    t = self.targets[dev.name]
+                    uuid = resolve_mig_uuid(listing, t.index, dev.mig_index)
+                    if uuid is not None:
+                        self.mig_uuids[dev.name] = uuid
+                        self.targets[dev.name] = attrs.evolve(t, mig_uuid=uuid)
+        for t in slices:
+            if self.targets[t.device].mig_uuid is not None:
+                verdicts[t.device].passed.add(CHECK_MIG)
+                continue
+            index = self._config.device(t.device).mig_index
+            verdicts[t.device].held[CHECK_MIG] = why or (
+                f"nvidia-smi -L lists no MIG device {index} on GPU {t.index}"
+            )
 
     async def _check_resident(
         self,

@@ -576,3 +576,55 @@ def test_status_text_shows_a_health_hold() -> None:
         },
     }
     assert "held for health: memory: nvidia-smi" in format_status(data)
+
+
+async def test_a_slice_whose_mig_index_is_not_listed_is_held(tmp_path: Path, gpus: Gpus) -> None:
+    # gpu0 lists no MIG device 1: the slice cannot be named in CUDA_VISIBLE_DEVICES.
+    gpus.gpu(0)["migs"] = [{"index": 2, "uuid": MIG2, "profile": "1g.10gb"}]
+    gpus.write()
+    with trio.fail_after(60):
+        async with local_system(
+            config(tmp_path, *mig_devices()), environ=environ(tmp_path, gpus)
+        ) as system:
+            await system.wait_until(lambda: "mig" in lease(system, "gpu0-mig1").health_hold)
+            assert "no MIG device 1 on GPU 0" in system.worker.devices["gpu0-mig1"].health_reason()
+            assert faults(system, "gpu0-mig1") == []
+            job = system.submit(["true"], device="test-host/gpu0-mig2")
+            assert (await system.wait_job(job)).state == "succeeded"
+            # The slice appears: the hold lifts by itself.
+            gpus.gpu(0)["migs"].append({"index": 1, "uuid": MIG1, "profile": "1g.10gb"})
+            gpus.write()
+            await system.wait_until(lambda: lease(system, "gpu0-mig1").health_hold == {})
+
+
+async def test_lspci_that_fails_holds_every_gpu_device(tmp_path: Path, gpus: Gpus) -> None:
+    gpus.set("fail", ["lspci"])
+    with trio.fail_after(60):
+        async with local_system(config(tmp_path), environ=environ(tmp_path, gpus)) as system:
+            for name in ("gpu0", "gpu1"):
+                await system.wait_until(lambda n=name: "pci" in lease(system, n).health_hold)
+            assert "lspci exit status 3" in system.worker.devices["gpu1"].health_reason()
+            gpus.set("fail", [])
+            await system.wait_until(
+                lambda: all(lease(system, n).health_hold == {} for n in ("gpu0", "gpu1"))
+            )
+
+
+def test_a_slice_without_a_known_uuid_sees_no_gpu(tmp_path: Path) -> None:
+    from rc_worker.context import WorkerContext
+
+    cfg = config(tmp_path, *mig_devices())
+    ctx = WorkerContext(
+        config=cfg,
+        host=None,  # type: ignore[arg-type]
+        client=None,  # type: ignore[arg-type]
+        outbox=None,  # type: ignore[arg-type]
+        root=tmp_path,
+        boot_id="b",
+        environ={},
+        poke_poller=lambda: None,
+    )
+    assert ctx.cuda_visible_devices("gpu0-mig1") == ""  # mig_index not resolved yet
+    assert ctx.cuda_visible_devices("gpu0-mig2") == MIG2  # mig_uuid in the config
+    ctx.device_labels["gpu0-mig1"] = {"mig_uuid": MIG1}
+    assert ctx.cuda_visible_devices("gpu0-mig1") == MIG1
