@@ -28,6 +28,7 @@ from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult,
 from rc_worker.reports import finish_report, not_run_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
+from rc_worker.sweep import unproven
 from rc_worker.verify import run_verify
 
 if TYPE_CHECKING:
@@ -437,7 +438,7 @@ class DeviceSupervisor:
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
-        self.ctx.journal(job_dir, a)
+        cgroup = self.ctx.journal(job_dir, a)
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)
@@ -455,6 +456,8 @@ class DeviceSupervisor:
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
+            cgroup=cgroup,
+            cgroup_limits=self.ctx.cgroup_limits(self.config),
         )
         began = trio.current_time()
         try:
@@ -482,11 +485,9 @@ class DeviceSupervisor:
         fault_id = None
         if not verify.ok:
             fault_id = self._quarantine("verify_failed", verify.reason, report=False)
-        elif result.sweep.remaining:
-            survivors = list(result.sweep.remaining)
-            fault_id = self._quarantine(
-                "dirty", f"processes {survivors} survived SIGKILL", report=False
-            )
+        elif (doubt := unproven(result.sweep)) is not None:
+            # The one rule recovery decides by too: not proven clean is dirty.
+            fault_id = self._quarantine("dirty", doubt, report=False)
         return result, verify, fault_id, spool.size
 
     async def _health_gate(self, job_id: str | None, *, grace: float = 0.0) -> str | None:

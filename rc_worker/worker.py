@@ -32,8 +32,10 @@ import httpx
 import trio
 
 from rc_worker._version import __version__
+from rc_worker.cgroup import clear_strays, start_containment, state_tag
+from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config
+from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
@@ -178,6 +180,22 @@ class Worker:
         if warning:
             log.warning("%s", warning)
         boot_id = self.host.boot_id()
+        # Before anything is spawned (probes included): a cgroup per process.
+        containment = start_containment(
+            self.host,
+            self.config.cgroup,
+            tag=state_tag(self.config.state_dir),
+            needs=cgroup_needs(self.config),
+        )
+        try:
+            await self._serve(root, boot_id, task_status)
+        finally:
+            if containment is not None:
+                # Empty cgroups only: one a survivor still holds stays, for
+                # the next start's recovery to find.
+                remove_cgroup(self.host, containment.tree)
+
+    async def _serve(self, root: Path, boot_id: str, task_status: trio.TaskStatus[None]) -> None:
         async with AsyncExitStack() as stack:
             http = self._http
             if http is None:
@@ -225,6 +243,9 @@ class Worker:
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
                 )
+                if self.host.containment is not None:
+                    kept = {job_key(r.job_id, r.attempt) for r in self.recovered}
+                    await clear_strays(self.host, self.host.containment, keep=kept)
                 await self._register(client)
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():

@@ -641,12 +641,17 @@ class Store(StoreState):
 
     def _finish_fault(self, job: Job, d: Device, req: FinishRequest) -> bool:
         verify_failed = req.verify is not None and not req.verify.ok
-        remaining = (req.sweep or {}).get("remaining")
+        sweep = req.sweep or {}
+        remaining = sweep.get("remaining")
         if verify_failed:
             kind = "verify_failed"
             detail = req.verify.reason if req.verify is not None else ""
         elif remaining:
             kind, detail = "dirty", f"processes left after the sweep: {remaining}"
+        elif sweep.get("blind") or sweep.get("scanned") is False:
+            # The worker could not prove the job left nothing (invariant 1).
+            blind = sweep.get("blind_pids") or "some"
+            kind, detail = "dirty", f"the sweep could not inspect processes: {blind}"
         else:
             kind, detail = "fault", req.reason or "reported at finish"
         fault_id = req.fault_id or self._next_id("fc")
