@@ -342,8 +342,10 @@ class GpuHealthMonitor:
         lines = self._read_kernel_log()
         if lines is None:
             return
+        # Every GPU device, not only those asked about: a line is read once,
+        # so one for another device must not be dropped by a one-device check.
         by_bus: dict[str, list[GpuTarget]] = {}
-        for t in targets:
+        for t in self.targets.values():
             key = bus_key(bus_ids.get(t.parent, ""))
             if key is not None:
                 by_bus.setdefault(key, []).append(t)
@@ -360,7 +362,7 @@ class GpuHealthMonitor:
             if not hit:
                 log.warning("Xid %d on %s: no device has that pci_bus_id", event.code, event.bus)
             for t in hit:
-                verdicts[t.device].faults.append(fault)
+                verdicts.setdefault(t.device, DeviceVerdict()).faults.append(fault)
         for t in targets:
             verdicts[t.device].passed.add(CHECK_XID)
         self._count(CHECK_XID, "ok")

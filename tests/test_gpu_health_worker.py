@@ -628,3 +628,20 @@ def test_a_slice_without_a_known_uuid_sees_no_gpu(tmp_path: Path) -> None:
     assert ctx.cuda_visible_devices("gpu0-mig2") == MIG2  # mig_uuid in the config
     ctx.device_labels["gpu0-mig1"] = {"mig_uuid": MIG1}
     assert ctx.cuda_visible_devices("gpu0-mig1") == MIG1
+
+
+async def test_an_xid_for_another_gpu_read_by_a_job_gate_is_not_lost(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    # Idle checks are slow here: the gate of a job on gpu0 reads the line for gpu1.
+    with trio.fail_after(60):
+        async with local_system(
+            config(tmp_path, interval=3600.0), environ=environ(tmp_path, gpus)
+        ) as system:
+            await system.wait_until(lambda: labels(system, "gpu1").get("gpu_health") == "ok")
+            kernel(tmp_path, "NVRM: Xid (PCI:0000:3b:00): 48, An uncorrectable double bit error")
+            job = system.submit(["true"], device="test-host/gpu0")
+            assert (await system.wait_job(job)).state == "succeeded"
+            fault = await wait_fault(system, "gpu1", "gpu_xid")
+            assert "48, An uncorrectable double bit error" in fault.detail
+            assert faults(system, "gpu0") == []
