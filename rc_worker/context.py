@@ -95,7 +95,7 @@ class WorkerContext:
             job_dir.journal,
             {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
         )
-        self.outbox.deliver_report(job_dir, job_id, attempt)
+        self.outbox.deliver_report(job_dir, job_id, attempt, device)
         self.metrics.jobs_finished.labels(str(report["outcome"])).inc()
 
     def child_env(self, device: str, job_id: str | None) -> dict[str, str]:

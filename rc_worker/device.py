@@ -76,7 +76,13 @@ class DeviceSupervisor:
     # -- inputs from the worker (sync, never block) ------------------------
 
     def ready(self) -> bool:
-        return not self.carries_slices and self.lease.ready(draining=self.ctx.draining)
+        # Not while a finish for this device is unacknowledged (the outbox pokes
+        # the poll loop when one is): the controller must know the outcome first.
+        return (
+            not self.carries_slices
+            and self.lease.ready(draining=self.ctx.draining)
+            and not self.ctx.outbox.owes(self.name)
+        )
 
     def can_take(self) -> bool:
         return not self.carries_slices and self.lease.can_take(draining=self.ctx.draining)
@@ -465,7 +471,7 @@ class DeviceSupervisor:
         job_dir = JobDir(self.ctx.root, key)
         cgroup = self.ctx.journal(job_dir, a)
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
-        self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
+        self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool, device=self.name)
         self.lease.to(S.RUNNING)
         handle = JobHandle()
         self._handle = handle

@@ -38,6 +38,7 @@ class _Delivery:
     job_id: str
     attempt: int
     spool: OutputSpool | None = None
+    device: str | None = None
     finish_ready: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
 
@@ -71,15 +72,25 @@ class Outbox:
                 if ident is None:
                     log.error("cannot tell which job %s is; leaving it for an operator", jd.path)
                     continue
-                self._spawn(_Delivery(jd, *ident))
+                device = (read_json(jd.journal) or {}).get("device")
+                self._spawn(
+                    _Delivery(jd, *ident, device=device if isinstance(device, str) else None)
+                )
             for path in _pending_fault_files(self._root):
                 self._start_fault(path)
             task_status.started()
             await trio.sleep_forever()
 
-    def track(self, job_dir: JobDir, job_id: str, attempt: int, spool: OutputSpool) -> None:
+    def track(
+        self,
+        job_dir: JobDir,
+        job_id: str,
+        attempt: int,
+        spool: OutputSpool,
+        device: str | None = None,
+    ) -> None:
         """Start shipping a running job's output as it is written."""
-        self._spawn(_Delivery(job_dir, job_id, attempt, spool))
+        self._spawn(_Delivery(job_dir, job_id, attempt, spool, device=device))
 
     def _spawn(self, delivery: _Delivery) -> None:
         assert self._nursery is not None, "Outbox.run must be started first"
@@ -88,9 +99,20 @@ class Outbox:
             delivery.finish_ready.set()
         self._nursery.start_soon(self._deliver_job, delivery)
 
-    def deliver_report(self, job_dir: JobDir, job_id: str, attempt: int) -> None:
+    def deliver_report(
+        self, job_dir: JobDir, job_id: str, attempt: int, device: str | None = None
+    ) -> None:
         """Deliver a job directory whose finish is already on disk."""
-        self._spawn(_Delivery(job_dir, job_id, attempt))
+        self._spawn(_Delivery(job_dir, job_id, attempt, device=device))
+
+    def owes(self, device: str) -> bool:
+        """Whether a finish for an attempt on ``device`` is not yet acknowledged.
+
+        The device is not offered meanwhile: the controller must have the outcome
+        of every attempt it placed there (this process's, a refused or killed one,
+        or one a previous process left on disk) before it sees the device ready.
+        """
+        return any(d.device == device for d in self._deliveries.values())
 
     def finish(self, key: str, report: Mapping[str, Any]) -> None:
         """Record a job's finish report durably; it is sent once its output is in."""
