@@ -37,6 +37,11 @@ log = logging.getLogger("rc_worker.device")
 S = DeviceState
 
 
+# How long an error handler waits for the error finish to be on disk; past
+# it the journal is still there, and the next start finishes the job lost.
+FINISH_AFTER_ERROR_S = 30.0
+
+
 def new_fault_id() -> str:
     return f"f-{uuid.uuid4().hex[:12]}"
 
@@ -207,7 +212,9 @@ class DeviceSupervisor:
             log.exception("device %s: internal error; quarantining the device", self.name)
             detail = f"internal worker error: {type(exc).__name__}: {exc}"
             if a is not None and self._finished != self.ctx.job_key(a):
-                self._finish_after_error(a, detail)
+                # Bounded and shielded: an error handler must finish.
+                with trio.move_on_after(FINISH_AFTER_ERROR_S, shield=True):
+                    await self._finish_after_error(a, detail)
             fault_id = new_fault_id()
             self.ctx.metrics.quarantines.labels("dirty").inc()
             self.ctx.outbox.fault(
@@ -218,15 +225,15 @@ class DeviceSupervisor:
             self._acquire_scope = None
             self.ctx.poke_poller()
 
-    def _finish_after_error(self, a: Assignment, detail: str) -> None:
+    async def _finish_after_error(self, a: Assignment, detail: str) -> None:
         key = self.ctx.job_key(a)
         report = not_run_report(a, "error", "", error=detail)
         try:
             if self.ctx.outbox.tracking(key):
                 report["output_bytes"] = JobDir(self.ctx.root, key).output_size()
-                self.ctx.outbox.finish(key, report)
+                await self.ctx.outbox.finish(key, report)
             else:
-                self.ctx.report(a, report)
+                await self.ctx.report(a, report)
         except Exception:
             log.exception("device %s: cannot record the finish of job %s", self.name, a.job_id)
 
@@ -254,7 +261,7 @@ class DeviceSupervisor:
         if self.ctx.stopping:
             # Taken just before the worker was told to stop: not started, so
             # hand it back; a refused attempt is requeued as a new one.
-            self.ctx.report(a, not_run_report(a, "refused", "the worker is shutting down"))
+            await self.ctx.report(a, not_run_report(a, "refused", "the worker is shutting down"))
             self._settle()
             return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):
@@ -267,7 +274,7 @@ class DeviceSupervisor:
         report = finish_report(
             a, result, verify=verify, fault_id=fault_id, output_bytes=output_bytes
         )
-        self.ctx.outbox.finish(key, report)
+        await self.ctx.outbox.finish(key, report)
         self.ctx.metrics.jobs_finished.labels(report["outcome"]).inc()
         log.info(
             "device %s: job %s attempt %d %s (exit %s)%s",
@@ -302,12 +309,12 @@ class DeviceSupervisor:
             # Cancelled, not failed: nothing is quarantined, but a half-run
             # acquire may have claimed something, so release runs.
             text = self._cancel_text or "cancelled"
-            self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(text)))
+            await self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(text)))
             self.lease.held = True
             self.lease.to(S.RELEASING)
             return False
         if not outcome.ok:
-            self.ctx.report(a, not_run_report(a, "refused", outcome.reason))
+            await self.ctx.report(a, not_run_report(a, "refused", outcome.reason))
             self._quarantine("hook_failed", outcome.reason, job_id=a.job_id)
             self.lease.to(S.QUARANTINED)
             return False
@@ -330,13 +337,15 @@ class DeviceSupervisor:
             finally:
                 self._acquire_scope = None
         if scope.cancelled_caught:
-            self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(self._cancel_text or "")))
+            await self.ctx.report(
+                a, not_run_report(a, "killed", _cancel_reason(self._cancel_text or ""))
+            )
             return False
         return True
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
-        self.ctx.journal(job_dir, a)
+        await self.ctx.journal(job_dir, a)
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)

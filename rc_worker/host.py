@@ -23,12 +23,14 @@ import socket
 import struct
 import subprocess
 import termios
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 import trio
+
+T = TypeVar("T")
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 PROC = Path("/proc")
@@ -158,6 +160,14 @@ class Host(Protocol):
 
     def own_pid(self) -> int: ...
 
+    async def run_blocking(self, fn: Callable[[], T]) -> T:
+        """Run blocking work on the state directory (an fsync) off the event loop.
+
+        A worker thread on the real host; inline on the simulated one, whose
+        disk takes no virtual time (a thread would let a mock clock jump).
+        """
+        ...
+
 
 class LinuxHost:
     """The real host: /proc, os and signals."""
@@ -267,6 +277,9 @@ class LinuxHost:
 
     def own_pid(self) -> int:
         return os.getpid()
+
+    async def run_blocking(self, fn: Callable[[], T]) -> T:
+        return await trio.to_thread.run_sync(fn)
 
 
 def _widen_pipe(fd: int) -> None:

@@ -9,8 +9,10 @@ directory (journal included) is removed once the ``finish`` is acknowledged.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +21,21 @@ import trio
 
 from rc_worker import client as client_module
 from rc_worker.client import ControllerClient
+from rc_worker.durable import Committer
 from rc_worker.errors import ControllerError
 from rc_worker.retry import Backoff
-from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json, write_json_durably
+from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json
 
 log = logging.getLogger("rc_worker.outbox")
 
-# The most output bytes one request carries, and so the most the shipper ever
-# holds in memory per job, whatever the job's rate or the controller's speed.
+# Output is streamed to the controller: one request carries whatever is
+# spooled, up to REQUEST_MAX bytes (the protocol's limit for one output
+# body), read from disk and sent CHUNK bytes at a time. CHUNK is the most the
+# shipper holds in memory per job, whatever the job's rate or the
+# controller's speed; REQUEST_MAX sets how many round trips a long output
+# costs (one per 16 MiB rather than one per chunk).
 CHUNK = 1 << 20
+REQUEST_MAX = 16 << 20
 
 
 @attrs.define
@@ -44,9 +52,19 @@ class Outbox:
     """Owns delivery; ``run`` is its task under the worker's root nursery."""
 
     def __init__(
-        self, root: Path, client: ControllerClient, *, on_change: Callable[[], None] | None = None
+        self,
+        root: Path,
+        client: ControllerClient,
+        *,
+        on_change: Callable[[], None] | None = None,
+        committer: Committer | None = None,
     ) -> None:
         self._root = root
+        # Every durable write of the worker goes through this one committer,
+        # so writes issued together share their fsyncs (durable.py).
+        self.committer = committer if committer is not None else Committer()
+        # Reports being written before their delivery starts: owed already.
+        self._writing = 0
         self._on_change = on_change or (lambda: None)
         self._client = client
         self._deliveries: dict[str, _Delivery] = {}
@@ -84,11 +102,37 @@ class Outbox:
         """Deliver a job directory whose finish is already on disk."""
         self._spawn(_Delivery(job_dir, job_id, attempt))
 
-    def finish(self, key: str, report: Mapping[str, Any]) -> None:
+    async def finish(self, key: str, report: Mapping[str, Any]) -> None:
         """Record a job's finish report durably; it is sent once its output is in."""
         delivery = self._deliveries[key]
-        write_json_durably(delivery.job_dir.finish, report)
+        await self.committer.write(delivery.job_dir.finish, report)
         delivery.finish_ready.set()
+
+    async def report(
+        self,
+        job_dir: JobDir,
+        job_id: str,
+        attempt: int,
+        report: Mapping[str, Any],
+        journal: Mapping[str, Any],
+    ) -> None:
+        """Durably record, then deliver, the finish of an attempt that never ran.
+
+        The finish is renamed into place before the journal (one flush), so a
+        crash between them leaves a finish with no journal, which the next
+        start still delivers (``_identity``); never a journal alone that
+        claims a report. Counted as owed from the start, so a drain does not
+        stop the worker while it is being written.
+        """
+        self._writing += 1
+        try:
+            await self.committer.write_all([(job_dir.finish, report), (job_dir.journal, journal)])
+        except BaseException:
+            self._writing -= 1
+            self._on_change()
+            raise
+        self._writing -= 1
+        self.deliver_report(job_dir, job_id, attempt)
 
     async def delivered(self, key: str) -> None:
         """Wait until the job's finish is acknowledged (or finally refused)."""
@@ -101,7 +145,7 @@ class Outbox:
         return key in self._deliveries
 
     def pending(self) -> int:
-        return len(self._deliveries) + len(self._pending_faults)
+        return len(self._deliveries) + len(self._pending_faults) + self._writing
 
     def faults_on_disk(self) -> list[tuple[str, str, str]]:
         """``(device, fault_id, reason)`` of every fault report not yet acknowledged.
@@ -122,21 +166,34 @@ class Outbox:
         return found
 
     def fault(self, device: str, report: Mapping[str, Any]) -> None:
-        """Record a fault report durably, then deliver it."""
-        path = self._root / "faults" / f"{device}.{report['fault_id']}.json"
-        write_json_durably(path, {"device": device, "report": dict(report)})
-        self._start_fault(path)
+        """Record a fault report durably, then deliver it.
 
-    def _start_fault(self, path: Path) -> None:
+        Returns at once (it is called where a device cannot wait, an error
+        handler among them): the delivery task writes the file and sends the
+        report only once the file is durable, so the rule "on disk before the
+        first send" holds. The device's quarantine is in memory already.
+        """
+        path = self._root / "faults" / f"{device}.{report['fault_id']}.json"
+        self._start_fault(path, {"device": device, "report": dict(report)})
+
+    def _start_fault(self, path: Path, record: Mapping[str, Any] | None = None) -> None:
         assert self._nursery is not None, "Outbox.run must be started first"
         # Counted as pending now, not when its task first runs: a drain that
         # looked in between would otherwise see nothing owed and stop the
         # worker with the fault undelivered.
         self._pending_faults.append(path)
-        self._nursery.start_soon(self._deliver_fault, path)
+        self._nursery.start_soon(self._deliver_fault, path, record)
 
-    async def _deliver_fault(self, path: Path) -> None:
+    async def _deliver_fault(self, path: Path, record: Mapping[str, Any] | None = None) -> None:
         try:
+            if record is not None:
+                try:
+                    await self.committer.write(path, record)
+                except OSError as e:
+                    # Not on disk, so not sent; the device stays quarantined
+                    # in memory and its heartbeat entry carries the fault id.
+                    log.error("cannot record fault report %s (%s); not sent", path.name, e)
+                    return
             data = read_json(path)
             if data is None:
                 return
@@ -180,11 +237,12 @@ class Outbox:
             # the worker resumes there instead of resending from zero.
             committed = await self._client.output(d.job_id, d.attempt, 0, b"")
             while True:
-                size = d.spool.size if d.spool is not None else d.job_dir.output_size()
+                size = _spooled(d)
                 if committed < size:
-                    chunk = d.job_dir.read_output(committed, CHUNK)
-                    answer = await self._client.output(d.job_id, d.attempt, committed, chunk)
-                    if chunk and answer == committed:
+                    answer = await self._client.output(
+                        d.job_id, d.attempt, committed, functools.partial(_stream, d, committed)
+                    )
+                    if answer == committed:
                         # A controller that answers 200 without taking the
                         # bytes would otherwise be resent them in a tight loop.
                         delay = stalled.next_delay()
@@ -192,7 +250,7 @@ class Outbox:
                             "job %s: the controller took none of %d bytes at offset %d; "
                             "resending in %.1fs",
                             d.job_dir.key,
-                            len(chunk),
+                            min(size - committed, REQUEST_MAX),
                             committed,
                             delay,
                         )
@@ -210,6 +268,38 @@ class Outbox:
                 while not d.spool.closed:
                     await d.spool.wait_changed()
             return None
+
+
+def _spooled(d: _Delivery) -> int:
+    return d.spool.size if d.spool is not None else d.job_dir.output_size()
+
+
+async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
+    """One request's body: the output spooled from ``start`` when it is read,
+    at most REQUEST_MAX bytes, CHUNK bytes at a time.
+
+    It ends when it has caught up with the spool rather than waiting for
+    more, so every request is answered promptly with the committed offset;
+    a job writing fast keeps each request full.
+    """
+    end = start + REQUEST_MAX
+    pos = start
+    try:
+        fd = os.open(d.job_dir.output, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        while pos < end:
+            n = min(CHUNK, _spooled(d) - pos, end - pos)
+            if n <= 0:
+                return
+            data = os.pread(fd, n, pos)
+            if not data:
+                return
+            pos += len(data)
+            yield data
+    finally:
+        os.close(fd)
 
 
 def _identity(jd: JobDir) -> tuple[str, int] | None:

@@ -34,6 +34,7 @@ from rc_worker.client import ControllerClient
 from rc_worker.config import Config
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
+from rc_worker.durable import Committer
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
@@ -77,6 +78,8 @@ class Worker:
         self.recovered: list[Recovered] = []
         self._ctx: WorkerContext | None = None
         self._poll_wake = trio.Event()
+        # Rejections of a poll's assignments still being written to disk.
+        self._rejecting = 0
         self._drained = trio.Event()
         self._heartbeat_interval = config.heartbeat_interval
         self._poll_wait = config.poll_wait
@@ -165,7 +168,8 @@ class Worker:
                 token=self.config.token,
                 on_unknown_session=self._register,
             )
-            outbox = Outbox(root, client, on_change=self._poke_poller)
+            committer = Committer(self.host.run_blocking)
+            outbox = Outbox(root, client, on_change=self._poke_poller, committer=committer)
             ctx = WorkerContext(
                 config=self.config,
                 host=self.host,
@@ -198,6 +202,7 @@ class Worker:
                     boot_id=boot_id,
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
+                    committer=committer,
                 )
                 await self._register(client)
                 await nursery.start(outbox.run)
@@ -226,6 +231,7 @@ class Worker:
                 self._ctx.draining
                 and all(dev.idle() for dev in self.devices.values())
                 and outbox.pending() == 0
+                and self._rejecting == 0
             ):
                 return
             await wake.wait()
@@ -389,21 +395,62 @@ class Worker:
                 dev.offered = False
                 dev.poke()
             self._poke_poller()
+        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] = []
         for raw in assignments:
-            self._dispatch(raw)
+            self._dispatch(raw, rejections)
+        if rejections:
+            # Recorded in the root nursery, not here: a drain cancels polls,
+            # and a rejection half-written must still be delivered. All of a
+            # poll's rejections go to disk together (group commit), off the
+            # event loop: a thousand of them do not stall the heartbeat.
+            assert self._nursery is not None
+            self._rejecting += len(rejections)
+            self._nursery.start_soon(self._record_rejections, rejections)
 
-    def _dispatch(self, raw: Any) -> None:
+    async def _record_rejections(
+        self, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]
+    ) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for ident, report in rejections:
+                    nursery.start_soon(self._record_rejection, ident, report)
+        finally:
+            self._rejecting -= len(rejections)
+            self._poke_poller()
+
+    async def _record_rejection(self, ident: tuple[str, int, str], report: dict[str, Any]) -> None:
+        assert self._ctx is not None
+        try:
+            await self._ctx.report(ident, report)
+        except OSError as e:
+            log.error(
+                "job %s attempt %d: cannot record its rejection (%s); "
+                "the controller will find it lost",
+                ident[0],
+                ident[1],
+                e,
+            )
+
+    def _dispatch(
+        self, raw: Any, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]
+    ) -> None:
         assert self._ctx is not None
         try:
             assignment = parse_assignment(raw)
         except AssignmentError as e:
-            self._reject(raw, f"malformed assignment: {e}")
+            self._reject(raw, f"malformed assignment: {e}", rejections)
             return
         dev = self.devices.get(assignment.device)
         if dev is None:
-            self._reject(raw, f"unknown device {assignment.device!r} on host {self.config.host}")
+            self._reject(
+                raw,
+                f"unknown device {assignment.device!r} on host {self.config.host}",
+                rejections,
+            )
         elif not dev.can_take():
-            self._reject(raw, f"device {assignment.device} is not ready ({dev.lease.state})")
+            self._reject(
+                raw, f"device {assignment.device} is not ready ({dev.lease.state})", rejections
+            )
         else:
             log.info(
                 "device %s: assigned job %s attempt %d: %s",
@@ -414,14 +461,19 @@ class Worker:
             )
             dev.assign(assignment)
 
-    def _reject(self, raw: Any, reason: str) -> None:
+    def _reject(
+        self,
+        raw: Any,
+        reason: str,
+        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]],
+    ) -> None:
         assert self._ctx is not None
         ident = assignment_identity(raw)
         if ident is None:
             log.error("ignoring an assignment with no usable job_id/attempt: %s", reason)
             return
         log.warning("rejecting job %s attempt %d: %s", ident[0], ident[1], reason)
-        self._ctx.report(ident, not_run_report(ident, "rejected", reason))
+        rejections.append((ident, not_run_report(ident, "rejected", reason)))
 
     async def _probe_loop(self, client: ControllerClient) -> None:
         await self._send_labels(client)

@@ -221,10 +221,11 @@ async def test_output_waits_on_disk_through_an_outage_and_ships_in_bounded_chunk
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Memory stays bounded: while the controller is away the job's output
-    piles up in the spool file, not in the worker; afterwards it is shipped
-    from disk no more than CHUNK bytes a request."""
+    piles up in the spool file, not in the worker; afterwards it is streamed
+    from disk no more than REQUEST_MAX bytes a request (CHUNK at a time)."""
     chunk = 64 * 1024
-    monkeypatch.setattr(outbox_module, "CHUNK", chunk)
+    monkeypatch.setattr(outbox_module, "CHUNK", 16 * 1024)
+    monkeypatch.setattr(outbox_module, "REQUEST_MAX", chunk)
     size = 600_000
     go = tmp_path / "go"
     command = [
@@ -256,7 +257,9 @@ async def test_output_waits_on_disk_through_an_outage_and_ships_in_bounded_chunk
     assert_delivered_once(store.job(job_id), store, config, expected)
     assert info.state == "succeeded"
     sizes = [e.body_bytes for e in wrap.t.exchanges("output")]
-    assert max(sizes) <= chunk
+    # Streamed: with the spool ahead, a request carries REQUEST_MAX bytes
+    # (four CHUNK reads), never more.
+    assert max(sizes) == chunk
     assert sum(1 for e in wrap.t.exchanges("output") if e.status == 200) >= size // chunk
 
 

@@ -1,0 +1,221 @@
+"""Durable JSON writes, off the event loop and in groups (group commit).
+
+Every file the worker must have on disk before it tells the controller
+something (``journal.json`` before a spawn, ``finish.json`` before a finish is
+sent, a fault file before the fault is sent, a recovery claim) goes through
+one :class:`Committer`:
+
+- The blocking part (write a temporary file, fsync it, rename it into place,
+  fsync the directory) runs through ``run_blocking``: worker threads on a real
+  host (``Host.run_blocking``), so heartbeats, polls and the other devices
+  never wait behind a disk; inline on the simulated host, whose disk is
+  instant in virtual time.
+- Writes issued while a flush is under way wait together and go in the next
+  flush (group commit): their temporary files are written and fsynced in
+  parallel threads (the filesystem's journal commits concurrent fsyncs
+  together), renamed into place, and each directory they touch is fsynced
+  once for all of them. Writes issued in the same scheduler tick (several
+  devices finishing, a batch of rejected assignments) share a flush too.
+
+Ordering guarantees (what callers may rely on):
+
+1. ``await write(...)`` returns only once the file is whole on disk under its
+   name: its data and its directory entry are fsynced. That is what
+   ``spool.write_json_durably`` promised; the durability rules of
+   docs/operations.md are unchanged. A caller that needs A on disk before B
+   exists awaits A before it issues B.
+2. Flushes run one at a time; within a flush, files are renamed into place in
+   the order their writes were issued. A write issued after another is never
+   visible before it while the host runs; after a crash only what was awaited
+   is promised.
+3. ``write_all`` puts its files in one flush, renamed in the order given.
+4. A write that fails raises in its own caller only (an ``OSError`` naming
+   its path); the rest of its group is unaffected, except writes whose shared
+   directory fsync failed, which fail with it.
+5. Two writes of the same path in one flush: the one issued later wins, and
+   both callers return once it is durable.
+6. Cancelling a caller does not cancel its write: a flush, once begun, always
+   completes (the blocking calls cannot be interrupted anyway), so a group's
+   other callers are never left waiting on an abandoned flush.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+T = TypeVar("T")
+
+RunBlocking = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+# Threads one flush uses for its temporary files. Concurrent fsyncs are what
+# lets the filesystem's journal commit a group at once; a handful is enough.
+PARALLEL = 4
+
+
+async def in_thread(fn: Callable[[], T]) -> T:
+    """Run blocking file-system work in a Trio worker thread."""
+    return await trio.to_thread.run_sync(fn)
+
+
+@attrs.define(eq=False)
+class _Write:
+    path: Path
+    data: bytes
+    error: OSError | None = None
+
+
+@attrs.define(eq=False)
+class _Group:
+    writes: list[_Write] = attrs.field(factory=list)
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+
+class Committer:
+    """Group commit of durable JSON writes (see the module doc for the guarantees)."""
+
+    def __init__(self, run_blocking: RunBlocking | None = None, *, parallel: int = PARALLEL):
+        self._run: RunBlocking = run_blocking or in_thread
+        self._parallel = max(1, parallel)
+        self._open: _Group | None = None
+        self._flushing = trio.Lock()
+        # Counters: what group commit saved is visible to tests and benches.
+        self.flushes = 0
+        self.files = 0
+        self.dir_syncs = 0
+
+    async def write(self, path: Path, data: Mapping[str, Any]) -> None:
+        """Write ``data`` as JSON to ``path``; returns once it is durable."""
+        await self.write_all([(path, data)])
+
+    async def write_all(self, items: Iterable[tuple[Path, Mapping[str, Any]]]) -> None:
+        """Write several files in one flush, renamed in the order given."""
+        # Encoded here, not in the thread: a value JSON cannot encode is the
+        # caller's bug and raises in the caller, before anything is queued.
+        writes = [_Write(path, _encode(data)) for path, data in items]
+        group = self._open
+        if group is None:
+            group = self._open = _Group()
+            group.writes.extend(writes)
+            await self._lead(group)
+        else:
+            group.writes.extend(writes)
+            await group.done.wait()
+        for w in writes:
+            if w.error is not None:
+                raise OSError(w.error.errno, w.error.strerror, str(w.path))
+
+    async def _lead(self, group: _Group) -> None:
+        # Shielded: the group's other writers wait on this flush, and the
+        # thread calls cannot be interrupted anyway.
+        with trio.CancelScope(shield=True):
+            # One pass of the scheduler first, so writes issued in the same
+            # tick join; then the group keeps gathering while the flush
+            # before it (if any) is under way.
+            await trio.lowlevel.checkpoint()
+            async with self._flushing:
+                if self._open is group:
+                    self._open = None
+                try:
+                    await self._flush(group.writes)
+                finally:
+                    group.done.set()
+
+    async def _flush(self, writes: list[_Write]) -> None:
+        self.flushes += 1
+        # The last write of a path wins; earlier ones share its outcome.
+        last: dict[Path, _Write] = {}
+        for w in writes:
+            last[w.path] = w
+        unique = list(last.values())
+        self.files += len(unique)
+        if len(unique) <= 1 or self._parallel == 1:
+            await self._run(functools.partial(_commit, unique, _prepare))
+            self.dir_syncs += len({w.path.parent for w in unique if w.error is None})
+        else:
+            slices = [unique[i :: self._parallel] for i in range(self._parallel)]
+            async with trio.open_nursery() as nursery:
+                for part in slices:
+                    if part:
+                        nursery.start_soon(self._run, functools.partial(_prepare_all, part))
+            await self._run(functools.partial(_commit, unique, None))
+            self.dir_syncs += len({w.path.parent for w in unique if w.error is None})
+        for w in writes:
+            if w is not last[w.path]:
+                w.error = last[w.path].error
+
+
+def _encode(data: Mapping[str, Any]) -> bytes:
+    return json.dumps(data, sort_keys=True).encode()
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def _prepare(w: _Write) -> None:
+    """Write and fsync ``w``'s temporary file (blocking)."""
+    tmp = _tmp(w.path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(w.data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        w.error = e
+        _unlink_quietly(tmp)
+
+
+def _prepare_all(writes: list[_Write]) -> None:
+    for w in writes:
+        _prepare(w)
+
+
+def _commit(writes: list[_Write], prepare: Callable[[_Write], None] | None) -> None:
+    """Rename each prepared file into place in order, then fsync each directory once."""
+    if prepare is not None:
+        for w in writes:
+            prepare(w)
+    dirs: dict[Path, list[_Write]] = {}
+    for w in writes:
+        if w.error is not None:
+            continue
+        try:
+            os.replace(_tmp(w.path), w.path)
+        except OSError as e:
+            w.error = e
+            _unlink_quietly(_tmp(w.path))
+            continue
+        dirs.setdefault(w.path.parent, []).append(w)
+    for directory, members in dirs.items():
+        try:
+            fsync_dir(directory)
+        except OSError as e:
+            for w in members:
+                w.error = e
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of ``path`` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
