@@ -44,7 +44,7 @@ class WorkerContext:
         at any later moment finds the entry at its next start and can prove,
         or refuse to claim, that the job left nothing behind.
         """
-        job_dir.create()
+        await self.outbox.committer.run_blocking(job_dir.create)
         await self.outbox.committer.write(
             job_dir.journal,
             {
@@ -66,7 +66,7 @@ class WorkerContext:
             (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
         )
         job_dir = JobDir(self.root, job_key(job_id, attempt))
-        job_dir.create()
+        await self.outbox.committer.run_blocking(job_dir.create)
         await self.outbox.report(
             job_dir,
             job_id,

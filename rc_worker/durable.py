@@ -92,6 +92,12 @@ class Committer:
         self.files = 0
         self.dir_syncs = 0
 
+    async def run_blocking(self, fn: Callable[[], T]) -> T:
+        """Other state-directory work off the event loop (creating or removing
+        a job's directory: an unlink can take a millisecond on a busy disk)."""
+        result: T = await self._run(fn)
+        return result
+
     async def write(self, path: Path, data: Mapping[str, Any]) -> None:
         """Write ``data`` as JSON to ``path``; returns once it is durable."""
         await self.write_all([(path, data)])

@@ -201,7 +201,7 @@ class Outbox:
                 await self._client.fault(str(data["device"]), data["report"])
             except ControllerError as e:
                 log.error("fault report %s was refused for good: %s", path.name, e)
-            _remove(path)
+            await self.committer.run_blocking(functools.partial(_remove, path))
         finally:
             self._pending_faults.remove(path)
             self._on_change()
@@ -219,7 +219,7 @@ class Outbox:
                 await self._client.finish(d.job_id, report)
             except ControllerError as e:
                 log.error("job %s: finish was refused for good: %s", d.job_dir.key, e)
-            d.job_dir.remove()
+            await self.committer.run_blocking(d.job_dir.remove)
         finally:
             d.done.set()
             self._deliveries.pop(d.job_dir.key, None)
@@ -233,9 +233,14 @@ class Outbox:
         """
         stalled = Backoff(base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S)
         try:
-            # An empty append asks where the controller is: after a restart
-            # the worker resumes there instead of resending from zero.
-            committed = await self._client.output(d.job_id, d.attempt, 0, b"")
+            if d.spool is not None:
+                # A job this process started: the controller cannot hold any
+                # of its output yet, so no round trip to ask.
+                committed = 0
+            else:
+                # An empty append asks where the controller is: after a
+                # restart the worker resumes there instead of resending from zero.
+                committed = await self._client.output(d.job_id, d.attempt, 0, b"")
             while True:
                 size = _spooled(d)
                 if committed < size:
