@@ -44,7 +44,6 @@ class WorkerContext:
         at any later moment finds the entry at its next start and can prove,
         or refuse to claim, that the job left nothing behind.
         """
-        await self.outbox.committer.run_blocking(job_dir.create)
         await self.outbox.committer.write(
             job_dir.journal,
             {
@@ -56,6 +55,7 @@ class WorkerContext:
                 "started_at": time.time(),
                 "spawned": True,
             },
+            before=job_dir.create,
         )
 
     async def report(
@@ -66,7 +66,6 @@ class WorkerContext:
             (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
         )
         job_dir = JobDir(self.root, job_key(job_id, attempt))
-        await self.outbox.committer.run_blocking(job_dir.create)
         await self.outbox.report(
             job_dir,
             job_id,

@@ -70,6 +70,7 @@ async def in_thread(fn: Callable[[], T]) -> T:
 class _Write:
     path: Path
     data: bytes
+    before: Callable[[], object] | None = None
     error: OSError | None = None
 
 
@@ -98,15 +99,33 @@ class Committer:
         result: T = await self._run(fn)
         return result
 
-    async def write(self, path: Path, data: Mapping[str, Any]) -> None:
-        """Write ``data`` as JSON to ``path``; returns once it is durable."""
-        await self.write_all([(path, data)])
+    async def write(
+        self,
+        path: Path,
+        data: Mapping[str, Any],
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> None:
+        """Write ``data`` as JSON to ``path``; returns once it is durable.
 
-    async def write_all(self, items: Iterable[tuple[Path, Mapping[str, Any]]]) -> None:
-        """Write several files in one flush, renamed in the order given."""
+        ``before`` runs in the flush's thread first (creating the directory
+        the file goes in), saving a thread hop of its own.
+        """
+        await self.write_all([(path, data)], before=before)
+
+    async def write_all(
+        self,
+        items: Iterable[tuple[Path, Mapping[str, Any]]],
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> None:
+        """Write several files in one flush, renamed in the order given;
+        ``before`` runs in the flush's thread before the first is written."""
         # Encoded here, not in the thread: a value JSON cannot encode is the
         # caller's bug and raises in the caller, before anything is queued.
         writes = [_Write(path, _encode(data)) for path, data in items]
+        if writes:
+            writes[0].before = before
         group = self._open
         if group is None:
             group = self._open = _Group()
@@ -142,12 +161,24 @@ class Committer:
         for w in writes:
             last[w.path] = w
         unique = list(last.values())
+        # A superseded write's ``before`` (creating a directory) still runs,
+        # as part of the write that replaces it.
+        for w in writes:
+            if w is not last[w.path] and w.before is not None and last[w.path].before is None:
+                last[w.path].before = w.before
         self.files += len(unique)
         if len(unique) <= 1 or self._parallel == 1:
             await self._run(functools.partial(_commit, unique, _prepare))
             self.dir_syncs += len({w.path.parent for w in unique if w.error is None})
         else:
-            slices = [unique[i :: self._parallel] for i in range(self._parallel)]
+            # One directory's files stay in one thread, in issue order: a
+            # write's ``before`` creates the directory its neighbours go in.
+            by_dir: dict[Path, list[_Write]] = {}
+            for w in unique:
+                by_dir.setdefault(w.path.parent, []).append(w)
+            slices: list[list[_Write]] = [[] for _ in range(self._parallel)]
+            for i, members in enumerate(by_dir.values()):
+                slices[i % self._parallel].extend(members)
             async with trio.open_nursery() as nursery:
                 for part in slices:
                     if part:
@@ -171,6 +202,8 @@ def _prepare(w: _Write) -> None:
     """Write and fsync ``w``'s temporary file (blocking)."""
     tmp = _tmp(w.path)
     try:
+        if w.before is not None:
+            w.before()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             view = memoryview(w.data)

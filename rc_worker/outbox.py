@@ -126,7 +126,9 @@ class Outbox:
         """
         self._writing += 1
         try:
-            await self.committer.write_all([(job_dir.finish, report), (job_dir.journal, journal)])
+            await self.committer.write_all(
+                [(job_dir.finish, report), (job_dir.journal, journal)], before=job_dir.create
+            )
         except BaseException:
             self._writing -= 1
             self._on_change()

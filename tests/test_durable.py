@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -237,3 +238,21 @@ async def test_heartbeats_keep_flowing_while_a_thousand_rejections_are_written(
     assert committer.flushes <= 20
     # Everything delivered: nothing owed is left on disk.
     assert os.listdir(Path(config.state_dir) / "jobs") == []
+
+
+async def test_before_creates_the_directory_a_group_writes_into(tmp_path: Path) -> None:
+    committer = Committer()
+    dirs = [tmp_path / f"job{i}" for i in range(12)]
+    async with trio.open_nursery() as nursery:
+        for d in dirs:
+            nursery.start_soon(
+                functools.partial(
+                    committer.write_all,
+                    [(d / "finish.json", {"d": d.name}), (d / "journal.json", {"d": d.name})],
+                    before=d.mkdir,
+                )
+            )
+    for d in dirs:
+        assert read_json(d / "finish.json") == {"d": d.name}
+        assert read_json(d / "journal.json") == {"d": d.name}
+    assert committer.flushes == 1
