@@ -36,6 +36,11 @@ log = logging.getLogger("rc_worker.outbox")
 # costs (one per 16 MiB rather than one per chunk).
 CHUNK = 1 << 20
 REQUEST_MAX = 16 << 20
+# How long one request stays open while the job is still writing: caught up
+# with the spool, its body waits for more up to this long, so a job writing
+# fast fills few large requests instead of one per pipe read. The controller
+# appends as it reads, so followers see the bytes at once either way.
+STREAM_WINDOW_S = 1.0
 
 
 @attrs.define
@@ -282,15 +287,16 @@ def _spooled(d: _Delivery) -> int:
 
 
 async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
-    """One request's body: the output spooled from ``start`` when it is read,
-    at most REQUEST_MAX bytes, CHUNK bytes at a time.
+    """One request's body: the output spooled from ``start``, at most
+    REQUEST_MAX bytes, CHUNK bytes at a time.
 
-    It ends when it has caught up with the spool rather than waiting for
-    more, so every request is answered promptly with the committed offset;
-    a job writing fast keeps each request full.
+    Caught up with a job still writing, it waits for more until
+    STREAM_WINDOW_S after it began; it ends at once when the spool is closed,
+    so the finish never waits on it.
     """
     end = start + REQUEST_MAX
     pos = start
+    until = trio.current_time() + STREAM_WINDOW_S
     try:
         fd = os.open(d.job_dir.output, os.O_RDONLY)
     except FileNotFoundError:
@@ -299,7 +305,12 @@ async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
         while pos < end:
             n = min(CHUNK, _spooled(d) - pos, end - pos)
             if n <= 0:
-                return
+                spool = d.spool
+                if spool is None or spool.closed or trio.current_time() >= until:
+                    return
+                with trio.move_on_at(until):
+                    await spool.wait_changed()
+                continue
             data = os.pread(fd, n, pos)
             if not data:
                 return
