@@ -37,6 +37,7 @@ class StoreConfig:
     """An unstarted assignment, or a job carried over a registration in ``recovery``, that the
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
     max_refusals: int = 10
+    max_stale_refusals: int = 1000
     max_events: int = 100_000
     cleared_omissions: int = 3
     """A lifted fault id leaves heartbeat ``cleared`` once this many heartbeats in a row have
@@ -74,6 +75,9 @@ class StoreState:
         self._event_seq = 0
         self.version = 0
         self._subscribers: list[Callable[[], None]] = []
+        # The newest long poll that offered each (host, device): an older poll
+        # still parked for it has been superseded and gets nothing.
+        self._poll_gen: dict[tuple[str, str], int] = {}
 
     # --- change notification ----------------------------------------------------------------
 
