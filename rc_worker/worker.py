@@ -445,11 +445,17 @@ class Worker:
         rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] = []
         for raw in assignments:
             self._dispatch(raw, rejections)
+        self._record_soon(rejections)
+
+    def _record_soon(self, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]) -> None:
+        """Write and deliver a poll's rejections and refusals, all together.
+
+        In the root nursery, not the poll's: a drain cancels polls, and a
+        rejection half-written must still be delivered (counted as owed
+        until then). Written as one group (group commit), off the event
+        loop: a thousand of them do not stall the heartbeat.
+        """
         if rejections:
-            # Recorded in the root nursery, not here: a drain cancels polls,
-            # and a rejection half-written must still be delivered. All of a
-            # poll's rejections go to disk together (group commit), off the
-            # event loop: a thousand of them do not stall the heartbeat.
             assert self._nursery is not None
             self._rejecting += len(rejections)
             self._nursery.start_soon(self._record_rejections, rejections)
@@ -479,8 +485,16 @@ class Worker:
             )
 
     def _dispatch(
-        self, raw: Any, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]
+        self, raw: Any, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] | None = None
     ) -> None:
+        """Hand one assignment to its device, or reject or refuse it: into
+        ``rejections`` when given (the caller records them together), else
+        recorded at once."""
+        if rejections is None:
+            own: list[tuple[tuple[str, int, str], dict[str, Any]]] = []
+            self._dispatch(raw, own)
+            self._record_soon(own)
+            return
         assert self._ctx is not None
         try:
             assignment = parse_assignment(raw)
