@@ -226,6 +226,10 @@ class Outbox:
                 await self._client.finish(d.job_id, report)
             except ControllerError as e:
                 log.error("job %s: finish was refused for good: %s", d.job_dir.key, e)
+            # The controller has the outcome: the device may be offered again
+            # now. The directory goes next, still counted as owed, so a drain
+            # waits for it; a crash before it is gone resends an idempotent finish.
+            d.done.set()
             await self.committer.run_blocking(d.job_dir.remove)
         finally:
             d.done.set()
