@@ -31,7 +31,9 @@ Ordering guarantees (what callers may rely on):
 3. ``write_all`` puts its files in one flush, renamed in the order given.
 4. A write that fails raises in its own caller only (an ``OSError`` naming
    its path); the rest of its group is unaffected, except writes whose shared
-   directory fsync failed, which fail with it.
+   directory fsync failed, which fail with it. A flush that fails otherwise
+   (a bug) fails every write of its group (``EIO``): a caller is never told
+   a file is durable that may not be.
 5. Two writes of the same path in one flush: the one issued later wins, and
    both callers return once it is durable.
 6. Cancelling a caller does not cancel its write: a flush, once begun, always
@@ -42,8 +44,10 @@ Ordering guarantees (what callers may rely on):
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
@@ -53,6 +57,8 @@ import attrs
 import trio
 
 T = TypeVar("T")
+
+log = logging.getLogger("rc_worker.durable")
 
 RunBlocking = Callable[[Callable[[], Any]], Awaitable[Any]]
 
@@ -151,6 +157,16 @@ class Committer:
                     self._open = None
                 try:
                     await self._flush(group.writes)
+                except Exception as exc:
+                    # Not an OSError of one file (those are recorded per
+                    # write): a bug, or the thread machinery failing. Nothing
+                    # in this group may be taken for durable: every writer,
+                    # this one too, gets an I/O error naming what happened.
+                    log.exception("a group of %d durable writes failed", len(group.writes))
+                    _fail_all(group.writes, exc)
+                except BaseException as exc:
+                    _fail_all(group.writes, exc)
+                    raise
                 finally:
                     group.done.set()
 
@@ -188,6 +204,12 @@ class Committer:
         for w in writes:
             if w is not last[w.path]:
                 w.error = last[w.path].error
+
+
+def _fail_all(writes: list[_Write], exc: BaseException) -> None:
+    for w in writes:
+        if w.error is None:
+            w.error = OSError(errno.EIO, f"durable write failed: {exc!r}")
 
 
 def _encode(data: Mapping[str, Any]) -> bytes:

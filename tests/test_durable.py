@@ -256,3 +256,31 @@ async def test_before_creates_the_directory_a_group_writes_into(tmp_path: Path) 
         assert read_json(d / "finish.json") == {"d": d.name}
         assert read_json(d / "journal.json") == {"d": d.name}
     assert committer.flushes == 1
+
+
+async def test_an_unexpected_failure_in_a_flush_leaves_no_writer_believing_its_file_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_fsync(fd: int) -> None:
+        raise RuntimeError("a bug in the flush")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    committer = Committer()
+    outcomes: list[str] = []
+
+    async def writer(name: str) -> None:
+        try:
+            await committer.write(tmp_path / name, {})
+        except OSError as e:
+            outcomes.append(f"OSError: {e.strerror}")
+        else:
+            outcomes.append("durable")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(writer, f"f{i}.json")
+    assert "durable" not in outcomes
+    assert len(outcomes) == 5
+    # Every writer, the flush's leader too, gets an I/O error naming the bug.
+    assert all(o.startswith("OSError: durable write failed") for o in outcomes), outcomes
+    assert all("a bug in the flush" in o for o in outcomes), outcomes
