@@ -49,6 +49,9 @@ class _Delivery:
     job_id: str
     attempt: int
     spool: OutputSpool | None = None
+    # Started by this worker process (running, or a report of an attempt that
+    # never ran): the controller cannot hold any of its output yet.
+    fresh: bool = False
     finish_ready: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
 
@@ -94,7 +97,7 @@ class Outbox:
 
     def track(self, job_dir: JobDir, job_id: str, attempt: int, spool: OutputSpool) -> None:
         """Start shipping a running job's output as it is written."""
-        self._spawn(_Delivery(job_dir, job_id, attempt, spool))
+        self._spawn(_Delivery(job_dir, job_id, attempt, spool, fresh=True))
 
     def _spawn(self, delivery: _Delivery) -> None:
         assert self._nursery is not None, "Outbox.run must be started first"
@@ -103,9 +106,12 @@ class Outbox:
             delivery.finish_ready.set()
         self._nursery.start_soon(self._deliver_job, delivery)
 
-    def deliver_report(self, job_dir: JobDir, job_id: str, attempt: int) -> None:
-        """Deliver a job directory whose finish is already on disk."""
-        self._spawn(_Delivery(job_dir, job_id, attempt))
+    def deliver_report(
+        self, job_dir: JobDir, job_id: str, attempt: int, *, fresh: bool = False
+    ) -> None:
+        """Deliver a job directory whose finish is already on disk; ``fresh``
+        when this process wrote it (no need to ask where the output stands)."""
+        self._spawn(_Delivery(job_dir, job_id, attempt, fresh=fresh))
 
     async def finish(self, key: str, report: Mapping[str, Any]) -> None:
         """Record a job's finish report durably; it is sent once its output is in."""
@@ -139,7 +145,7 @@ class Outbox:
             self._on_change()
             raise
         self._writing -= 1
-        self.deliver_report(job_dir, job_id, attempt)
+        self.deliver_report(job_dir, job_id, attempt, fresh=True)
 
     async def delivered(self, key: str) -> None:
         """Wait until the job's finish is acknowledged (or finally refused)."""
@@ -244,9 +250,9 @@ class Outbox:
         """
         stalled = Backoff(base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S)
         try:
-            if d.spool is not None:
-                # A job this process started: the controller cannot hold any
-                # of its output yet, so no round trip to ask.
+            if d.fresh:
+                # An attempt this process started: the controller cannot hold
+                # any of its output yet, so no round trip to ask.
                 committed = 0
             else:
                 # An empty append asks where the controller is: after a
