@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rc_worker._version import __version__
-from rc_worker.config import load_config, resolved_json
+from rc_worker.config import Config, load_config, resolved_json
 from rc_worker.errors import ConfigError
 
 
@@ -25,12 +25,25 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"rc-worker: {e}", file=sys.stderr)
         return 2
+    problem = _cgroup_preflight(config)
+    if problem is not None:
+        print(f"rc-worker: {problem}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(resolved_json(config), indent=2, sort_keys=True))
     else:
         names = ", ".join(config.device_names)
         print(f"config OK: host {config.host}, devices {names}")
     return 0
+
+
+def _cgroup_preflight(config: Config) -> str | None:
+    # What the worker would refuse at start for cgroups, found now (read-only).
+    from rc_worker.cgroup import preflight
+    from rc_worker.config import cgroup_needs
+    from rc_worker.host import LinuxHost
+
+    return preflight(LinuxHost(), config.cgroup, cgroup_needs(config))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -84,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _optional_subcommands() -> list[Any]:
-    from rc_worker import cli_exec, cli_probe, status
+    from rc_worker import cli_exec, cli_probe, completion, status
 
-    return [cli_exec, cli_probe, status]
+    return [cli_exec, cli_probe, completion, status]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

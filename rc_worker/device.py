@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-import uuid
+import random
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult,
 from rc_worker.reports import finish_report, not_run_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
+from rc_worker.sweep import unproven
 from rc_worker.verify import run_verify
 
 if TYPE_CHECKING:
@@ -42,8 +43,9 @@ S = DeviceState
 FINISH_AFTER_ERROR_S = 30.0
 
 
-def new_fault_id() -> str:
-    return f"f-{uuid.uuid4().hex[:12]}"
+def new_fault_id(rng: random.Random) -> str:
+    """A fault id: random, so that no two workers (or restarts) ever repeat one."""
+    return f"f-{rng.getrandbits(48):012x}"
 
 
 class DeviceSupervisor:
@@ -131,7 +133,7 @@ class DeviceSupervisor:
     ) -> str:
         """Raise a fault of this worker's own; ``report`` sends it with ``fault``
         (a fault outside a finish), else the caller puts it in the finish."""
-        fault_id = new_fault_id()
+        fault_id = new_fault_id(self.ctx.rng)
         log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
@@ -233,7 +235,7 @@ class DeviceSupervisor:
                 # Bounded and shielded: an error handler must finish.
                 with trio.move_on_after(FINISH_AFTER_ERROR_S, shield=True):
                     await self._finish_after_error(a, detail)
-            fault_id = new_fault_id()
+            fault_id = new_fault_id(self.ctx.rng)
             self.ctx.metrics.quarantines.labels("dirty").inc()
             self.ctx.outbox.fault(
                 self.name, {"fault_id": fault_id, "kind": "dirty", "reason": detail}
@@ -366,7 +368,7 @@ class DeviceSupervisor:
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
-        await self.ctx.journal(job_dir, a)
+        cgroup = await self.ctx.journal(job_dir, a)
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)
@@ -384,6 +386,8 @@ class DeviceSupervisor:
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
+            cgroup=cgroup,
+            cgroup_limits=self.ctx.cgroup_limits(self.config),
         )
         began = trio.current_time()
         try:
@@ -409,11 +413,9 @@ class DeviceSupervisor:
         fault_id = None
         if not verify.ok:
             fault_id = self._quarantine("verify_failed", verify.reason, report=False)
-        elif result.sweep.remaining:
-            survivors = list(result.sweep.remaining)
-            fault_id = self._quarantine(
-                "dirty", f"processes {survivors} survived SIGKILL", report=False
-            )
+        elif (doubt := unproven(result.sweep)) is not None:
+            # The one rule recovery decides by too: not proven clean is dirty.
+            fault_id = self._quarantine("dirty", doubt, report=False)
         return result, verify, fault_id, spool.size
 
     def _settle(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,9 @@ class Outbox:
         *,
         on_change: Callable[[], None] | None = None,
         committer: Committer | None = None,
+        rng: random.Random | None = None,
     ) -> None:
+        self._rng = rng or random.Random()
         self._root = root
         # Every durable write of the worker goes through this one committer,
         # so writes issued together share their fsyncs (durable.py).
@@ -248,7 +251,9 @@ class Outbox:
         Returns the committed offset, or None when the controller refused
         the output for good (the finish is still sent).
         """
-        stalled = Backoff(base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S)
+        stalled = Backoff(
+            base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S, rng=self._rng
+        )
         try:
             if d.fresh:
                 # An attempt this process started: the controller cannot hold

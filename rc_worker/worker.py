@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
+import random
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -32,8 +32,10 @@ import httpx
 import trio
 
 from rc_worker._version import __version__
+from rc_worker.cgroup import clear_strays, start_containment, state_tag
+from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config
+from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
 from rc_worker.durable import Committer
@@ -75,6 +77,7 @@ class Worker:
         http: httpx.AsyncClient | None = None,
         host: Host | None = None,
         environ: Mapping[str, str] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         import os
 
@@ -106,7 +109,10 @@ class Worker:
         self.status_urls: list[str] = []
         # Who this process is, for the controller's "same process or new" at
         # register; in memory only, so no later process can repeat it.
-        self.instance_id = secrets.token_hex(8)
+        # ``rng``: every id and jitter of this worker; a simulation seeds it so that
+        # a run replays exactly. By default, seeded from the OS.
+        self._rng = rng if rng is not None else random.Random()
+        self.instance_id = f"{self._rng.getrandbits(64):016x}"
         self._poll_seq = 0
 
     # -- control ------------------------------------------------------------
@@ -173,6 +179,22 @@ class Worker:
         if warning:
             log.warning("%s", warning)
         boot_id = self.host.boot_id()
+        # Before anything is spawned (probes included): a cgroup per process.
+        containment = start_containment(
+            self.host,
+            self.config.cgroup,
+            tag=state_tag(self.config.state_dir),
+            needs=cgroup_needs(self.config),
+        )
+        try:
+            await self._serve(root, boot_id, task_status)
+        finally:
+            if containment is not None:
+                # Empty cgroups only: one a survivor still holds stays, for
+                # the next start's recovery to find.
+                remove_cgroup(self.host, containment.tree)
+
+    async def _serve(self, root: Path, boot_id: str, task_status: trio.TaskStatus[None]) -> None:
         async with AsyncExitStack() as stack:
             http = self._http
             if http is None:
@@ -182,9 +204,12 @@ class Worker:
                 host=self.config.host,
                 token=self.config.token,
                 on_unknown_session=self._register,
+                rng=self._rng,
             )
             committer = Committer(self.host.run_blocking)
-            outbox = Outbox(root, client, on_change=self._poke_poller, committer=committer)
+            outbox = Outbox(
+                root, client, on_change=self._poke_poller, committer=committer, rng=self._rng
+            )
             ctx = WorkerContext(
                 config=self.config,
                 host=self.host,
@@ -195,6 +220,7 @@ class Worker:
                 environ=self._environ,
                 poke_poller=self._poke_poller,
                 metrics=self.metrics,
+                rng=self._rng,
             )
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
@@ -219,6 +245,9 @@ class Worker:
                     host=self.host,
                     committer=committer,
                 )
+                if self.host.containment is not None:
+                    kept = {job_key(r.job_id, r.attempt) for r in self.recovered}
+                    await clear_strays(self.host, self.host.containment, keep=kept)
                 await self._register(client)
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():

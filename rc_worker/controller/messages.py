@@ -308,6 +308,9 @@ class JobInfo:
     verify: Verify | None = None
     sweep: Mapping[str, object] | None = attrs.field(default=None, hash=False)
     attempts: tuple[AttemptInfo, ...] = ()
+    pending_reason: str | None = None
+    """Why a queued job is not running yet (None unless ``queued``); see controller/pending.py."""
+    pending_code: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -338,6 +341,8 @@ class JobInfo:
             else {"ok": self.verify.ok, "reason": self.verify.reason},
             "sweep": None if self.sweep is None else dict(self.sweep),
             "attempts": [a.to_json() for a in self.attempts],
+            "pending_reason": self.pending_reason,
+            "pending_code": self.pending_code,
         }
 
 
