@@ -36,6 +36,8 @@ DEFAULT_VERIFY_PASS_BUDGET = 300.0
 DEFAULT_SHEET_DIR = "/etc/rc/sheets"
 DEFAULT_STATE_DIR = "/var/lib/rc-worker"
 DEFAULT_SHUTDOWN_GRACE = 300.0
+# The longest grace ceiling a job may ask for; longer is cut to it.
+DEFAULT_MAX_GRACE = 300.0
 DEFAULT_SPOOL_MAX_BYTES = 10 * 2**30
 
 # Variables of the worker's own configuration. None of them ever reaches a
@@ -111,6 +113,9 @@ class Config:
     status_listen: str | None = None
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    max_grace: float = DEFAULT_MAX_GRACE
+    log_format: str = "text"
+    log_level: str = "info"
     cgroup: str = "auto"
     """``auto``, ``required`` or ``off``: a cgroup v2 per job (see docs/operations.md)."""
     cgroup_io: bool = False

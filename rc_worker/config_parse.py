@@ -32,6 +32,7 @@ from ruamel.yaml.scalarbool import ScalarBoolean
 from rc_worker.cgroup_parse import CGROUP_MODES
 from rc_worker.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
 from rc_worker.errors import ConfigError
+from rc_worker.logs import LOG_FORMATS, LOG_LEVELS
 from rc_worker.names import DEVICE_NAME_HELP, is_device_name, split_label_key
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ _DURATION_FIELDS = {
     "verify_timeout": True,
     "verify_pass_budget": True,
     "shutdown_grace": False,
+    "max_grace": False,
     "timeout": True,
     "release_linger": False,
     "max_runtime": True,
@@ -345,6 +347,11 @@ def _check(loc: _Locator, config: Config) -> None:
         problem = host_problem(config.host)
         if problem:
             loc.fail_at(("host",), problem)
+    for key, choices in (("log_format", LOG_FORMATS), ("log_level", LOG_LEVELS)):
+        if getattr(config, key) not in choices:
+            loc.fail_at(
+                (key,), f"{getattr(config, key)!r} is not one of {', '.join(choices)}; pick one"
+            )
     if config.cgroup_io and config.cgroup == "off":
         loc.fail_at(
             ("cgroup_io",),

@@ -205,6 +205,8 @@ class Host:
     last_seen: float
     session: str | None = None
     lost: bool = False
+    left: bool = False
+    """Deregistered by a draining worker: gone on purpose, not lost."""
     pid: int | None = None
     instance_id: str | None = None
     heartbeat_interval_s: float | None = None
@@ -217,4 +219,4 @@ class Host:
 
     @property
     def state(self) -> str:
-        return "lost" if self.lost else "up"
+        return "lost" if self.lost else "left" if self.left else "up"

@@ -99,6 +99,7 @@ ENDPOINTS: Mapping[str, re.Pattern[str]] = {
         "output": r"^/v1/jobs/[^/]+/output$",
         "finish": r"^/v1/jobs/[^/]+/finish$",
         "stdin": r"^/v1/jobs/[^/]+/stdin$",
+        "deregister": r"^/v1/hosts/[^/]+/deregister$",
     }.items()
 }
 """The worker's endpoints by name, as fault plans address them."""
