@@ -530,7 +530,12 @@ class Worker:
                     # arrives, and is refused as a stale offer (requeued).
                     withdrawn: list[DeviceSupervisor] = []
                     for p in parked:
-                        if p.superseded or all(d.ready() for d in p.devices):
+                        # A poll already answered is not parked any more: its
+                        # devices may be busy with what it brought, and
+                        # withdrawing them would have the controller requeue
+                        # that very offer (a stale_attempt at start, again and
+                        # again, with no time passing).
+                        if p.done or p.superseded or all(d.ready() for d in p.devices):
                             continue
                         p.superseded = True
                         for dev in p.devices:
