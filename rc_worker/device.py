@@ -382,7 +382,7 @@ class DeviceSupervisor:
             return
         refusal = await self._health_gate(None)
         if refusal is not None:
-            self.ctx.report(a, not_run_report(a, "refused", refusal))
+            await self.ctx.report(a, not_run_report(a, "refused", refusal))
             self._settle()
             return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):
