@@ -550,10 +550,15 @@ class Worker:
                     wake = self._poll_wake
                     # A device listed in a parked poll that is no longer offerable
                     # (quarantined, held, busy...) must not stay on offer until
-                    # poll_wait runs out: poll again now with the updated ready set
-                    # and that device withdrawn, which makes the controller answer
-                    # the old poll at once. An assignment it made meanwhile still
-                    # arrives, and is refused as a stale offer (requeued).
+                    # poll_wait runs out: send a poll that withdraws it, which
+                    # makes the controller answer the old poll at once. An
+                    # assignment it made meanwhile still arrives, and is refused as
+                    # a stale offer (requeued). The old poll's devices that are
+                    # still ready stay with it until it answers, then are polled
+                    # again: no device is ever listed by two polls in flight, or
+                    # the controller would take the second listing for a lost
+                    # answer and requeue the first poll's offer (its start then
+                    # 409 stale_attempt, and again, with no time passing).
                     withdrawn: list[DeviceSupervisor] = []
                     for p in parked:
                         # A poll already answered is not parked any more: its
@@ -564,11 +569,7 @@ class Worker:
                         if p.done or p.superseded or all(d.ready() for d in p.devices):
                             continue
                         p.superseded = True
-                        for dev in p.devices:
-                            if dev.poll_id == p.id:
-                                dev.offered, dev.poll_id = False, None
-                            if not dev.ready():
-                                withdrawn.append(dev)
+                        withdrawn += [dev for dev in p.devices if not dev.ready()]
                     parked[:] = [p for p in parked if not p.done]
                     fresh = [d for d in self.devices.values() if d.ready() and not d.offered]
                     if fresh or withdrawn:

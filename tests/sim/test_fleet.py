@@ -380,3 +380,25 @@ def test_a_restarted_worker_offers_a_device_only_after_its_recovered_finish_is_i
         assert fleet.store.job(second).state == "succeeded"
 
     scenario(fn)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_device_withdrawn_beside_a_ready_one_does_not_livelock_the_other(seed: int) -> None:
+    # Found by the fleet: a poll listing gpu0 and gpu1 is parked; gpu1 stops being
+    # offerable in the instant a job is submitted. The old poll's still-ready gpu0
+    # must not be listed by a second poll while the first is in flight, or the
+    # controller takes that for a lost answer and requeues the first poll's offer,
+    # whose start is then stale, again and again with no time passing.
+    async def fn(fleet: Fleet) -> None:
+        fleet.program("train", TRAIN)
+        await fleet.wait_until(lambda: len(fleet.store.devices()) == 2)
+        await trio.sleep(2)
+        job = fleet.submit(["train"])
+        assert fleet.quarantine("h0", "gpu1")
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        assert fleet.store.job(job).state == "succeeded"
+        assert fleet.store.job(job).device == "gpu0"
+        await fleet.drain()
+        assert fleet.check() == []
+
+    simulate(fn, seed=seed, time_limit=TIME_LIMIT, devices=("gpu0", "gpu1"))
