@@ -10,6 +10,7 @@ event loop's clock, so a custom ``clock`` must advance with it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import math
@@ -40,11 +41,45 @@ def _default_clock() -> float:
 
 
 @attrs.frozen
+class User:
+    """A person's token: their name (recorded in jobs and events) and whether they are admin."""
+
+    name: str
+    admin: bool = False
+
+
+def parse_user_token(text: str) -> tuple[str, User]:
+    """``TOKEN=NAME[:admin]`` (or ``:user``), or a bare ``TOKEN``: a plain user whose name is
+    derived from the token (``user-`` and 8 hex digits of its SHA-256), never the token itself.
+
+    Raises ``ValueError`` with a message naming the fix.
+    """
+    token, sep, rest = text.rpartition("=")
+    if not sep or not rest:
+        # A bare token (one that merely ends in '=', as base64 may, stays whole).
+        token = text
+        digest = hashlib.sha256(token.encode()).hexdigest()[:8]
+        user = User(f"user-{digest}")
+    else:
+        name, _, role = rest.partition(":")
+        if role not in ("", "user", "admin"):
+            raise ValueError(
+                f"user token role {role!r} is not 'user' or 'admin'; write TOKEN=NAME[:admin]"
+            )
+        if not name or not name.strip() == name:
+            raise ValueError("user token: NAME must be non-empty; write TOKEN=NAME[:admin]")
+        user = User(name, admin=role == "admin")
+    if not token:
+        raise ValueError("user token: TOKEN must be non-empty; write TOKEN=NAME[:admin]")
+    return token, user
+
+
+@attrs.frozen
 class Principal:
     """Who a bearer token speaks for: a worker for ``host`` (``"*"``: any host), and/or a user."""
 
     worker_host: str | None
-    user: bool
+    user: User | None
 
 
 class Changes:
@@ -79,14 +114,17 @@ class Controller:
         store: Store,
         *,
         worker_tokens: Mapping[str, str],
-        user_tokens: Collection[str],
+        user_tokens: Collection[str] | Mapping[str, User],
         clock: Callable[[], float] | None,
         webhooks: Sequence[str],
     ) -> None:
         self.store = store
         self.clock = clock or _default_clock
         self.worker_tokens = dict(worker_tokens)
-        self.user_tokens = tuple(user_tokens)
+        if isinstance(user_tokens, Mapping):
+            self.user_tokens: dict[str, User] = dict(user_tokens)
+        else:
+            self.user_tokens = dict(parse_user_token(t) for t in user_tokens)
         self.webhooks = tuple(webhooks)
         self.changes = Changes()
         store.subscribe(self.changes.poke)
@@ -137,14 +175,28 @@ class Controller:
         for candidate, allowed in self.worker_tokens.items():
             if hmac.compare_digest(candidate.encode(), given):
                 host = allowed
-        user = any(hmac.compare_digest(t.encode(), given) for t in self.user_tokens)
-        if host is None and not user:
+        user = None
+        for candidate, who in self.user_tokens.items():
+            if hmac.compare_digest(candidate.encode(), given):
+                user = who
+        if host is None and user is None:
             raise Unauthorized("unknown token")
         return Principal(worker_host=host, user=user)
 
-    def require_user(self, request: Request) -> None:
-        if not self.principal(request).user:
+    def require_user(self, request: Request) -> User:
+        user = self.principal(request).user
+        if user is None:
             raise Forbidden("this endpoint needs a user token, not a worker token")
+        return user
+
+    def require_admin(self, request: Request, what: str) -> User:
+        user = self.require_user(request)
+        if not user.admin:
+            raise Forbidden(
+                f"{what} needs an admin token; {user.name} is a user "
+                "(rc serve --user-token TOKEN=NAME:admin)"
+            )
+        return user
 
     def require_worker(self, request: Request, host: str | None = None) -> Principal:
         p = self.principal(request)
@@ -190,6 +242,11 @@ def query_int(request: Request, name: str, default: int | None = None) -> int:
             raise BadRequest(f"{name}: required query parameter")
         return default
     try:
-        return int(raw)
+        if len(raw) > 20:
+            raise ValueError
+        value = int(raw)
     except ValueError:
-        raise BadRequest(f"{name}: expected an integer, got {raw!r}") from None
+        raise BadRequest(f"{name}: expected an integer, got {raw[:40]!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise BadRequest(f"{name}: {value} is out of range")
+    return value

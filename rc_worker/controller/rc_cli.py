@@ -25,6 +25,7 @@ import trio
 
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.app import create_app
+from rc_worker.controller.context import User, parse_user_token
 from rc_worker.controller.serve import serve
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
@@ -102,8 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--user-token",
         action="append",
         default=[],
-        metavar="TOKEN",
-        help="a user token; repeatable; also $RC_USER_TOKENS",
+        metavar="TOKEN[=NAME[:admin]]",
+        help="a user token, its user's name and role (bare: a plain user with a name derived "
+        "from the token); repeatable; also $RC_USER_TOKENS",
+    )
+    p.add_argument(
+        "--max-grace",
+        type=_duration,
+        default=600.0,
+        metavar="D",
+        help="the longest grace a job may ask for (default %(default)ss)",
     )
     p.add_argument("--webhook", action="append", default=[], metavar="URL")
     p.add_argument("--heartbeat-interval", type=_duration, default=10.0, metavar="D")
@@ -339,12 +348,18 @@ async def _cmd_events(client: httpx.AsyncClient, args: argparse.Namespace) -> in
 
 def serve_settings(
     args: argparse.Namespace, env: Mapping[str, str]
-) -> tuple[dict[str, str], list[str]]:
+) -> tuple[dict[str, str], dict[str, User]]:
     worker: dict[str, str] = {}
     for text in [*_split_list(env.get("RC_WORKER_TOKENS", "")), *args.worker_token]:
         token, host = parse_worker_token(text)
         worker[token] = host
-    users = [*_split_list(env.get("RC_USER_TOKENS", "")), *args.user_token]
+    users: dict[str, User] = {}
+    for text in [*_split_list(env.get("RC_USER_TOKENS", "")), *args.user_token]:
+        try:
+            token, user = parse_user_token(text)
+        except ValueError as e:
+            raise CliError(f"rc serve: --user-token: {e}", 2) from None
+        users[token] = user
     if not worker or not users:
         raise CliError(
             "rc serve: give at least one --worker-token TOKEN[=HOST] and one --user-token TOKEN "
@@ -367,7 +382,11 @@ async def run_serve(
     """``rc serve ARGS``: serve until cancelled (or ``shutdown_trigger``); reports bound URLs."""
     args = build_parser().parse_args(["serve", *argv])
     worker, users = serve_settings(args, os.environ if env is None else env)
-    config = StoreConfig(heartbeat_interval_s=args.heartbeat_interval, poll_wait_s=args.poll_wait)
+    config = StoreConfig(
+        heartbeat_interval_s=args.heartbeat_interval,
+        poll_wait_s=args.poll_wait,
+        max_grace_s=args.max_grace,
+    )
     app = create_app(
         store=Store(config), worker_tokens=worker, user_tokens=users, webhooks=args.webhook
     )

@@ -38,6 +38,9 @@ class StoreConfig:
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
     max_refusals: int = 10
     max_events: int = 100_000
+    max_grace_s: float = 600.0
+    """The longest ``grace_s`` a job may ask for (``rc serve --max-grace``): a job that ignores
+    SIGTERM holds its device, a cancel and a worker's shutdown this long."""
     cleared_omissions: int = 3
     """A lifted fault id leaves heartbeat ``cleared`` once this many heartbeats in a row have
     reported its device without it."""

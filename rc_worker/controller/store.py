@@ -51,6 +51,7 @@ from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
 from rc_worker.controller.state import StoreConfig, StoreState
+from rc_worker.controller.validate import check_job
 
 __all__ = ["Store", "StoreConfig"]
 
@@ -80,10 +81,25 @@ class Store(StoreState):
         grace_s: float = 10.0,
         pty: bool = False,
         stdin: bool = False,
+        submitted_by: str | None = None,
     ) -> str:
-        """Queue a job; returns its id. Raises BadRequest / NotFound (unknown ``device``)."""
-        if isinstance(command, str) or not command or not all(isinstance(a, str) for a in command):
+        """Queue a job; returns its id. Raises BadRequest / NotFound (unknown ``device``).
+
+        ``submitted_by`` names the user (recorded in the job and the event log); only
+        that user, or an admin, may cancel the job through the API."""
+        if isinstance(command, str) or not all(isinstance(a, str) for a in command):
             raise BadRequest("command: must be a non-empty list of strings")
+        check_job(
+            command=command,
+            env=env or {},
+            select=select,
+            device=device,
+            cwd=cwd,
+            max_runtime_s=max_runtime_s,
+            idle_timeout_s=idle_timeout_s,
+            grace_s=grace_s,
+            max_grace_s=self.config.max_grace_s,
+        )
         try:
             selector = parse_selector(select)
         except SelectorError as e:
@@ -93,14 +109,6 @@ class Store(StoreState):
             if not sep or not host or not name or "/" in name:
                 raise BadRequest(f"device: {device!r} is not of the form host/device")
             self._device(host, name)
-        for key in env or {}:
-            if not key or "=" in key:
-                raise BadRequest(f"env: {key!r} is not a valid variable name")
-        for field, value in (("max_runtime_s", max_runtime_s), ("idle_timeout_s", idle_timeout_s)):
-            if value is not None and value <= 0:
-                raise BadRequest(f"{field}: must be positive or null")
-        if grace_s < 0:
-            raise BadRequest("grace_s: must not be negative")
         spec = JobSpec(
             command=tuple(command),
             select=str(selector),
@@ -114,9 +122,18 @@ class Store(StoreState):
             stdin=stdin,
         )
         job_id = self._next_id("j")
-        job = Job(job_id, self._counters["j"], spec, selector, submitted_at=self._wall())
+        job = Job(
+            job_id,
+            self._counters["j"],
+            spec,
+            selector,
+            submitted_at=self._wall(),
+            submitted_by=submitted_by,
+        )
         self._jobs[job_id] = job
         bisect.insort(self._queue, (job.seq, job_id))
+        if submitted_by is not None:
+            self._emit("job_submitted", job_id=job_id, by=submitted_by)
         self._changed()
         return job_id
 
@@ -136,14 +153,17 @@ class Store(StoreState):
     def committed(self, job_id: str) -> int:
         return len(self._job(job_id).output)
 
-    def cancel(self, job_id: str, reason: str = "cancelled") -> JobInfo:
+    def cancel(self, job_id: str, reason: str = "cancelled", *, by: str | None = None) -> JobInfo:
         """Cancel a job: at once if it has not started, else via the heartbeat's ``cancel``.
 
-        A finished job is left as it is (cancelling is idempotent).
+        A finished job is left as it is (cancelling is idempotent). ``by`` names who asked
+        (recorded in the event log).
         """
         job = self._job(job_id)
         if job.cancel_reason is not None:
             return job.info()
+        if by is not None and not job.terminal:
+            self._emit("job_cancel_requested", job_id=job_id, by=by, reason=reason)
         if job.terminal:
             # Declared lost by the controller, it may still run on a worker that was only
             # cut off: the cancel is kept for that worker's heartbeats; the state stays.
@@ -170,21 +190,27 @@ class Store(StoreState):
         h, d = self._device(host, name)
         return SheetInfo(host, name, h.sheet, d.sheet)
 
-    def clear(self, host: str, name: str) -> list[str]:
+    def clear(self, host: str, name: str, *, by: str = "operator") -> list[str]:
         """Lift every current fault of a device (an operator's ``clear``); returns their ids."""
         _, d = self._device(host, name)
         ids = list(d.faults)
         if ids:
-            self._lift(d, ids, by="operator")
+            self._lift(d, ids, by=by)
             self._changed()
         return ids
 
-    def set_idle_behavior(self, host: str, name: str, behavior: str) -> DeviceInfo:
+    def set_idle_behavior(
+        self, host: str, name: str, behavior: str, *, by: str | None = None
+    ) -> DeviceInfo:
         if behavior not in IDLE_BEHAVIORS:
             raise BadRequest(f"idle_behavior: {behavior!r} is not one of drain, hold, run")
         h, d = self._device(host, name)
         if d.idle_behavior != behavior:
             d.idle_behavior = behavior
+            if by is not None:
+                self._emit(
+                    "idle_behavior_set", host=host, device=name, idle_behavior=behavior, by=by
+                )
             self._changed()
         return d.info(h)
 

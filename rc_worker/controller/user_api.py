@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rc_worker.controller import wire
-from rc_worker.controller.context import Controller, controller_of, json_body, query_int
-from rc_worker.controller.errors import ApiError, BadRequest
+from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
+from rc_worker.controller.errors import ApiError, BadRequest, Forbidden
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_EVENTS_WAIT_S = 60.0
@@ -25,10 +25,19 @@ def _user(request: Request) -> Controller:
     return ctl
 
 
+def _admin(request: Request, what: str) -> tuple[Controller, User]:
+    ctl = controller_of(request)
+    user = ctl.require_admin(request, what)
+    ctl.tick()
+    return ctl, user
+
+
 async def submit(request: Request) -> Response:
-    ctl = _user(request)
+    ctl = controller_of(request)
+    user = ctl.require_user(request)
+    ctl.tick()
     kwargs = wire.submit(await json_body(request))
-    job_id = ctl.store.submit(**kwargs)
+    job_id = ctl.store.submit(**kwargs, submitted_by=user.name)
     return JSONResponse({"job_id": job_id})
 
 
@@ -100,10 +109,19 @@ async def put_stdin(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    ctl = _user(request)
+    ctl = controller_of(request)
+    user = ctl.require_user(request)
+    ctl.tick()
+    job_id = request.path_params["job_id"]
+    owner = ctl.store.job(job_id).submitted_by
+    if owner != user.name and not user.admin:
+        raise Forbidden(
+            f"job {job_id} was submitted by {owner or 'nobody known'}; "
+            f"only they or an admin may cancel it"
+        )
     f = await json_body(request, empty_ok=True)
     reason = f.opt_str("reason") or "cancelled"
-    return JSONResponse(ctl.store.cancel(request.path_params["job_id"], reason).to_json())
+    return JSONResponse(ctl.store.cancel(job_id, reason, by=user.name).to_json())
 
 
 async def list_devices(request: Request) -> Response:
@@ -121,23 +139,24 @@ async def get_sheet(request: Request) -> Response:
 
 
 async def clear(request: Request) -> Response:
-    ctl = _user(request)
+    ctl, user = _admin(request, "clearing a device")
     host, device = _address(request)
-    cleared = ctl.store.clear(host, device)
+    cleared = ctl.store.clear(host, device, by=user.name)
     return JSONResponse({"cleared": cleared, "device": ctl.store.device(host, device).to_json()})
 
 
 async def idle_behavior(request: Request) -> Response:
-    ctl = _user(request)
+    ctl, user = _admin(request, "setting a device's idle behaviour")
     behavior = (await json_body(request)).req_str("idle_behavior")
-    return JSONResponse(ctl.store.set_idle_behavior(*_address(request), behavior).to_json())
+    info = ctl.store.set_idle_behavior(*_address(request), behavior, by=user.name)
+    return JSONResponse(info.to_json())
 
 
 async def events(request: Request) -> Response:
     ctl = _user(request)
     after = query_int(request, "after", 0)
     limit = min(query_int(request, "limit", MAX_EVENTS_PER_PAGE), MAX_EVENTS_PER_PAGE)
-    wait_s = min(float(query_int(request, "wait_s", 0)), MAX_EVENTS_WAIT_S)
+    wait_s = float(min(max(query_int(request, "wait_s", 0), 0), MAX_EVENTS_WAIT_S))
     deadline = ctl.now() + wait_s
     while True:
         seen = ctl.changes.version
