@@ -44,7 +44,7 @@ from rc_worker.probe import Prober
 from rc_worker.recovery import Recovered, recover
 from rc_worker.reports import not_run_report
 from rc_worker.sheets import SheetReader
-from rc_worker.spool import ensure_state_dir
+from rc_worker.spool import JobDir, ensure_state_dir
 from rc_worker.statelock import StateDirLock
 from rc_worker.status import serve_status, status_app
 
@@ -77,6 +77,9 @@ class Worker:
         self.recovered: list[Recovered] = []
         self._ctx: WorkerContext | None = None
         self._poll_wake = trio.Event()
+        # Every (job_id, attempt) this process was assigned: one set entry per job, a few
+        # dozen bytes each, so a process that runs a million jobs holds a few tens of MB.
+        self._seen_attempts: set[tuple[str, int]] = set()
         self._drained = trio.Event()
         self._heartbeat_interval = config.heartbeat_interval
         self._poll_wait = config.poll_wait
@@ -394,8 +397,23 @@ class Worker:
 
     def _dispatch(self, raw: Any) -> None:
         assert self._ctx is not None
+        ident = assignment_identity(raw)
+        if ident is not None and self._known_attempt(ident[0], ident[1]):
+            # A buggy controller repeated an attempt (to this device or another). That attempt
+            # has, or will have, its one report from its own run; a rejection would overwrite
+            # its files and contradict it. Nothing is written or sent.
+            log.error(
+                "ignoring job %s attempt %d assigned again (to %s): this worker already has it",
+                ident[0],
+                ident[1],
+                ident[2] or "no device",
+            )
+            self.metrics.duplicate_assignments.inc()
+            return
+        if ident is not None:
+            self._seen_attempts.add((ident[0], ident[1]))
         try:
-            assignment = parse_assignment(raw)
+            assignment = parse_assignment(raw, origin=self._ctx.client.origin)
         except AssignmentError as e:
             self._reject(raw, f"malformed assignment: {e}")
             return
@@ -413,6 +431,13 @@ class Worker:
                 list(assignment.command),
             )
             dev.assign(assignment)
+
+    def _known_attempt(self, job_id: str, attempt: int) -> bool:
+        """This worker process was handed the attempt before, or its files are on disk."""
+        assert self._ctx is not None
+        if (job_id, attempt) in self._seen_attempts:
+            return True
+        return JobDir(self._ctx.root, job_key(job_id, attempt)).path.exists()
 
     def _reject(self, raw: Any, reason: str) -> None:
         assert self._ctx is not None

@@ -11,11 +11,11 @@ JSON compliant``), and a 100k-deep array raises ``RecursionError``. So
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import Final
 
+from rc_worker import boundedjson
 from rc_worker.controller.errors import BadRequest
 
 __all__ = [
@@ -30,9 +30,7 @@ __all__ = [
     "loads",
 ]
 
-MAX_JSON_DEPTH: Final = 64
-"""The deepest nesting any request needs is about 5; this leaves room and stays far from
-Python's recursion limit."""
+MAX_JSON_DEPTH: Final = boundedjson.MAX_DEPTH
 MAX_COMMAND_ARGS: Final = 4096
 MAX_COMMAND_BYTES: Final = 256 * 1024
 """Linux's ``MAX_ARG_STRLEN`` is 128 KiB per argument and the whole argv+env is bounded near
@@ -45,62 +43,19 @@ MAX_STRING_FIELD: Final = 4096
 """``select``, ``device``, ``cwd`` and similar short strings."""
 
 
-def json_depth(value: object) -> int:
-    """The nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
-    deepest = 0
-    stack: list[tuple[object, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Iterable[object] = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number; send a finite number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is out of range for a number")
-    return value
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > 20:
-        raise ValueError(f"integer {text[:40]}... is too large")
-    return int(text)
+json_depth = boundedjson.depth
 
 
 def loads(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> object:
     """Parse a JSON body, refusing deep nesting and non-finite or huge numbers (``BadRequest``)."""
     try:
-        text = body.decode("utf-8")
+        return boundedjson.loads(body, max_depth=max_depth)
     except UnicodeDecodeError as e:
         raise BadRequest(f"body: not valid UTF-8 ({e})") from None
-    too_deep = BadRequest(f"body: JSON nested too deep; at most {max_depth} levels are accepted")
-    try:
-        # The C decoder guards its recursion: a 100k-deep array is a RecursionError here.
-        value = json.loads(
-            text,
-            parse_constant=_refuse_constant,
-            parse_float=_finite_float,
-            parse_int=_bounded_int,
-        )
-    except RecursionError:
-        raise too_deep from None
+    except boundedjson.JsonTooDeep as e:
+        raise BadRequest(f"body: {e}") from None
     except ValueError as e:
         raise BadRequest(f"body: not valid JSON ({e})") from None
-    if json_depth(value) > max_depth:
-        raise too_deep
-    return value
 
 
 def finite_number(value: float, where: str, *, maximum: float = MAX_DURATION_S) -> float:
