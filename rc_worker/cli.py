@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rc_worker._version import __version__
-from rc_worker.config import load_config, resolved_json
+from rc_worker.config import config_warnings, load_config, resolved_json
 from rc_worker.errors import ConfigError
 
 
@@ -25,6 +25,8 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"rc-worker: {e}", file=sys.stderr)
         return 2
+    for warning in config_warnings(config, euid=os.geteuid()):
+        print(f"rc-worker: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(resolved_json(config), indent=2, sort_keys=True))
     else:

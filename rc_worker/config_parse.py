@@ -244,6 +244,8 @@ def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) ->
         if not isinstance(dev, dict):
             continue
         dev.setdefault("timeout", hooks.timeout)
+        if data.get("job_user") is not None:
+            dev.setdefault("job_user", data["job_user"])
         dev.setdefault("release_linger", hooks.release_linger)
         labels = dev.get("labels")
         if isinstance(labels, dict):
@@ -325,6 +327,17 @@ def _check(loc: _Locator, config: Config) -> None:
         problem = listen_problem(config.status_listen)
         if problem:
             loc.fail_at(("status_listen",), problem)
+    if config.status_token is not None and not config.status_token.strip():
+        loc.fail_at(("status_token",), "the token is empty; expected a token, or leave it out")
+    if config.job_user is not None:
+        problem = user_problem(config.job_user)
+        if problem:
+            loc.fail_at(("job_user",), problem)
+    for i, dev in enumerate(config.devices):
+        if dev.job_user is not None and dev.job_user != config.job_user:
+            problem = user_problem(dev.job_user)
+            if problem:
+                loc.fail_at(("devices", i, "job_user"), problem)
 
 
 def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:
@@ -392,7 +405,22 @@ def host_problem(host: str) -> str | None:
     return None
 
 
+def user_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a ``job_user`` on this machine, or None."""
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return f"no user {name!r} on this machine; expected an existing user such as nobody"
+    return None
+
+
 def listen_problem(listen: str) -> str | None:
+    if listen.startswith("unix:"):
+        if not listen[len("unix:") :].startswith("/"):
+            return f"{listen!r}: expected unix:/absolute/path for a Unix socket"
+        return None
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         return f"{listen!r} is not a listen address; expected HOST:PORT such as 127.0.0.1:9100"

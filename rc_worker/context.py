@@ -11,8 +11,8 @@ from typing import Any
 import attrs
 
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config, child_environ
-from rc_worker.host import Host
+from rc_worker.config import Config, DeviceConfig, child_environ
+from rc_worker.host import Host, RunAs, resolve_user
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.model import Assignment, job_key
 from rc_worker.outbox import Outbox
@@ -33,6 +33,13 @@ class WorkerContext:
     draining: bool = False
     stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
+
+    def run_as(self, device: DeviceConfig) -> RunAs | None:
+        """Who the device's jobs, hooks and verify scripts run as: its ``job_user`` when the
+        worker is root (only root can switch), else the worker's own user."""
+        if device.job_user is None or os.geteuid() != 0:
+            return None
+        return resolve_user(device.job_user)
 
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)

@@ -296,6 +296,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, a.job_id),
                     host=self.ctx.host,
+                    run_as=self.ctx.run_as(self.config),
                 )
         self._acquire_scope = None
         if scope.cancelled_caught:
@@ -354,6 +355,7 @@ class DeviceSupervisor:
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
+            run_as=self.ctx.run_as(self.config),
         )
         began = trio.current_time()
         try:
@@ -375,6 +377,7 @@ class DeviceSupervisor:
                 pass_budget=self.ctx.config.verify_pass_budget,
                 env=env,
                 host=self.ctx.host,
+                run_as=self.ctx.run_as(self.config),
             )
         fault_id = None
         if not verify.ok:
@@ -408,6 +411,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, self._last_job_id),
                     host=self.ctx.host,
+                    run_as=self.ctx.run_as(self.config),
                 )
             if not outcome.ok:
                 self.lease.released()

@@ -19,13 +19,14 @@ import errno
 import fcntl
 import os
 import platform
+import pwd
 import socket
 import struct
 import subprocess
 import termios
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -43,6 +44,23 @@ OUTPUT_PIPE_BYTES = 1 << 20
 
 # /proc/<pid>/stat states that mean "exited, not yet (or being) reaped".
 _DEAD_STATES = frozenset({"Z", "X", "x"})
+
+
+@attrs.frozen
+class RunAs:
+    """Who a child runs as: ``user`` (for messages), its uid, gid and supplementary groups."""
+
+    user: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+def resolve_user(name: str) -> RunAs:
+    """The uid, primary gid and every group of user ``name`` (``KeyError`` if unknown)."""
+    entry = pwd.getpwnam(name)
+    groups = tuple(g for g in os.getgrouplist(name, entry.pw_gid) if g != entry.pw_gid)
+    return RunAs(name, entry.pw_uid, entry.pw_gid, groups)
 
 
 @attrs.frozen
@@ -118,6 +136,7 @@ class Host(Protocol):
         stdin: bool,
         separate_stderr: bool,
         pty: bool,
+        run_as: RunAs | None = None,
     ) -> HostProcess:
         """Start ``argv`` as the leader of a new session (so of its own process group).
 
@@ -127,7 +146,8 @@ class Host(Protocol):
         new pseudo-terminal as the process's controlling terminal and all
         three standard streams (with ``stdin`` false, the terminal's EOF is
         typed at once, so reading it ends as reading ``/dev/null`` would).
-        Raises ``OSError`` when the process cannot be
+        ``run_as``: the user, group and supplementary groups to run as
+        (needs root). Raises ``OSError`` when the process cannot be
         started (command not found, not executable, bad cwd).
         """
         ...
@@ -201,9 +221,10 @@ class LinuxHost:
         stdin: bool,
         separate_stderr: bool,
         pty: bool,
+        run_as: RunAs | None = None,
     ) -> HostProcess:
         if pty:
-            return await _spawn_on_pty(argv, cwd=cwd, env=env, stdin=stdin)
+            return await _spawn_on_pty(argv, cwd=cwd, env=env, stdin=stdin, run_as=run_as)
         proc = await trio.lowlevel.open_process(
             list(argv),
             cwd=cwd,
@@ -212,6 +233,7 @@ class LinuxHost:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT,
             start_new_session=True,
+            **_identity(run_as),
         )
         assert proc.stdout is not None
         for stream in (proc.stdout, proc.stderr):
@@ -413,12 +435,27 @@ def _take_controlling_tty() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
+def _identity(run_as: RunAs | None) -> dict[str, Any]:
+    """``subprocess`` arguments that drop to ``run_as`` (its groups first, then its uid)."""
+    if run_as is None:
+        return {}
+    return {"user": run_as.uid, "group": run_as.gid, "extra_groups": list(run_as.groups)}
+
+
 async def _spawn_on_pty(
-    argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str], stdin: bool
+    argv: Sequence[str],
+    *,
+    cwd: str | None,
+    env: Mapping[str, str],
+    stdin: bool,
+    run_as: RunAs | None = None,
 ) -> HostProcess:
     master_fd, slave_fd = os.openpty()
     try:
         fcntl.ioctl(slave_fd, termios.TIOCSWINSZ, struct.pack("HHHH", PTY_ROWS, PTY_COLS, 0, 0))
+        if run_as is not None:
+            # The job's terminal is its own, as a login's is (it may reopen /dev/tty).
+            os.fchown(slave_fd, run_as.uid, -1)
         proc = await trio.lowlevel.open_process(
             list(argv),
             cwd=cwd,
@@ -428,6 +465,7 @@ async def _spawn_on_pty(
             stderr=slave_fd,
             start_new_session=True,
             preexec_fn=_take_controlling_tty,
+            **_identity(run_as),
         )
     except subprocess.SubprocessError as e:
         os.close(master_fd)

@@ -32,7 +32,7 @@ from types import MappingProxyType
 import attrs
 import trio
 
-from rc_worker.host import Host, HostProcess, LinuxHost
+from rc_worker.host import Host, HostProcess, LinuxHost, RunAs
 from rc_worker.sweep import KILL_WAIT as SWEEP_KILL_WAIT
 from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
 
@@ -164,6 +164,7 @@ class JobSpec:
     environment carries exactly ``RC_JOB_ID=<this>`` (see ``sweep.py``). An
     explicit opt-in, never read out of ``env``: hooks and verify probes carry
     the id too and must never sweep.
+    ``run_as``: the user (and groups) to run as; needs a root worker.
     ``pty``: run on a new pseudo-terminal (stdout and stderr are then one
     stream, so ``stderr`` must be ``None``; with no ``stdin`` the terminal's
     EOF is typed at once, so a reader sees end of file as from /dev/null).
@@ -179,6 +180,7 @@ class JobSpec:
     stderr: Sink | None = attrs.field(default=None, validator=_check_stderr)
     sweep_job_id: str | None = attrs.field(default=None, validator=_check_job_id)
     pty: bool = attrs.field(default=False, converter=bool)
+    run_as: RunAs | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.pty and self.stderr is not None:
@@ -339,6 +341,7 @@ async def run_job(
             stdin=spec.stdin is not None,
             separate_stderr=spec.stderr is not None,
             pty=spec.pty,
+            **({} if spec.run_as is None else {"run_as": spec.run_as}),
         )
     except OSError as exc:
         handle._settle()

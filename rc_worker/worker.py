@@ -190,7 +190,13 @@ class Worker:
                 if self.config.status_listen is not None:
                     # Up before register, so /healthz can say "not registered"
                     # through a controller outage.
-                    app = status_app(self.status, self.metrics)
+                    listen = self.config.status_listen
+                    app = status_app(
+                        self.status,
+                        self.metrics,
+                        token=self.config.status_token,
+                        private=listen.startswith("unix:"),
+                    )
                     self.status_urls = await nursery.start(
                         serve_status, app, self.config.status_listen
                     )

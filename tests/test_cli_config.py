@@ -78,6 +78,7 @@ def test_json_is_the_fully_resolved_config(
         "timeout": 60.0,
         "release_linger": 90.0,
         "labels": {},
+        "job_user": None,
     }
     assert (gpu1["max_runtime"], gpu1["timeout"], gpu1["release_linger"]) == (7200.0, 90.0, 90.0)
     assert gpu1["labels"] == {"rack": "r7", "slots": "4"}

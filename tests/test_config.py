@@ -965,9 +965,15 @@ def test_require_manual_clear_rejects_anything_else(
     assert message.startswith(f"RC_REQUIRE_MANUAL_CLEAR: {value!r} is not a boolean; expected")
 
 
-def test_child_environ_drops_the_workers_own_variables() -> None:
-    env = {name: "x" for name in WORKER_ENV_VARS} | {"PATH": "/bin", "RC_JOB_ID": "j1"}
-    assert child_environ(env) == {"PATH": "/bin", "RC_JOB_ID": "j1"}
+def test_child_environ_drops_every_rc_variable() -> None:
+    env = {name: "x" for name in WORKER_ENV_VARS} | {
+        "PATH": "/bin",
+        "RC_JOB_ID": "j1",
+        "RC_USER_TOKEN": "u",
+        "RC_URL": "http://c",
+        "RCX": "kept",
+    }
+    assert child_environ(env) == {"PATH": "/bin", "RCX": "kept"}
 
 
 # --- the resolved JSON form -------------------------------------------------------
@@ -993,6 +999,7 @@ def test_resolved_json_masks_the_token_and_uses_seconds(tmp_path: Path) -> None:
             "timeout": DEFAULT_HOOK_TIMEOUT,
             "release_linger": DEFAULT_RELEASE_LINGER,
             "labels": {"rack": "r1"},
+            "job_user": None,
         }
     ]
     assert set(data) == {f.name for f in attrs.fields(Config)}

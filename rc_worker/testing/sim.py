@@ -53,7 +53,7 @@ from types import MappingProxyType
 import attrs
 import trio
 
-from rc_worker.host import HostProcess, ProcessInfo
+from rc_worker.host import HostProcess, ProcessInfo, RunAs
 
 __all__ = [
     "DEFAULT_PIPE_CAPACITY",
@@ -629,6 +629,7 @@ class SimHost:
         stdin: bool,
         separate_stderr: bool,
         pty: bool,
+        run_as: RunAs | None = None,
     ) -> HostProcess:
         # As trio.lowlevel.open_process: a cancel point before, none after,
         # so a cancellation never strands a started process.
