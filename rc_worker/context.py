@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +18,8 @@ from rc_worker.metrics import WorkerMetrics
 from rc_worker.model import Assignment, job_key
 from rc_worker.outbox import Outbox
 from rc_worker.spool import JobDir, write_json_durably
+
+log = logging.getLogger("rc_worker.context")
 
 
 @attrs.define(eq=False)
@@ -71,13 +74,18 @@ class WorkerContext:
             (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
         )
         job_dir = JobDir(self.root, job_key(job_id, attempt))
-        job_dir.create()
-        write_json_durably(job_dir.finish, report)
-        write_json_durably(
-            job_dir.journal,
-            {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
-        )
-        self.outbox.deliver_report(job_dir, job_id, attempt)
+        try:
+            job_dir.create()
+            write_json_durably(job_dir.finish, report)
+            write_json_durably(
+                job_dir.journal,
+                {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
+            )
+        except OSError as e:
+            log.error("job %s: cannot write its report (%s); sending it from memory", job_id, e)
+            self.outbox.hold_report(job_dir, job_id, attempt, report)
+        else:
+            self.outbox.deliver_report(job_dir, job_id, attempt)
         self.metrics.jobs_finished.labels(str(report["outcome"])).inc()
 
     def child_env(self, device: str, job_id: str | None) -> dict[str, str]:

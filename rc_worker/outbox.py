@@ -1,7 +1,9 @@
 """Delivers what the worker owes the controller: job output, finish reports, faults.
 
-Everything is shipped from disk (``spool.py``), never from memory alone, so
-a controller outage of any length, or a worker restart, loses nothing.
+Everything is shipped from disk (``spool.py``), so a controller outage of
+any length, or a worker restart, loses nothing. A report the disk refuses
+(full, failing) is held in memory and delivered from there: the worker
+carries on, and only a restart before delivery could lose it.
 Output goes first, from the controller's committed offset; the ``finish``
 follows only once every byte up to ``output_bytes`` is committed; the job's
 directory (journal included) is removed once the ``finish`` is acknowledged.
@@ -21,7 +23,14 @@ from rc_worker import client as client_module
 from rc_worker.client import ControllerClient
 from rc_worker.errors import ControllerError
 from rc_worker.retry import Backoff
-from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json, write_json_durably
+from rc_worker.spool import (
+    JobDir,
+    OutputSpool,
+    job_dirs,
+    move_aside,
+    read_json,
+    write_json_durably,
+)
 
 log = logging.getLogger("rc_worker.outbox")
 
@@ -38,6 +47,8 @@ class _Delivery:
     spool: OutputSpool | None = None
     finish_ready: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
+    report: dict[str, Any] | None = None
+    """The finish, when the disk would not take it."""
 
 
 class Outbox:
@@ -52,6 +63,14 @@ class Outbox:
         self._deliveries: dict[str, _Delivery] = {}
         self._nursery: trio.Nursery | None = None
         self._pending_faults: list[Path] = []
+        # Fault reports the disk would not take, by the path they would have had.
+        self._in_memory: dict[Path, dict[str, Any]] = {}
+        # Started once run() is: reports held before the outbox runs (recovery's).
+        self._early: list[_Delivery] = []
+        self._early_faults: list[Path] = []
+        self.damaged: list[tuple[str | None, str]] = []
+        """``(device or None, why)`` of each damaged fault file :meth:`faults_on_disk` moved
+        aside; the worker quarantines those devices (all of them for None)."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -65,6 +84,13 @@ class Outbox:
                     continue
                 self._spawn(_Delivery(jd, *ident))
             for path in _pending_fault_files(self._root):
+                if path not in self._early_faults:
+                    self._start_fault(path)
+            early, self._early = self._early, []
+            for delivery in early:
+                self._spawn(delivery)
+            faults, self._early_faults = self._early_faults, []
+            for path in faults:
                 self._start_fault(path)
             task_status.started()
             await trio.sleep_forever()
@@ -74,11 +100,19 @@ class Outbox:
         self._spawn(_Delivery(job_dir, job_id, attempt, spool))
 
     def _spawn(self, delivery: _Delivery) -> None:
-        assert self._nursery is not None, "Outbox.run must be started first"
         self._deliveries[delivery.job_dir.key] = delivery
-        if delivery.job_dir.finish.exists():
+        if delivery.report is not None or delivery.job_dir.finish.exists():
             delivery.finish_ready.set()
+        if self._nursery is None:
+            self._early.append(delivery)
+            return
         self._nursery.start_soon(self._deliver_job, delivery)
+
+    def hold_report(
+        self, job_dir: JobDir, job_id: str, attempt: int, report: Mapping[str, Any]
+    ) -> None:
+        """Deliver a finish the disk would not take, from memory."""
+        self._spawn(_Delivery(job_dir, job_id, attempt, report=dict(report)))
 
     def deliver_report(self, job_dir: JobDir, job_id: str, attempt: int) -> None:
         """Deliver a job directory whose finish is already on disk."""
@@ -87,7 +121,15 @@ class Outbox:
     def finish(self, key: str, report: Mapping[str, Any]) -> None:
         """Record a job's finish report durably; it is sent once its output is in."""
         delivery = self._deliveries[key]
-        write_json_durably(delivery.job_dir.finish, report)
+        try:
+            write_json_durably(delivery.job_dir.finish, report)
+        except OSError as e:
+            log.error(
+                "job %s: cannot write its finish (%s); holding it in memory to send",
+                key,
+                e,
+            )
+            delivery.report = dict(report)
         delivery.finish_ready.set()
 
     async def delivered(self, key: str) -> None:
@@ -113,18 +155,33 @@ class Outbox:
         found = []
         for path in _pending_fault_files(self._root):
             data = read_json(path)
-            if data is None or not isinstance(data.get("report"), dict):
+            problem = _fault_problem(data)
+            if problem is not None:
+                device = data.get("device") if isinstance(data, dict) else None
+                move_aside(self._root, path, problem)
+                self.damaged.append(
+                    (device if isinstance(device, str) else None, f"{path.name}: {problem}")
+                )
                 continue
+            assert data is not None
             report = data["report"]
-            found.append(
-                (str(data.get("device")), str(report.get("fault_id")), str(report.get("reason")))
-            )
+            found.append((data["device"], report["fault_id"], str(report.get("reason"))))
         return found
 
     def fault(self, device: str, report: Mapping[str, Any]) -> None:
         """Record a fault report durably, then deliver it."""
         path = self._root / "faults" / f"{device}.{report['fault_id']}.json"
-        write_json_durably(path, {"device": device, "report": dict(report)})
+        data = {"device": device, "report": dict(report)}
+        try:
+            write_json_durably(path, data)
+        except OSError as e:
+            # A full disk must not turn one device's fault into the worker's crash.
+            log.error("cannot write fault %s (%s); holding it in memory", path.name, e)
+            self._in_memory[path] = data
+        if self._nursery is None:
+            self._pending_faults.append(path)
+            self._early_faults.append(path)
+            return
         self._start_fault(path)
 
     def _start_fault(self, path: Path) -> None:
@@ -132,18 +189,24 @@ class Outbox:
         # Counted as pending now, not when its task first runs: a drain that
         # looked in between would otherwise see nothing owed and stop the
         # worker with the fault undelivered.
-        self._pending_faults.append(path)
+        if path not in self._pending_faults:
+            self._pending_faults.append(path)
         self._nursery.start_soon(self._deliver_fault, path)
 
     async def _deliver_fault(self, path: Path) -> None:
         try:
-            data = read_json(path)
-            if data is None:
+            data = self._in_memory.get(path) or read_json(path)
+            problem = _fault_problem(data)
+            if problem is not None:
+                if data is not None:
+                    move_aside(self._root, path, problem)
                 return
+            assert data is not None
             try:
                 await self._client.fault(str(data["device"]), data["report"])
             except ControllerError as e:
                 log.error("fault report %s was refused for good: %s", path.name, e)
+            self._in_memory.pop(path, None)
             _remove(path)
         finally:
             self._pending_faults.remove(path)
@@ -153,7 +216,7 @@ class Outbox:
         try:
             committed = await self._ship_output(d)
             await d.finish_ready.wait()
-            report = read_json(d.job_dir.finish) or {}
+            report = d.report if d.report is not None else read_json(d.job_dir.finish) or {}
             if committed is not None and committed < int(report.get("output_bytes", 0)):
                 log.error(
                     "job %s: finish sent with output only committed to %d", d.job_id, committed
@@ -182,7 +245,8 @@ class Outbox:
             while True:
                 size = d.spool.size if d.spool is not None else d.job_dir.output_size()
                 if committed < size:
-                    chunk = d.job_dir.read_output(committed, CHUNK)
+                    read = d.spool.read if d.spool is not None else d.job_dir.read_output
+                    chunk = read(committed, CHUNK)
                     answer = await self._client.output(d.job_id, d.attempt, committed, chunk)
                     if chunk and answer == committed:
                         # A controller that answers 200 without taking the
@@ -221,11 +285,27 @@ def _identity(jd: JobDir) -> tuple[str, int] | None:
     """
     journal = read_json(jd.journal)
     if journal is not None:
-        return str(journal["job_id"]), int(journal["attempt"])
+        job_id, attempt = journal.get("job_id"), journal.get("attempt")
+        if isinstance(job_id, str) and isinstance(attempt, int) and not isinstance(attempt, bool):
+            return job_id, attempt
     job_id, _, attempt = jd.key.rpartition(".")
     if not job_id or not attempt.isdigit():
         return None
     return job_id, int(attempt)
+
+
+def _fault_problem(data: object) -> str | None:
+    """Why a fault file's content is unusable, or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    report = data.get("report")
+    if not isinstance(data.get("device"), str) or not data["device"]:
+        return "no device"
+    if not isinstance(report, dict):
+        return f"report is {type(report).__name__}, not an object"
+    if not isinstance(report.get("fault_id"), str) or not report["fault_id"]:
+        return "report has no fault_id"
+    return None
 
 
 def _pending_fault_files(root: Path) -> list[Path]:

@@ -33,7 +33,7 @@ from rc_worker._version import __version__
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config
 from rc_worker.context import WorkerContext, warn_token_file_mode
-from rc_worker.device import DeviceSupervisor
+from rc_worker.device import DeviceSupervisor, new_fault_id
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
@@ -41,7 +41,7 @@ from rc_worker.metrics import StateSnapshot, WorkerMetrics
 from rc_worker.model import IdleBehavior, assignment_identity, job_key, parse_assignment
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
-from rc_worker.recovery import Recovered, recover
+from rc_worker.recovery import Damaged, Recovered, recover
 from rc_worker.reports import not_run_report
 from rc_worker.sheets import SheetReader
 from rc_worker.spool import JobDir, ensure_state_dir
@@ -185,6 +185,8 @@ class Worker:
             for device, fault_id, reason in outbox.faults_on_disk():
                 if device in self.devices:
                     self.devices[device].add_fault(fault_id, f"undelivered fault: {reason}")
+            for device_name, why in outbox.damaged:
+                self._quarantine_damaged(device_name, why)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if self.config.status_listen is not None:
@@ -202,12 +204,23 @@ class Worker:
                     )
                     log.info("status and metrics at %s", ", ".join(self.status_urls))
                 self._apply_probe(await self._gather())
+                damaged: list[Damaged] = []
                 self.recovered = await recover(
                     root,
                     boot_id=boot_id,
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
+                    damaged=damaged,
                 )
+                for d in damaged:
+                    if (
+                        d.report is not None
+                        and d.job_dir is not None
+                        and d.job_id is not None
+                        and d.attempt is not None
+                    ):
+                        outbox.hold_report(d.job_dir, d.job_id, d.attempt, d.report)
+                    self._quarantine_damaged(d.device, d.why)
                 await self._register(client)
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():
@@ -437,6 +450,19 @@ class Worker:
                 list(assignment.command),
             )
             dev.assign(assignment)
+
+    def _quarantine_damaged(self, device: str | None, why: str) -> None:
+        """Quarantine the device of damaged state (every device when it is unknown): what ran
+        there is not known, so an operator decides (``kind: damaged_state``)."""
+        assert self._ctx is not None
+        names = [device] if device in self.devices else list(self.devices)
+        for name in names:
+            fault_id = new_fault_id()
+            self.metrics.quarantines.labels("damaged_state").inc()
+            self._ctx.outbox.fault(
+                name, {"fault_id": fault_id, "kind": "damaged_state", "reason": why}
+            )
+            self.devices[name].add_fault(fault_id, f"damaged state: {why}")
 
     def _known_attempt(self, job_id: str, attempt: int) -> bool:
         """This worker process was handed the attempt before, or its files are on disk."""
