@@ -15,6 +15,7 @@ import argparse
 import io
 import json
 import os
+import select
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -180,8 +181,37 @@ def _out(text: str) -> None:
 
 
 def _write_bytes(data: bytes) -> None:
-    sys.stdout.buffer.write(data)
+    """Write all of ``data`` to stdout, or fail loudly (``CliError``): never a silent short write.
+
+    Straight to the descriptor, in a loop: a pipe whose reader set it non-blocking makes a
+    buffered write stop short (``BlockingIOError``), and the rest would be lost unnoticed.
+    """
     sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None  # not a real file (captured in tests): its buffer takes all or raises
+    if fd is None:
+        written = sys.stdout.buffer.write(data)
+        if written is not None and written != len(data):
+            raise CliError(f"wrote {written} of {len(data)} bytes to stdout", 1)
+        sys.stdout.buffer.flush()
+        return
+    sys.stdout.buffer.flush()
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            select.select([], [fd], [])
+            continue
+        except OSError as e:
+            raise CliError(
+                f"cannot write the output to stdout ({e.strerror or e}); "
+                f"{len(view)} bytes were not written",
+                1,
+            ) from None
+        view = view[n:]
 
 
 async def _follow(client: httpx.AsyncClient, job_id: str, offset: int = 0) -> None:
@@ -294,9 +324,13 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         if args.follow:
             await _follow(client, args.job)
         else:
-            r = await client.get(f"/v1/jobs/{args.job}/output")
-            _raise_for(r)
-            _write_bytes(r.content)
+            # Streamed in chunks: a job's output may be larger than this machine's memory.
+            async with client.stream("GET", f"/v1/jobs/{args.job}/output") as r:
+                if not r.is_success:
+                    await r.aread()
+                    _raise_for(r)
+                async for chunk in r.aiter_raw():
+                    _write_bytes(chunk)
         return 0
     body: Any
     if c == "ps":

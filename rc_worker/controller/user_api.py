@@ -60,16 +60,31 @@ async def get_output(request: Request) -> Response:
         raise BadRequest("offset: must not be negative")
     job = ctl.store.job(job_id)
     if request.query_params.get("follow", "").lower() not in ("1", "true", "yes"):
-        return Response(
-            ctl.store.output(job_id, offset),
+        # Streamed in chunks up to what is committed now: never a copy of the whole output.
+        return StreamingResponse(
+            _snapshot(ctl, job_id, offset, job.committed_bytes),
             media_type="application/octet-stream",
-            headers={"X-RC-Job-State": job.state, "X-RC-Committed": str(job.committed_bytes)},
+            headers={
+                "X-RC-Job-State": job.state,
+                "X-RC-Committed": str(job.committed_bytes),
+                "Content-Length": str(max(job.committed_bytes - offset, 0)),
+            },
         )
     return StreamingResponse(
         _follow(ctl, job_id, offset),
         media_type="application/octet-stream",
         headers={"X-RC-Job-State": job.state},
     )
+
+
+async def _snapshot(ctl: Controller, job_id: str, offset: int, end: int) -> AsyncIterator[bytes]:
+    pos = offset
+    while pos < end:
+        data = ctl.store.output(job_id, pos, min(STREAM_CHUNK, end - pos))
+        if not data:
+            return
+        pos += len(data)
+        yield data
 
 
 async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[bytes]:
