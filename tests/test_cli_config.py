@@ -113,7 +113,7 @@ def test_bad_config_is_exit_2_with_the_message_on_stderr(
     ("setup", "fragment"),
     [
         ("missing", ":1:1: (file): no such file"),
-        ("directory", ":1:1: (file): cannot read it"),
+        ("directory", ":1:1: (file): the config is not a regular file"),
         ("syntax", ":1:10: (yaml):"),
         ("unknown-key", ":2:1: colour: unknown key 'colour'"),
     ],

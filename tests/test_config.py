@@ -436,7 +436,7 @@ _BAD: list[tuple[str, str | None, str, str, dict[str, str]]] = [
         "token-file-unreadable",
         "devices: [gpu0]\ntoken_file: .\n",
         "2:13: token_file",
-        "cannot read the token file (Is a directory)",
+        "the token file is not a regular file",
         {},
     ),
     (

@@ -62,3 +62,71 @@ def test_status_listen_may_be_a_unix_socket(tmp_path: Path) -> None:
     assert ok.status_listen == "unix:/run/rc.sock"
     with pytest.raises(ConfigError, match="unix:/absolute/path"):
         load_config(_write(tmp_path, "devices: [gpu0]\nstatus_listen: unix:rc.sock\n"))
+
+
+# --- hostile config files: one-line errors, never a hang or a traceback ---------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('devices: !!python/object/apply:os.system ["echo pwned"]\n', "is not allowed"),
+        ("devices: [gpu0]\nx: !!python/name:os.system ''\n", "is not allowed"),
+        ("devices: " + "[" * 5000 + "]" * 5000 + "\n", "nested"),
+        (
+            "devices: [gpu0]\nhooks:\n"
+            + "".join(" " * (i + 1) + f"a{i}:\n" for i in range(900))
+            + " " * 902
+            + "x\n",
+            "nested too deep",
+        ),
+        ("devices: [gpu0]\ncontroller_url: 'http://[::1'\ntoken: t\n", "is not a URL"),
+    ],
+)
+def test_hostile_yaml_is_a_one_line_error(tmp_path: Path, text: str, needle: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+    assert message.startswith(f"{path}:")
+
+
+def test_check_config_refuses_what_run_would_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, "devices: [gpu0]\ncontroller_url: 'http://[::1'\ntoken: t\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "controller_url" in err
+    assert "Traceback" not in err
+
+
+def test_a_fifo_as_config_is_refused_at_once(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "worker.yaml"
+    os.mkfifo(fifo)
+    # Nobody writes to it: reading it would block for ever.
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(fifo, environ={})
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "fifo", "big"])
+def test_token_file_is_bounded(tmp_path: Path, source: str) -> None:
+    import os
+
+    if source == "fifo":
+        token_path = tmp_path / "token"
+        os.mkfifo(token_path)
+    elif source == "big":
+        token_path = tmp_path / "token"
+        token_path.write_bytes(b"t" * 200_000)
+    else:
+        token_path = Path(source)
+    path = _write(
+        tmp_path, f"devices: [gpu0]\ncontroller_url: http://c:1\ntoken_file: {token_path}\n"
+    )
+    with pytest.raises(ConfigError, match="token_file: the token file is"):
+        load_config(path, environ={})
