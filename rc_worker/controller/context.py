@@ -28,6 +28,10 @@ from rc_worker.controller.wire import Fields, decode
 
 log = logging.getLogger("rc_worker.controller")
 
+LOOP_WATCH_S = 0.5
+LOOP_STALL_S = 2.0
+"""A silence of the event loop longer than this is a pause, credited to every timer."""
+
 MAX_JSON_BYTES = 8 * 1024 * 1024
 """Large enough for a registration carrying every usage sheet of a big host."""
 
@@ -128,6 +132,7 @@ class Controller:
         self.webhooks = tuple(webhooks)
         self.changes = Changes()
         store.subscribe(self.changes.poke)
+        self.loop_seen: float | None = None
         # Stdin pipes live here, not in the store: they are flow control, not state.
         self.stdin = StdinPipes(self.changes)
 
@@ -137,8 +142,32 @@ class Controller:
     def tick(self) -> float:
         """Apply the store's due timers (lazily, on every request); returns ``now``."""
         now = self.now()
+        self.check_loop(now)
         self.store.tick(now)
         return now
+
+    def check_loop(self, now: float) -> None:
+        """Credit the store with any time the event loop did not run (see
+        :meth:`StoreState.credit_pause`). Active only while :func:`watch_loop` runs (``rc
+        serve``): it notes the loop running every :data:`LOOP_WATCH_S`; a longer silence
+        than :data:`LOOP_STALL_S` means the whole process was stopped or starved."""
+        if self.loop_seen is not None and now - self.loop_seen > LOOP_STALL_S:
+            stalled = now - self.loop_seen - LOOP_WATCH_S
+            log.warning(
+                "the controller did not run for %.1fs (paused or starved); "
+                "host and assignment timers are extended by that much",
+                stalled,
+            )
+            self.store.credit_pause(stalled)
+        if self.loop_seen is not None:
+            self.loop_seen = now
+
+    async def watch_loop(self) -> None:
+        """Note, every :data:`LOOP_WATCH_S`, that the loop runs; runs until cancelled."""
+        self.loop_seen = self.now()
+        while True:
+            await anyio.sleep(LOOP_WATCH_S)
+            self.check_loop(self.now())
 
     async def wait_change(self, seen: int, deadline: float | None) -> None:
         """Return once :attr:`Changes.version` differs from ``seen``, ``deadline`` passes, or

@@ -192,6 +192,8 @@ async def serve(
     """
     ctl = _controller(app)
     async with trio.open_nursery() as nursery:
+        # Before housekeeping's first tick: a pause is measured from the first moment.
+        nursery.start_soon(ctl.watch_loop)
         await nursery.start(housekeeping, app)
         if ctl.webhooks:
             if webhook_client is None:

@@ -167,6 +167,24 @@ class StoreState:
         if changed:
             self._changed()
 
+    def credit_pause(self, seconds: float) -> None:
+        """Time the controller itself was not running (a SIGSTOP, a long GC, a suspended VM)
+        does not count against anybody: every host's and assignment's timer moves on by it.
+
+        The heartbeats a host sent meanwhile are waiting in the controller's own socket
+        backlog; without the credit the first tick after the pause would declare the host
+        lost before reading them.
+        """
+        if seconds <= 0:
+            return
+        for h in self._hosts.values():
+            if h.session is not None:
+                h.last_seen += seconds
+        for job in self._live.values():
+            cur = job.current
+            if cur is not None:
+                cur.last_heard += seconds
+
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do, on the controller clock."""
         deadlines = [
