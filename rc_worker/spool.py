@@ -26,6 +26,8 @@ from typing import Any
 
 import trio
 
+from rc_worker import boundedjson
+
 log = logging.getLogger("rc_worker.spool")
 
 TRUNCATION_MARKER = "\n[rc-worker: output truncated here: the job wrote more than {cap} bytes]\n"
@@ -76,11 +78,19 @@ def write_json_durably(path: Path, data: Mapping[str, Any]) -> None:
     _fsync_dir(path.parent)
 
 
+MAX_STATE_FILE_BYTES = 1 << 20
+"""State files are a few hundred bytes; anything near this is damage, not data."""
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object in ``path``; None when absent or unreadable (logged)."""
+    """The JSON object in ``path``; None when absent or unreadable (logged). Bounded in size
+    and depth, so a damaged file can cost neither the worker's memory nor its stack."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_STATE_FILE_BYTES + 1)
+        if len(raw) > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
+        data = boundedjson.loads(raw)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from rc_worker import boundedjson
 from rc_worker.config import load_config
 from rc_worker.errors import ConfigError
 from rc_worker.metrics import WorkerMetrics
@@ -179,7 +180,7 @@ def status_main(args: argparse.Namespace) -> int:
                 url = "http://" + url
             response = httpx.get(url.rstrip("/") + "/status", headers=headers, timeout=10.0)
         response.raise_for_status()
-        data = response.json()
+        data: Any = boundedjson.loads(response.content)
     except (httpx.HTTPError, ValueError) as e:
         print(f"rc-worker: cannot read the worker's status at {url}: {e}", file=sys.stderr)
         return 1

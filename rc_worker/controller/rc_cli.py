@@ -24,6 +24,7 @@ from typing import Any, cast
 import httpx
 import trio
 
+from rc_worker import boundedjson
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.app import create_app
 from rc_worker.controller.context import User, parse_user_token
@@ -162,7 +163,7 @@ def _raise_for(r: httpx.Response) -> None:
     if r.is_success:
         return
     try:
-        body = r.json()
+        body: Any = boundedjson.loads(r.content)
         message = f"{body['error']}: {body['message']}"
     except (ValueError, KeyError, TypeError):
         message = f"HTTP {r.status_code}"
@@ -172,7 +173,10 @@ def _raise_for(r: httpx.Response) -> None:
 async def _json(r: Awaitable[httpx.Response]) -> Any:
     response = await r
     _raise_for(response)
-    return response.json()
+    try:
+        return boundedjson.loads(response.content)
+    except ValueError as e:
+        raise CliError(f"the controller answered with JSON rc cannot read ({e})") from None
 
 
 def _out(text: str) -> None:
