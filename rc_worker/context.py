@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,6 +37,8 @@ class WorkerContext:
     draining: bool = False
     stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
+    rng: random.Random = attrs.field(factory=random.Random)
+    """Ids (faults) and jitter come from here: a simulation seeds it to replay exactly."""
 
     def run_as(self, device: DeviceConfig) -> RunAs | None:
         """Who the device's jobs, hooks and verify scripts run as: its ``job_user`` when the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-import uuid
+import random
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +37,9 @@ log = logging.getLogger("rc_worker.device")
 S = DeviceState
 
 
-def new_fault_id() -> str:
-    return f"f-{uuid.uuid4().hex[:12]}"
+def new_fault_id(rng: random.Random) -> str:
+    """A fault id: random, so that no two workers (or restarts) ever repeat one."""
+    return f"f-{rng.getrandbits(48):012x}"
 
 
 class DeviceSupervisor:
@@ -50,6 +51,8 @@ class DeviceSupervisor:
         # Set while a poll that offered this device is in flight: a lingering
         # device does not start its release until that poll has answered.
         self.offered = False
+        # Which of the worker's polls offers it (the newest), while ``offered``.
+        self.poll_id: int | None = None
         self._pending: tuple[Assignment, bool] | None = None
         self._changed = trio.Event()
         self._acquire_scope: trio.CancelScope | None = None
@@ -69,6 +72,16 @@ class DeviceSupervisor:
 
     def can_take(self) -> bool:
         return self.lease.can_take(draining=self.ctx.draining)
+
+    def not_offerable_reason(self) -> str:
+        """Why this device cannot take an assignment now (for a stale offer's refusal)."""
+        if self.ctx.stopping:
+            return f"device {self.name}: the worker is shutting down"
+        if self.ctx.draining:
+            return f"device {self.name}: the worker is draining"
+        if self.lease.faults:
+            return f"device {self.name} is quarantined"
+        return f"device {self.name} is {self.lease.state}"
 
     def idle(self) -> bool:
         """Nothing to do now: free or quarantined, no assignment waiting."""
@@ -114,7 +127,7 @@ class DeviceSupervisor:
     ) -> str:
         """Raise a fault of this worker's own; ``report`` sends it with ``fault``
         (a fault outside a finish), else the caller puts it in the finish."""
-        fault_id = new_fault_id()
+        fault_id = new_fault_id(self.ctx.rng)
         log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
@@ -125,6 +138,12 @@ class DeviceSupervisor:
         self.lease.add_fault(fault_id)
         self._poke()
         return fault_id
+
+    def raise_fault(self, kind: str, reason: str) -> str:
+        """Quarantine this device with a fault found outside a job (a health
+        check, an operator's tool, a simulation), reported to the controller.
+        Returns the fault id."""
+        return self._quarantine(kind, reason)
 
     def clear_faults(self, cleared: set[str]) -> None:
         if cleared & self.lease.faults:
@@ -208,7 +227,7 @@ class DeviceSupervisor:
             detail = f"internal worker error: {type(exc).__name__}: {exc}"
             if a is not None and self._finished != self.ctx.job_key(a):
                 self._finish_after_error(a, detail)
-            fault_id = new_fault_id()
+            fault_id = new_fault_id(self.ctx.rng)
             self.ctx.metrics.quarantines.labels("dirty").inc()
             self.ctx.outbox.fault(
                 self.name, {"fault_id": fault_id, "kind": "dirty", "reason": detail}
@@ -253,8 +272,11 @@ class DeviceSupervisor:
         key = self.ctx.job_key(a)
         if self.ctx.stopping:
             # Taken just before the worker was told to stop: not started, so
-            # hand it back; a refused attempt is requeued as a new one.
-            self.ctx.report(a, not_run_report(a, "refused", "the worker is shutting down"))
+            # hand it back; a refused attempt is requeued as a new one, and the
+            # refusal is the device's state, not the job's: a stale offer.
+            report = not_run_report(a, "refused", "stale offer: the worker is shutting down")
+            report["stale_offer"] = True
+            self.ctx.report(a, report)
             self._settle()
             return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
@@ -38,7 +40,13 @@ from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
-from rc_worker.model import IdleBehavior, assignment_identity, job_key, parse_assignment
+from rc_worker.model import (
+    Assignment,
+    IdleBehavior,
+    assignment_identity,
+    job_key,
+    parse_assignment,
+)
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Damaged, Recovered, recover
@@ -66,6 +74,7 @@ class Worker:
         http: httpx.AsyncClient | None = None,
         host: Host | None = None,
         environ: Mapping[str, str] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         import os
 
@@ -89,10 +98,20 @@ class Worker:
         self.registered = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._labels: dict[str, Any] = {"host": {}, "devices": {}}
+        # What the controller has of them (sent at register or by PUT): an
+        # unchanged probe pass sends nothing, which at fleet scale is most of them.
+        self._labels_sent: dict[str, Any] | None = None
         self._last_probe: list[dict[str, Any]] = []
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
         self.status_urls: list[str] = []
+        # Who this process is, for the controller's "same process or new" at
+        # register; in memory only, so no later process can repeat it.
+        # ``rng``: every id and jitter of this worker; a simulation seeds it so that
+        # a run replays exactly. By default, seeded from the OS.
+        self._rng = rng if rng is not None else random.Random()
+        self.instance_id = f"{self._rng.getrandbits(64):016x}"
+        self._poll_seq = 0
 
     # -- control ------------------------------------------------------------
 
@@ -167,8 +186,9 @@ class Worker:
                 host=self.config.host,
                 token=self.config.token,
                 on_unknown_session=self._register,
+                rng=self._rng,
             )
-            outbox = Outbox(root, client, on_change=self._poke_poller)
+            outbox = Outbox(root, client, on_change=self._poke_poller, rng=self._rng)
             ctx = WorkerContext(
                 config=self.config,
                 host=self.host,
@@ -179,6 +199,7 @@ class Worker:
                 environ=self._environ,
                 poke_poller=self._poke_poller,
                 metrics=self.metrics,
+                rng=self._rng,
             )
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
@@ -298,7 +319,8 @@ class Worker:
         payload: dict[str, Any] = {
             "worker_version": __version__,
             "boot_id": self._ctx.boot_id,
-            "pid": _pid(),
+            "pid": self.host.own_pid(),
+            "instance_id": self.instance_id,
             "devices": [
                 {"name": d.name, "declared_labels": dict(d.labels)} for d in self.config.devices
             ],
@@ -314,6 +336,7 @@ class Worker:
             "require_manual_clear": self.config.require_manual_clear,
         }
         answer = await client.register(payload)
+        self._labels_sent = payload["labels"]
         log.info("registered with the controller as session %s", client.session)
         self._heartbeat_interval = _positive(
             answer.get("heartbeat_interval_s"), self._heartbeat_interval
@@ -382,33 +405,63 @@ class Worker:
 
     async def _poll_manager(self, client: ControllerClient, nursery: trio.Nursery) -> None:
         assert self._ctx is not None
+        parked: list[_Poll] = []
         with trio.CancelScope() as polls:
             async with trio.open_nursery() as poll_nursery:
                 while not self._ctx.draining:
                     wake = self._poll_wake
+                    # A device listed in a parked poll that is no longer offerable
+                    # (quarantined, held, busy...) must not stay on offer until
+                    # poll_wait runs out: poll again now with the updated ready set
+                    # and that device withdrawn, which makes the controller answer
+                    # the old poll at once. An assignment it made meanwhile still
+                    # arrives, and is refused as a stale offer (requeued).
+                    withdrawn: list[DeviceSupervisor] = []
+                    for p in parked:
+                        if p.superseded or all(d.ready() for d in p.devices):
+                            continue
+                        p.superseded = True
+                        for dev in p.devices:
+                            if dev.poll_id == p.id:
+                                dev.offered, dev.poll_id = False, None
+                            if not dev.ready():
+                                withdrawn.append(dev)
+                    parked[:] = [p for p in parked if not p.done]
                     fresh = [d for d in self.devices.values() if d.ready() and not d.offered]
-                    if fresh:
+                    if fresh or withdrawn:
+                        self._poll_seq += 1
+                        poll = _Poll(self._poll_seq, fresh)
                         for dev in fresh:
-                            dev.offered = True
-                        poll_nursery.start_soon(self._poll_once, client, fresh)
+                            dev.offered, dev.poll_id = True, poll.id
+                        parked.append(poll)
+                        names = [d.name for d in withdrawn]
+                        poll_nursery.start_soon(self._poll_once, client, poll, names)
                     await wake.wait()
                 # Draining: in-flight polls are abandoned; an assignment lost
                 # with them is never started, and the controller offers it again.
                 polls.cancel()
 
-    async def _poll_once(self, client: ControllerClient, devices: list[DeviceSupervisor]) -> None:
+    async def _poll_once(self, client: ControllerClient, poll: _Poll, withdrawn: list[str]) -> None:
+        devices = poll.devices
+        assignments: list[Any] = []
         try:
             linger = min((d.linger_deadline() for d in devices), default=math.inf)
             wait_s = min(self._poll_wait, max(1.0, linger - trio.current_time()))
+            if not devices:
+                wait_s = 0.0  # only withdrawing: answered at once
             try:
-                assignments = await client.poll([d.name for d in devices], round(wait_s, 3))
+                assignments = await client.poll(
+                    [d.name for d in devices], round(wait_s, 3), withdrawn
+                )
             except ControllerError as e:
                 log.error("poll refused: %s; retrying after the heartbeat interval", e)
                 await trio.sleep(self._heartbeat_interval)
                 return
         finally:
+            poll.done = True
             for dev in devices:
-                dev.offered = False
+                if dev.poll_id == poll.id:
+                    dev.offered, dev.poll_id = False, None
                 dev.poke()
             self._poke_poller()
         for raw in assignments:
@@ -440,7 +493,9 @@ class Worker:
         if dev is None:
             self._reject(raw, f"unknown device {assignment.device!r} on host {self.config.host}")
         elif not dev.can_take():
-            self._reject(raw, f"device {assignment.device} is not ready ({dev.lease.state})")
+            # The device's state, not the assignment, is in the way: the poll that
+            # offered it went stale. Refused, so the controller requeues the job.
+            self._refuse_stale(assignment, dev.not_offerable_reason())
         else:
             log.info(
                 "device %s: assigned job %s attempt %d: %s",
@@ -457,7 +512,7 @@ class Worker:
         assert self._ctx is not None
         names = [device] if device in self.devices else list(self.devices)
         for name in names:
-            fault_id = new_fault_id()
+            fault_id = new_fault_id(self._ctx.rng)
             self.metrics.quarantines.labels("damaged_state").inc()
             self._ctx.outbox.fault(
                 name, {"fault_id": fault_id, "kind": "damaged_state", "reason": why}
@@ -470,6 +525,14 @@ class Worker:
         if (job_id, attempt) in self._seen_attempts:
             return True
         return JobDir(self._ctx.root, job_key(job_id, attempt)).path.exists()
+
+    def _refuse_stale(self, assignment: Assignment, why: str) -> None:
+        assert self._ctx is not None
+        reason = f"stale offer: {why}"
+        log.info("refusing job %s attempt %d: %s", assignment.job_id, assignment.attempt, reason)
+        report = not_run_report(assignment, "refused", reason)
+        report["stale_offer"] = True
+        self._ctx.report(assignment, report)
 
     def _reject(self, raw: Any, reason: str) -> None:
         assert self._ctx is not None
@@ -495,10 +558,15 @@ class Worker:
                     log.error("sheets refused: %s", e)
 
     async def _send_labels(self, client: ControllerClient) -> None:
+        labels = self._labels
+        if labels == self._labels_sent:
+            return
         try:
-            await client.put_labels(self._labels)
+            await client.put_labels(labels)
         except ControllerError as e:
             log.error("labels refused: %s", e)
+            return
+        self._labels_sent = labels
 
     async def _gather(self) -> ProbeResult:
         with self.metrics.probe_seconds.time():
@@ -520,6 +588,16 @@ class Worker:
                 self._ctx.device_labels[name] = dict(facts)
 
 
+@attrs.define(eq=False)
+class _Poll:
+    """One long poll in flight and the devices it offers."""
+
+    id: int
+    devices: list[DeviceSupervisor]
+    superseded: bool = False
+    done: bool = False
+
+
 def _state_dir_error(state_dir: str, e: OSError) -> ConfigError:
     return ConfigError(
         f"state_dir: cannot create or use {state_dir} ({e.strerror}); "
@@ -531,12 +609,6 @@ def _positive(value: Any, default: float) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return float(value)
     return default
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def state_root(config: Config) -> Path:

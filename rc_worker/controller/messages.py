@@ -101,6 +101,9 @@ class RegisterRequest:
     devices: tuple[DeviceDecl, ...]
     worker_version: str = ""
     pid: int | None = None
+    # A per-process id the worker picks at start and keeps in memory only:
+    # the one thing that tells "the same live process again" from "a new one".
+    instance_id: str | None = None
     labels: LabelsUpdate = LabelsUpdate()
     sheets: SheetsUpdate = SheetsUpdate()
     recovery: tuple[Recovery, ...] = ()
@@ -151,6 +154,9 @@ class FinishRequest:
     sweep: Mapping[str, object] | None = attrs.field(default=None, hash=False)
     verify: Verify | None = None
     fault_id: str | None = None
+    # With ``refused``: the offer was stale (the device stopped being offerable
+    # between the poll and its answer), so the refusal is no mark against the job.
+    stale_offer: bool = False
 
 
 @attrs.frozen
@@ -303,6 +309,9 @@ class JobInfo:
     verify: Verify | None = None
     sweep: Mapping[str, object] | None = attrs.field(default=None, hash=False)
     attempts: tuple[AttemptInfo, ...] = ()
+    pending_reason: str | None = None
+    """Why a queued job is not running yet (None unless ``queued``); see controller/pending.py."""
+    pending_code: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -334,6 +343,8 @@ class JobInfo:
             else {"ok": self.verify.ok, "reason": self.verify.reason},
             "sweep": None if self.sweep is None else dict(self.sweep),
             "attempts": [a.to_json() for a in self.attempts],
+            "pending_reason": self.pending_reason,
+            "pending_code": self.pending_code,
         }
 
 

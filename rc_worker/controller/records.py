@@ -33,6 +33,10 @@ class Fault:
     boot_id: str | None = None
     """For ``interrupted``: the host's boot id when the job started, if known."""
 
+    def describe(self) -> str:
+        """``kind: detail``, for the one-line reasons people read."""
+        return f"{self.kind}: {self.detail}" if self.detail else self.kind
+
     def info(self) -> FaultInfo:
         return FaultInfo(
             fault_id=self.fault_id,
@@ -74,6 +78,7 @@ class Job:
     attempts: list[Attempt] = attrs.Factory(list)
     cancel_reason: str | None = None
     refusals: int = 0
+    stale_refusals: int = 0
     output: bytearray = attrs.Factory(bytearray)
     started_at: float | None = None
     finished_at: float | None = None
@@ -203,6 +208,7 @@ class Host:
     session: str | None = None
     lost: bool = False
     pid: int | None = None
+    instance_id: str | None = None
     worker_version: str = ""
     require_manual_clear: bool = False
     facts: dict[str, str] = attrs.Factory(dict)

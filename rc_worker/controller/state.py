@@ -11,6 +11,7 @@ adds the public operations on top. Sans-IO: no Trio, no anyio; time comes in as
 from __future__ import annotations
 
 import bisect
+import random
 import secrets
 import time
 from collections import deque
@@ -37,6 +38,7 @@ class StoreConfig:
     """An unstarted assignment, or a job carried over a registration in ``recovery``, that the
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
     max_refusals: int = 10
+    max_stale_refusals: int = 1000
     max_events: int = 100_000
     max_grace_s: float = 600.0
     """The longest ``grace_s`` a job may ask for (``rc serve --max-grace``): a job that ignores
@@ -63,8 +65,11 @@ class StoreState:
         *,
         instance: str | None = None,
         wall_clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config or StoreConfig()
+        # Session tokens: unguessable by default; a simulation seeds them to replay.
+        self._rng = rng
         self.instance = instance or secrets.token_hex(3)
         self._wall = wall_clock
         self._hosts: dict[str, Host] = {}
@@ -77,6 +82,9 @@ class StoreState:
         self._event_seq = 0
         self.version = 0
         self._subscribers: list[Callable[[], None]] = []
+        # The newest long poll that offered each (host, device): an older poll
+        # still parked for it has been superseded and gets nothing.
+        self._poll_gen: dict[tuple[str, str], int] = {}
 
     # --- change notification ----------------------------------------------------------------
 
@@ -89,6 +97,12 @@ class StoreState:
         self.version += 1
         for callback in list(self._subscribers):
             callback()
+
+    def _token(self) -> str:
+        """Eight hex digits nobody can guess (or, seeded, the same in every replay)."""
+        if self._rng is None:
+            return secrets.token_hex(4)
+        return f"{self._rng.getrandbits(32):08x}"
 
     def _next_id(self, prefix: str) -> str:
         n = self._counters[prefix] = self._counters.get(prefix, 0) + 1

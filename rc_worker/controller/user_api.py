@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from rc_worker.controller import wire
 from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
-from rc_worker.controller.errors import ApiError, BadRequest, Forbidden
+from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_EVENTS_WAIT_S = 60.0
@@ -36,9 +36,20 @@ async def submit(request: Request) -> Response:
     ctl = controller_of(request)
     user = ctl.require_user(request)
     ctl.tick()
-    kwargs = wire.submit(await json_body(request))
+    body = await json_body(request)
+    kwargs = wire.submit(body)
+    if body.flag("strict"):
+        # Checked and submitted with no await in between: the devices cannot change meanwhile.
+        why = ctl.store.pending(kwargs["select"], kwargs["device"])
+        if why.code == "no_match":
+            raise Conflict(
+                f"no registered device could ever run this job: {why.reason}", code="no_match"
+            )
     job_id = ctl.store.submit(**kwargs, submitted_by=user.name)
-    return JSONResponse({"job_id": job_id})
+    job = ctl.store.job(job_id)
+    return JSONResponse(
+        {"job_id": job_id, "pending_reason": job.pending_reason, "pending_code": job.pending_code}
+    )
 
 
 async def list_jobs(request: Request) -> Response:

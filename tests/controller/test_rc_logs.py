@@ -71,10 +71,10 @@ def test_rc_logs_fails_loudly_when_stdout_refuses(tmp_path: Path) -> None:
     # /dev/full refuses every write with ENOSPC: the error must be reported, not dropped.
     script = (
         "import sys\n"
-        "from rc_worker.controller import rc_cli\n"
+        "from rc_worker.controller import rc_follow\n"
         "try:\n"
-        "    rc_cli._write_bytes(b'x' * 100000)\n"
-        "except rc_cli.CliError as e:\n"
+        "    rc_follow.write_all(sys.stdout, b'x' * 100000)\n"
+        "except rc_follow.CliError as e:\n"
         "    print(e, file=sys.stderr)\n"
         "    sys.exit(e.status)\n"
     )
