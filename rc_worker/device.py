@@ -22,6 +22,7 @@ import trio
 from rc_worker.config import DeviceConfig
 from rc_worker.errors import ControllerError
 from rc_worker.hooks import run_hook
+from rc_worker.host import RunAs
 from rc_worker.lease import Lease
 from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult, effective_limit
 from rc_worker.reports import finish_report, not_run_report
@@ -40,6 +41,11 @@ S = DeviceState
 def new_fault_id(rng: random.Random) -> str:
     """A fault id: random, so that no two workers (or restarts) ever repeat one."""
     return f"f-{rng.getrandbits(48):012x}"
+
+
+def _run_as(run_as: RunAs | None) -> dict[str, Any]:
+    """``run_as=`` for a hook or verify call only when set: the unset call is the plain one."""
+    return {} if run_as is None else {"run_as": run_as}
 
 
 class DeviceSupervisor:
@@ -318,7 +324,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, a.job_id),
                     host=self.ctx.host,
-                    run_as=self.ctx.run_as(self.config),
+                    **_run_as(self.ctx.run_as(self.config)),
                 )
         self._acquire_scope = None
         if scope.cancelled_caught:
@@ -399,7 +405,7 @@ class DeviceSupervisor:
                 pass_budget=self.ctx.config.verify_pass_budget,
                 env=env,
                 host=self.ctx.host,
-                run_as=self.ctx.run_as(self.config),
+                **_run_as(self.ctx.run_as(self.config)),
             )
         fault_id = None
         if not verify.ok:
@@ -433,7 +439,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, self._last_job_id),
                     host=self.ctx.host,
-                    run_as=self.ctx.run_as(self.config),
+                    **_run_as(self.ctx.run_as(self.config)),
                 )
             if not outcome.ok:
                 self.lease.released()
