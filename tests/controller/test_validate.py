@@ -169,6 +169,7 @@ ENDPOINTS: list[tuple[str, str, str]] = [
     ("GET", "/v1/jobs/JOB", USER_TOKEN),
     ("GET", "/v1/jobs/JOB/output?offset=0", USER_TOKEN),
     ("POST", "/v1/jobs/JOB/cancel", USER_TOKEN),
+    ("PUT", "/v1/jobs/JOB/stdin", USER_TOKEN),
     ("GET", "/v1/devices", USER_TOKEN),
     ("GET", "/v1/devices/box1/gpu0/sheet", USER_TOKEN),
     ("POST", "/v1/devices/box1/gpu0/clear", USER_TOKEN),
@@ -247,6 +248,26 @@ def _bodies(draw: st.DrawFn, session: str) -> bytes:
     for key in draw(st.lists(st.sampled_from(_FIELDS), max_size=6, unique=True)):
         body[key] = draw(_json)
     return json.dumps(body).encode()
+
+
+def test_the_fuzz_covers_every_route() -> None:
+    app = create_app()
+    routes = set()
+    for route in app.routes:
+        for method in getattr(route, "methods", None) or ():
+            if method != "HEAD":
+                routes.add((method, route.path))  # type: ignore[attr-defined]
+    fuzzed = {
+        (
+            m,
+            p.split("?")[0]
+            .replace("box1", "{host}")
+            .replace("gpu0", "{device}")
+            .replace("JOB", "{job_id}"),
+        )
+        for m, p, _ in ENDPOINTS
+    }
+    assert routes == fuzzed
 
 
 async def test_fuzz_every_endpoint_no_500(small_store: Store) -> None:
