@@ -291,7 +291,20 @@ class DeviceSupervisor:
         if not await self._start(a):
             self._settle()
             return
-        result, verify, fault_id, output_bytes = await self._run(a, key)
+        job_dir = JobDir(self.ctx.root, key)
+        try:
+            self.ctx.journal(job_dir, a)
+            spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
+        except OSError as e:
+            # Nothing was spawned, so the device is as clean as before: this job ends
+            # `error` (its report held in memory if the disk refuses it too), no quarantine.
+            log.error("device %s: cannot journal job %s (%s); not run", self.name, a.job_id, e)
+            self.ctx.report(
+                a, not_run_report(a, "error", "", error=f"the worker's state_dir refused it: {e}")
+            )
+            self._settle()
+            return
+        result, verify, fault_id, output_bytes = await self._run(a, job_dir, spool)
         report = finish_report(
             a, result, verify=verify, fault_id=fault_id, output_bytes=output_bytes
         )
@@ -363,10 +376,9 @@ class DeviceSupervisor:
             return False
         return True
 
-    async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
-        job_dir = JobDir(self.ctx.root, key)
-        self.ctx.journal(job_dir, a)
-        spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
+    async def _run(
+        self, a: Assignment, job_dir: JobDir, spool: OutputSpool
+    ) -> tuple[Result, VerifyResult, str | None, int]:
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)
         handle = JobHandle()

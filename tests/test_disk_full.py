@@ -102,3 +102,22 @@ async def test_recovery_on_a_full_disk_starts_and_quarantines(
             # gpu1 has no disk to spool to either, but the job is reported, never a crash.
             assert (await system.wait_job(ok)).terminal
     assert DISK_ERROR_MARKER  # the marker the first test looks for is the spool's own
+
+
+async def test_a_job_the_disk_cannot_journal_is_an_error_not_a_quarantine(
+    small_disk: Path,
+) -> None:
+    config = make_config(small_disk, devices=("gpu0",))
+    with trio.fail_after(60):
+        async with local_system(config) as system:
+            await trio.to_thread.run_sync(_fill, small_disk / "filler")
+            refused = system.submit(["echo", "never"])
+            info = await system.wait_job(refused)
+            assert info.state == "error"
+            assert "state_dir refused it" in (info.error or "")
+            assert system.output(refused) == b""
+            # Nothing ran, so nothing is quarantined: the device takes work once there is room.
+            assert system.device("gpu0").faults == ()
+            await trio.Path(small_disk / "filler").unlink()
+            ok = system.submit(["echo", "room again"])
+            assert (await system.wait_job(ok)).state == "succeeded"
