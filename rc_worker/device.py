@@ -43,6 +43,10 @@ def new_fault_id(rng: random.Random) -> str:
     return f"f-{rng.getrandbits(48):012x}"
 
 
+class _NotJournaled(Exception):
+    """The disk refused a job's journal or spool file: nothing was spawned."""
+
+
 def _run_as(run_as: RunAs | None) -> dict[str, Any]:
     """``run_as=`` for a hook or verify call only when set: the unset call is the plain one."""
     return {} if run_as is None else {"run_as": run_as}
@@ -291,11 +295,9 @@ class DeviceSupervisor:
         if not await self._start(a):
             self._settle()
             return
-        job_dir = JobDir(self.ctx.root, key)
         try:
-            self.ctx.journal(job_dir, a)
-            spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
-        except OSError as e:
+            result, verify, fault_id, output_bytes = await self._run(a, key)
+        except _NotJournaled as e:
             # Nothing was spawned, so the device is as clean as before: this job ends
             # `error` (its report held in memory if the disk refuses it too), no quarantine.
             log.error("device %s: cannot journal job %s (%s); not run", self.name, a.job_id, e)
@@ -304,7 +306,6 @@ class DeviceSupervisor:
             )
             self._settle()
             return
-        result, verify, fault_id, output_bytes = await self._run(a, job_dir, spool)
         report = finish_report(
             a, result, verify=verify, fault_id=fault_id, output_bytes=output_bytes
         )
@@ -376,9 +377,13 @@ class DeviceSupervisor:
             return False
         return True
 
-    async def _run(
-        self, a: Assignment, job_dir: JobDir, spool: OutputSpool
-    ) -> tuple[Result, VerifyResult, str | None, int]:
+    async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
+        job_dir = JobDir(self.ctx.root, key)
+        try:
+            self.ctx.journal(job_dir, a)
+            spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
+        except OSError as e:
+            raise _NotJournaled(str(e)) from e
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)
         handle = JobHandle()
