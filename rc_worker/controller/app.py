@@ -22,6 +22,7 @@ from starlette.routing import Route
 from rc_worker.controller import user_api, worker_api
 from rc_worker.controller.context import Controller, User
 from rc_worker.controller.errors import ApiError
+from rc_worker.controller.metrics import metrics_endpoint
 from rc_worker.controller.store import Store
 
 __all__ = ["create_app"]
@@ -95,6 +96,7 @@ def create_app(
     )
     routes = [
         Route("/v1/health", _health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint(store), methods=["GET"]),
         *worker_api.routes(),
         *user_api.routes(),
     ]

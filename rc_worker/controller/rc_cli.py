@@ -146,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the heartbeat interval workers are told to keep (default 10s)",
     )
     p.add_argument(
+        "--heartbeat-rate",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="aim at N heartbeats per second across the fleet: with many hosts each is "
+        "told a longer interval, hosts/N at least (default 0: no target)",
+    )
+    p.add_argument(
         "--poll-wait",
         type=_duration,
         default=30.0,
@@ -236,6 +244,29 @@ def build_parser() -> argparse.ArgumentParser:
         "behavior",
         choices=["run", "hold", "drain"],
         help="run: take jobs; hold: take none, keep it; drain: take none, release it",
+    )
+    p = sub.add_parser(
+        "pool", parents=[common], help="hosts and devices per state, free devices per class"
+    )
+    p.add_argument(
+        "--class",
+        dest="class_label",
+        default="product",
+        metavar="LABEL",
+        help="count free devices per value of this label (default product)",
+    )
+    p = sub.add_parser("host", parents=[common], help="drain, resume or retire a host")
+    p.add_argument(
+        "action",
+        choices=["drain", "resume", "retire"],
+        help="drain: no new work on its devices; resume: take work again; "
+        "retire: forget a host gone for good (its jobs' records stay)",
+    )
+    p.add_argument("host", help="the host's name")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="retire even with jobs running there (they end lost)",
     )
     p = sub.add_parser("events", parents=[common], help="print events")
     p.add_argument("--after", type=int, default=0, metavar="N", help="only events after number N")
@@ -428,6 +459,13 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         path = "/v1/devices/{}/{}/idle-behavior".format(*args.device)
         body = await _json(client.post(path, json={"idle_behavior": args.behavior}))
         text = f"{body['address']}: idle behavior {body['idle_behavior']}"
+    elif c == "pool":
+        body = await _json(client.get("/v1/pool", params={"class": args.class_label}))
+        text = fmt.pool_summary(body)
+    elif c == "host":
+        payload = {"force": True} if args.force else {}
+        body = await _json(client.post(f"/v1/hosts/{args.host}/{args.action}", json=payload))
+        text = fmt.host_result(args.action, args.host, body)
     elif c == "events":
         return await _cmd_events(client, args)
     else:  # pragma: no cover - argparse only lets known commands through
@@ -487,9 +525,12 @@ async def run_serve(
     """``rc serve ARGS``: serve until cancelled (or ``shutdown_trigger``); reports bound URLs."""
     args = build_parser().parse_args(["serve", *argv])
     worker, users = serve_settings(args, os.environ if env is None else env)
+    if args.heartbeat_rate < 0 or args.heartbeat_rate != args.heartbeat_rate:
+        raise CliError("--heartbeat-rate: must be a number >= 0 (0: no target)", 2)
     config = StoreConfig(
         heartbeat_interval_s=args.heartbeat_interval,
         poll_wait_s=args.poll_wait,
+        heartbeat_rate=args.heartbeat_rate,
         max_grace_s=args.max_grace,
     )
     app = create_app(

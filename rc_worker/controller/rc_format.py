@@ -176,3 +176,43 @@ def event_line(event: Mapping[str, Any]) -> str:
         f"{k}={one_line(str(v))}" for k, v in event.items() if k not in skip and v not in (None, "")
     )
     return f"{event['seq']:>6}  {_when(event.get('time'))}  {event['type']:<18}  {details}"
+
+
+def pool_summary(body: Mapping[str, Any]) -> str:
+    """``rc pool``: counts per state, free devices per class, running attempts."""
+
+    def counts(title: str, values: Mapping[str, int]) -> str:
+        return f"{title:<14}" + "  ".join(f"{k} {v}" for k, v in values.items())
+
+    lines = [
+        counts("hosts", body.get("hosts", {})),
+        counts("devices", body.get("devices", {})),
+        counts("idle behavior", body.get("idle_behavior", {})),
+    ]
+    free = body.get("free_by_class", {})
+    label = body.get("class_label", "product")
+    if free:
+        lines.append(f"free by {label}:")
+        lines += [f"  {v:>5}  {one_line(k) or '(no ' + label + ')'}" for k, v in free.items()]
+    running = body.get("running", [])
+    rows = [
+        [
+            str(r["job_id"]),
+            f"{r.get('host')}/{r.get('device')}",
+            str(r.get("state")),
+            "-" if r.get("ended_at") is None else _when(r.get("ended_at")),
+        ]
+        for r in running
+    ]
+    if rows:
+        lines.append(table(["JOB", "DEVICE", "STATE", "ENDED"], rows))
+    return "\n".join(lines)
+
+
+def host_result(action: str, host: str, body: Mapping[str, Any]) -> str:
+    if action == "retire":
+        lost = body.get("jobs_lost") or []
+        return f"{host}: retired" + (f"; jobs ended lost: {', '.join(lost)}" if lost else "")
+    devices = body.get("devices") or []
+    state = "draining: no new work" if action == "drain" else "resumed: taking work"
+    return f"{host}: {state} ({len(devices)} device(s))"

@@ -209,6 +209,8 @@ class Host:
     lost: bool = False
     pid: int | None = None
     instance_id: str | None = None
+    heartbeat_interval_s: float | None = None
+    """The interval this host's worker was told at its last registration."""
     worker_version: str = ""
     require_manual_clear: bool = False
     facts: dict[str, str] = attrs.Factory(dict)

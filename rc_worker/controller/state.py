@@ -37,6 +37,10 @@ class StoreConfig:
     report_timeout_s: float = 60.0
     """An unstarted assignment, or a job carried over a registration in ``recovery``, that the
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
+    heartbeat_rate: float = 0.0
+    """Heartbeats per second the controller aims at across the fleet (0: no target). With
+    many hosts each is told a longer interval, ``max(heartbeat_interval_s, hosts / rate)``,
+    as Nomad scales its heartbeats, so a large fleet does not cost a core in heartbeats."""
     max_refusals: int = 10
     max_stale_refusals: int = 1000
     max_events: int = 100_000
@@ -163,7 +167,7 @@ class StoreState:
         """Apply every time-based rule due at ``now``: lost hosts, unanswered assignments."""
         changed = False
         for h in list(self._hosts.values()):
-            if h.session is not None and now >= h.last_seen + self.config.lost_after_s:
+            if h.session is not None and now >= h.last_seen + self._lost_after(h):
                 self._lose_host(h, now)
                 changed = True
         for job in list(self._live.values()):
@@ -199,12 +203,24 @@ class StoreState:
             if cur is not None:
                 cur.last_heard += seconds
 
+    def _lost_after(self, h: Host) -> float:
+        """Silence after which a host is lost: missed heartbeats of the interval it was told."""
+        interval = h.heartbeat_interval_s or self.config.heartbeat_interval_s
+        return interval * self.config.missed_heartbeats
+
+    def heartbeat_interval_now(self) -> float:
+        """The interval a host registering now is told (see ``StoreConfig.heartbeat_rate``)."""
+        base = self.config.heartbeat_interval_s
+        rate = self.config.heartbeat_rate
+        if rate <= 0:
+            return base
+        live = sum(1 for h in self._hosts.values() if h.session is not None or not h.lost)
+        return max(base, live / rate)
+
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do, on the controller clock."""
         deadlines = [
-            h.last_seen + self.config.lost_after_s
-            for h in self._hosts.values()
-            if h.session is not None
+            h.last_seen + self._lost_after(h) for h in self._hosts.values() if h.session is not None
         ]
         for job in self._live.values():
             cur = job.current

@@ -49,6 +49,7 @@ from rc_worker.controller.messages import (
     StartRequest,
 )
 from rc_worker.controller.pending import Candidate, Pending, explain
+from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
@@ -280,6 +281,75 @@ class Store(StoreState):
             self._changed()
         return d.info(h)
 
+    # --- user side: hosts (the pool's KillInstance for a static fleet) ----------------------
+
+    def pool(
+        self, *, class_label: str = DEFAULT_CLASS_LABEL, recent_s: float = RECENT_S
+    ) -> dict[str, object]:
+        """The worker pool's view: counts per state, free devices per class, running
+        attempts (:mod:`rc_worker.controller.pool`)."""
+        return pool_view(
+            self.devices(),
+            self._jobs_for_pool(),
+            now=self._wall(),
+            class_label=class_label,
+            recent_s=recent_s,
+        )
+
+    def _jobs_for_pool(self) -> list[JobInfo]:
+        return [self.job(job_id) for job_id in self._live] + [
+            info for info in self.jobs() if info.terminal and info.finished_at is not None
+        ]
+
+    def set_host_idle_behavior(self, host: str, behavior: str) -> list[DeviceInfo]:
+        """``drain`` (no new work on any device of the host) or ``run`` (resume)."""
+        if behavior not in IDLE_BEHAVIORS:
+            raise BadRequest(f"idle_behavior: {behavior!r} is not one of drain, hold, run")
+        h = self._hosts.get(host)
+        if h is None:
+            raise NotFound(f"no host {host}", code="unknown_host")
+        changed = False
+        for d in h.devices.values():
+            if d.idle_behavior != behavior:
+                d.idle_behavior = behavior
+                changed = True
+        if changed:
+            self._emit("host_idle_behavior", host=host, idle_behavior=behavior)
+            self._changed()
+        return [d.info(h) for d in h.devices.values()]
+
+    def retire_host(self, host: str, *, force: bool = False) -> list[str]:
+        """Forget a host gone for good: its devices leave the device list; its jobs'
+        records stay. Refused (409) while it runs jobs, unless ``force``, which ends
+        them ``lost``. Returns the ids of the jobs so ended. A retired host that
+        registers again is a new host."""
+        h = self._hosts.get(host)
+        if h is None:
+            raise NotFound(f"no host {host}", code="unknown_host")
+        busy = [job for job in self._live.values() if job.current and job.current.host == host]
+        if busy and not force:
+            raise Conflict(
+                f"host {host} has {len(busy)} job(s) assigned or running "
+                f"({', '.join(j.job_id for j in busy)}); wait for them, or retire with --force",
+                code="host_busy",
+            )
+        ended = []
+        for job in busy:
+            cur = job.current
+            if cur is not None and cur.status == "assigned":
+                self._requeue(job, f"host {host} retired before it started")
+            else:
+                self._terminate(job, "lost", by="controller", reason=f"host {host} retired")
+                ended.append(job.job_id)
+        if h.session is not None:
+            self._sessions.pop(h.session, None)
+        for key in [k for k in self._poll_gen if k[0] == host]:
+            del self._poll_gen[key]
+        del self._hosts[host]
+        self._emit("host_retired", host=host, forced=bool(busy), jobs=ended)
+        self._changed()
+        return ended
+
     def events(self, after: int = 0, limit: int | None = None) -> list[Event]:
         """Events with ``seq > after``, oldest first (the oldest may have been dropped)."""
         out: list[Event] = []
@@ -338,9 +408,10 @@ class Store(StoreState):
         reconcile_registration(self, h, req, now, same_process=same_process)
         h.boot_id = req.boot_id
         self._changed()
+        h.heartbeat_interval_s = self.heartbeat_interval_now()
         return RegisterReply(
             session=h.session,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_interval_s=h.heartbeat_interval_s,
             poll_wait_s=self.config.poll_wait_s,
             devices={name: self._status(h.devices[name]) for name in wanted},
         )

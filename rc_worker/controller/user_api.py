@@ -12,6 +12,7 @@ from starlette.routing import Route
 from rc_worker.controller import wire
 from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
 from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
+from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_EVENTS_WAIT_S = 60.0
@@ -178,6 +179,32 @@ async def idle_behavior(request: Request) -> Response:
     return JSONResponse(info.to_json())
 
 
+async def pool(request: Request) -> Response:
+    ctl = _user(request)
+    label = request.query_params.get("class") or DEFAULT_CLASS_LABEL
+    return JSONResponse(ctl.store.pool(class_label=label))
+
+
+async def host_drain(request: Request) -> Response:
+    ctl = _user(request)
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain")
+    return JSONResponse({"devices": [d.to_json() for d in devices]})
+
+
+async def host_resume(request: Request) -> Response:
+    ctl = _user(request)
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run")
+    return JSONResponse({"devices": [d.to_json() for d in devices]})
+
+
+async def host_retire(request: Request) -> Response:
+    ctl = _user(request)
+    body = await json_body(request)
+    host = request.path_params["host"]
+    ended = ctl.store.retire_host(host, force=body.flag("force"))
+    return JSONResponse({"host": host, "retired": True, "jobs_lost": ended})
+
+
 async def events(request: Request) -> Response:
     ctl = _user(request)
     after = query_int(request, "after", 0)
@@ -207,4 +234,8 @@ def routes() -> list[Route]:
         Route("/v1/devices/{host}/{device}/clear", clear, methods=["POST"]),
         Route("/v1/devices/{host}/{device}/idle-behavior", idle_behavior, methods=["POST"]),
         Route("/v1/events", events, methods=["GET"]),
+        Route("/v1/pool", pool, methods=["GET"]),
+        Route("/v1/hosts/{host}/drain", host_drain, methods=["POST"]),
+        Route("/v1/hosts/{host}/resume", host_resume, methods=["POST"]),
+        Route("/v1/hosts/{host}/retire", host_retire, methods=["POST"]),
     ]
