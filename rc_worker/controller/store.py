@@ -301,7 +301,9 @@ class Store(StoreState):
             info for info in self.jobs() if info.terminal and info.finished_at is not None
         ]
 
-    def set_host_idle_behavior(self, host: str, behavior: str) -> list[DeviceInfo]:
+    def set_host_idle_behavior(
+        self, host: str, behavior: str, *, by: str | None = None
+    ) -> list[DeviceInfo]:
         """``drain`` (no new work on any device of the host) or ``run`` (resume)."""
         if behavior not in IDLE_BEHAVIORS:
             raise BadRequest(f"idle_behavior: {behavior!r} is not one of drain, hold, run")
@@ -314,11 +316,12 @@ class Store(StoreState):
                 d.idle_behavior = behavior
                 changed = True
         if changed:
-            self._emit("host_idle_behavior", host=host, idle_behavior=behavior)
+            who = {} if by is None else {"by": by}
+            self._emit("host_idle_behavior", host=host, idle_behavior=behavior, **who)
             self._changed()
         return [d.info(h) for d in h.devices.values()]
 
-    def retire_host(self, host: str, *, force: bool = False) -> list[str]:
+    def retire_host(self, host: str, *, force: bool = False, by: str | None = None) -> list[str]:
         """Forget a host gone for good: its devices leave the device list; its jobs'
         records stay. Refused (409) while it runs jobs, unless ``force``, which ends
         them ``lost``. Returns the ids of the jobs so ended. A retired host that
@@ -346,7 +349,8 @@ class Store(StoreState):
         for key in [k for k in self._poll_gen if k[0] == host]:
             del self._poll_gen[key]
         del self._hosts[host]
-        self._emit("host_retired", host=host, forced=bool(busy), jobs=ended)
+        who = {} if by is None else {"by": by}
+        self._emit("host_retired", host=host, forced=bool(busy), jobs=ended, **who)
         self._changed()
         return ended
 

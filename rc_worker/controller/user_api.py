@@ -186,22 +186,22 @@ async def pool(request: Request) -> Response:
 
 
 async def host_drain(request: Request) -> Response:
-    ctl = _user(request)
-    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain")
+    ctl, user = _admin(request, "draining a host")
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain", by=user.name)
     return JSONResponse({"devices": [d.to_json() for d in devices]})
 
 
 async def host_resume(request: Request) -> Response:
-    ctl = _user(request)
-    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run")
+    ctl, user = _admin(request, "resuming a host")
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run", by=user.name)
     return JSONResponse({"devices": [d.to_json() for d in devices]})
 
 
 async def host_retire(request: Request) -> Response:
-    ctl = _user(request)
+    ctl, user = _admin(request, "retiring a host")
     body = await json_body(request)
     host = request.path_params["host"]
-    ended = ctl.store.retire_host(host, force=body.flag("force"))
+    ended = ctl.store.retire_host(host, force=body.flag("force"), by=user.name)
     return JSONResponse({"host": host, "retired": True, "jobs_lost": ended})
 
 

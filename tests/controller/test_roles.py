@@ -75,3 +75,21 @@ async def test_clear_and_idle_need_admin(client: httpx.AsyncClient, store: Store
         assert r.json()["cleared"] == ["f-1"]
         cleared = [e for e in store.events() if e.type == "device_cleared"]
         assert cleared[-1].data["by"] == "alice"
+
+
+async def test_host_drain_resume_retire_need_admin(client: httpx.AsyncClient, store: Store) -> None:
+    with trio.fail_after(10):
+        await FakeWorker(client).register()
+        bob, alice = auth(PLAIN_TOKEN), auth(USER_TOKEN)
+        for action in ("drain", "resume", "retire"):
+            r = await client.post(f"/v1/hosts/box1/{action}", headers=bob)
+            assert r.status_code == 403, action
+            assert "admin" in r.json()["message"]
+        assert store.device("box1", "gpu0").idle_behavior == "run"
+        r = await client.post("/v1/hosts/box1/drain", headers=alice)
+        assert r.status_code == 200
+        r = await client.post("/v1/hosts/box1/retire", json={}, headers=alice)
+        assert r.status_code == 200
+        by = {e.type: e.data.get("by") for e in store.events()}
+        assert by["host_idle_behavior"] == "alice"
+        assert by["host_retired"] == "alice"

@@ -176,6 +176,11 @@ ENDPOINTS: list[tuple[str, str, str]] = [
     ("POST", "/v1/devices/box1/gpu0/idle-behavior", USER_TOKEN),
     ("GET", "/v1/events?wait_s=0", USER_TOKEN),
     ("GET", "/v1/health", USER_TOKEN),
+    ("GET", "/v1/pool", USER_TOKEN),
+    ("GET", "/metrics", USER_TOKEN),
+    ("POST", "/v1/hosts/box1/drain", USER_TOKEN),
+    ("POST", "/v1/hosts/box1/resume", USER_TOKEN),
+    ("POST", "/v1/hosts/box1/retire", USER_TOKEN),
 ]
 
 _scalars = (
