@@ -36,7 +36,13 @@ DEFAULT_VERIFY_PASS_BUDGET = 300.0
 DEFAULT_SHEET_DIR = "/etc/rc/sheets"
 DEFAULT_STATE_DIR = "/var/lib/rc-worker"
 DEFAULT_SHUTDOWN_GRACE = 300.0
+# The longest grace ceiling a job may ask for; longer is cut to it.
+DEFAULT_MAX_GRACE = 300.0
 DEFAULT_SPOOL_MAX_BYTES = 10 * 2**30
+DEFAULT_GPU_HEALTH_INTERVAL = 60.0
+DEFAULT_KERNEL_LOG = "/dev/kmsg"
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+GPU_HEALTH_ENABLED = ("auto", "true", "false")
 
 # Variables of the worker's own configuration. None of them ever reaches a
 # job, hook, probe or verify script (see child_environ).
@@ -67,6 +73,22 @@ class HooksConfig:
 
 
 @attrs.frozen
+class GpuHealthConfig:
+    """The built-in GPU health checks (docs/configuration.md, ``gpu_health``).
+
+    ``enabled`` is ``auto`` (on once nvidia-smi has been seen on this host),
+    ``true`` or ``false``. ``check_timeout`` None means the probe timeout; it
+    is resolved at load, so after ``load_config`` it is always set.
+    """
+
+    enabled: str = "auto"
+    interval: float = DEFAULT_GPU_HEALTH_INTERVAL
+    kernel_log: str = DEFAULT_KERNEL_LOG
+    ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
+    check_timeout: float | None = None
+
+
+@attrs.frozen
 class DeviceConfig:
     """One device this host offers: a bare name, or a mapping with its lease settings.
 
@@ -83,6 +105,15 @@ class DeviceConfig:
     labels: Mapping[str, str] = attrs.field(factory=dict)
     job_user: str | None = None
     """Resolved at load: the device's own ``job_user``, else the host's."""
+    # A MIG slice: ``mig_of`` names the physical GPU's device (name or NVML
+    # index); ``mig_uuid``, or ``mig_index`` resolved through nvidia-smi -L.
+    mig_of: str | None = None
+    mig_uuid: str | None = None
+    mig_index: int | None = None
+    memory_max: int | None = None
+    """Bytes: the ``memory.max`` of each job's cgroup on this device (needs ``memory``)."""
+    cpu_max: str | None = None
+    """CPUs, as written (``1.5``): the ``cpu.max`` of each job's cgroup (needs ``cpu``)."""
 
 
 @attrs.frozen
@@ -116,6 +147,14 @@ class Config:
     job_user: str | None = None
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    max_grace: float = DEFAULT_MAX_GRACE
+    log_format: str = "text"
+    log_level: str = "info"
+    gpu_health: GpuHealthConfig = GpuHealthConfig()
+    cgroup: str = "auto"
+    """``auto``, ``required`` or ``off``: a cgroup v2 per job (see docs/operations.md)."""
+    cgroup_io: bool = False
+    """Report each job's I/O (``io.stat``) in its finish; needs the ``io`` controller."""
 
     def device(self, name: str) -> DeviceConfig:
         for dev in self.devices:
@@ -217,6 +256,19 @@ def config_warnings(config: Config, *, euid: int) -> list[str]:
                 "state and memory; set job_user (e.g. job_user: nobody)"
             )
     return warnings
+
+
+def cgroup_needs(config: Config) -> dict[str, str]:
+    """Each device limit, by its config location, and the controller it needs."""
+    needs: dict[str, str] = {}
+    for i, dev in enumerate(config.devices):
+        if dev.memory_max is not None:
+            needs[f"devices[{i}].memory_max"] = "memory"
+        if dev.cpu_max is not None:
+            needs[f"devices[{i}].cpu_max"] = "cpu"
+    if config.cgroup_io:
+        needs["cgroup_io"] = "io"
+    return needs
 
 
 def child_environ(environ: Mapping[str, str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ for its line and column.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -31,8 +32,10 @@ from ruamel.yaml.error import MarkedYAMLError, ReusedAnchorWarning
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.scalarbool import ScalarBoolean
 
+from rc_worker.cgroup_parse import CGROUP_MODES
 from rc_worker.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
 from rc_worker.errors import ConfigError
+from rc_worker.logs import LOG_FORMATS, LOG_LEVELS
 from rc_worker.names import DEVICE_NAME_HELP, is_device_name, split_label_key
 
 if TYPE_CHECKING:
@@ -49,10 +52,12 @@ _DURATION_FIELDS = {
     "verify_timeout": True,
     "verify_pass_budget": True,
     "shutdown_grace": False,
+    "max_grace": False,
     "timeout": True,
     "release_linger": False,
     "max_runtime": True,
 }
+_GPU_HEALTH_DURATIONS = ("interval", "check_timeout")
 _PATH_FIELDS = ("probe_dir", "verify_dir", "sheet_dir", "state_dir", "on_acquire", "on_release")
 _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _POSITIVE = "a duration above zero, such as 30s or 5m"
@@ -261,6 +266,7 @@ def parse_text(text: str, *, name: str, base_dir: Path, read_token: bool = True)
     if hooks.timeout <= 0:
         loc.fail_at(("hooks", "timeout"), f"timeout must be more than zero; expected {_POSITIVE}")
     _prepare_devices(loc, data, hooks)
+    _prepare_gpu_health(loc, data)
     try:
         config: Config = _conv().structure(data, Config)
     except Exception as e:
@@ -299,6 +305,10 @@ def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) ->
         if data.get("job_user") is not None:
             dev.setdefault("job_user", data["job_user"])
         dev.setdefault("release_linger", hooks.release_linger)
+        cpus = dev.get("cpu_max")
+        if isinstance(cpus, int | float) and not isinstance(cpus, bool):
+            # A number of CPUs, kept as written and checked in _check.
+            dev["cpu_max"] = loc.source_text(("devices", i, "cpu_max")) or str(cpus)
         labels = dev.get("labels")
         if isinstance(labels, dict):
             for key, value in labels.items():
@@ -308,6 +318,50 @@ def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) ->
                 if text is None:
                     text = ("true" if value else "false") if isinstance(value, bool) else str(value)
                 labels[key] = text
+
+
+def _prepare_gpu_health(loc: _Locator, data: dict[str, Any]) -> None:
+    """Check the ``gpu_health`` values cattrs' hooks would read too loosely.
+
+    ``enabled`` takes a boolean or ``auto``; ``ignored_xids`` takes plain
+    non-negative integers (the int hook reads sizes, so "1k" would pass); a
+    missing ``check_timeout`` is the probe timeout.
+    """
+    section = data.get("gpu_health")
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        loc.fail_at(
+            ("gpu_health",),
+            f"{_describe(section)} is not a mapping; expected keys "
+            "such as enabled, interval, kernel_log, ignored_xids, check_timeout",
+        )
+    enabled = section.get("enabled", "auto")
+    if isinstance(enabled, bool):
+        section["enabled"] = "true" if enabled else "false"
+    elif enabled not in ("auto", "true", "false"):
+        loc.fail_at(
+            ("gpu_health", "enabled"),
+            f"{_describe(enabled)} is not valid; expected true, false or auto",
+        )
+    xids = section.get("ignored_xids")
+    if xids is not None:
+        if not isinstance(xids, list):
+            loc.fail_at(
+                ("gpu_health", "ignored_xids"),
+                f"{_describe(xids)} is not a list; expected a list of Xid codes such as [13, 31]",
+            )
+        for i, code in enumerate(xids):
+            if isinstance(code, bool) or not isinstance(code, int) or code < 0:
+                loc.fail_at(
+                    ("gpu_health", "ignored_xids", i),
+                    f"{_describe(code)} is not an Xid code; expected a whole number such as 13",
+                )
+    if section.get("kernel_log") == "":
+        loc.fail_at(
+            ("gpu_health", "kernel_log"),
+            "an empty path; expected a path such as /dev/kmsg, or leave it out",
+        )
 
 
 def _check(loc: _Locator, config: Config) -> None:
@@ -338,6 +392,11 @@ def _check(loc: _Locator, config: Config) -> None:
         seconds = getattr(config, key, None)
         if positive and isinstance(seconds, float) and seconds <= 0:
             loc.fail_at((key,), f"{key} must be more than zero; expected {_POSITIVE}")
+    for key in _GPU_HEALTH_DURATIONS:
+        seconds = getattr(config.gpu_health, key)
+        if seconds is not None and seconds <= 0:
+            loc.fail_at(("gpu_health", key), f"{key} must be more than zero; expected {_POSITIVE}")
+    _check_mig(loc, config)
     for i, dev in enumerate(config.devices):
         if dev.timeout <= 0:
             loc.fail_at(
@@ -349,6 +408,24 @@ def _check(loc: _Locator, config: Config) -> None:
                 f"max_runtime must be more than zero; expected {_POSITIVE}, "
                 "or leave it out for no limit",
             )
+        if dev.memory_max is not None and dev.memory_max <= 0:
+            loc.fail_at(
+                ("devices", i, "memory_max"),
+                "memory_max must be more than zero; expected a size such as 16Gi",
+            )
+        if dev.cpu_max is not None and cpu_count(dev.cpu_max) is None:
+            loc.fail_at(
+                ("devices", i, "cpu_max"),
+                f"{dev.cpu_max!r} is not a number of CPUs; expected a number above zero "
+                "such as 2 or 1.5",
+            )
+        for key in ("memory_max", "cpu_max"):
+            if getattr(dev, key) is not None and config.cgroup == "off":
+                loc.fail_at(
+                    ("devices", i, key),
+                    f"{key} is applied through the job's cgroup, and cgroup is off; "
+                    "expected cgroup: auto or required, or leave it out",
+                )
         for key in ("on_acquire", "on_release"):
             if getattr(dev, key) == "":
                 loc.fail_at(
@@ -375,6 +452,22 @@ def _check(loc: _Locator, config: Config) -> None:
         problem = host_problem(config.host)
         if problem:
             loc.fail_at(("host",), problem)
+    for key, choices in (("log_format", LOG_FORMATS), ("log_level", LOG_LEVELS)):
+        if getattr(config, key) not in choices:
+            loc.fail_at(
+                (key,), f"{getattr(config, key)!r} is not one of {', '.join(choices)}; pick one"
+            )
+    if config.cgroup_io and config.cgroup == "off":
+        loc.fail_at(
+            ("cgroup_io",),
+            "I/O is accounted through the job's cgroup, and cgroup is off; "
+            "expected cgroup: auto or required, or cgroup_io: false",
+        )
+    if config.cgroup not in CGROUP_MODES:
+        loc.fail_at(
+            ("cgroup",),
+            f"{config.cgroup!r} is not a cgroup mode; expected one of {', '.join(CGROUP_MODES)}",
+        )
     if config.status_listen is not None:
         problem = listen_problem(config.status_listen)
         if problem:
@@ -390,6 +483,48 @@ def _check(loc: _Locator, config: Config) -> None:
             problem = user_problem(dev.job_user)
             if problem:
                 loc.fail_at(("devices", i, "job_user"), problem)
+
+
+def _check_mig(loc: _Locator, config: Config) -> None:
+    names = config.device_names
+    for i, dev in enumerate(config.devices):
+        if dev.mig_of is None:
+            for key in ("mig_uuid", "mig_index"):
+                if getattr(dev, key) is not None:
+                    loc.fail_at(
+                        ("devices", i, key),
+                        f"{key} without mig_of; expected mig_of: the physical GPU's device",
+                    )
+            continue
+        parent = dev.mig_of
+        if parent.isdigit() and parent not in names:
+            parent = f"gpu{int(parent)}"
+        if parent not in names or parent == dev.name:
+            loc.fail_at(
+                ("devices", i, "mig_of"),
+                f"{dev.mig_of!r} is not another device of this host; expected the name "
+                "(or NVML index) of the physical GPU's device, such as gpu0",
+            )
+        if config.device(parent).mig_of is not None:
+            loc.fail_at(
+                ("devices", i, "mig_of"),
+                f"{parent!r} is itself a MIG slice; expected the physical GPU's device",
+            )
+        if (dev.mig_uuid is None) == (dev.mig_index is None):
+            loc.fail_at(
+                ("devices", i, "mig_of"),
+                "a MIG slice needs exactly one of mig_uuid or mig_index; "
+                "expected mig_uuid: MIG-... or mig_index: N (from nvidia-smi -L)",
+            )
+
+
+def cpu_count(text: str) -> float | None:
+    """A device's ``cpu_max`` as a number of CPUs, or ``None`` when it is not one."""
+    try:
+        cpus = float(text)
+    except ValueError:
+        return None
+    return cpus if math.isfinite(cpus) and cpus >= 0.01 else None
 
 
 def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:
@@ -448,7 +583,11 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token:
         )
         for dev in config.devices
     )
-    return attrs.evolve(config, devices=devices, **changes)
+    health = config.gpu_health
+    if health.check_timeout is None:
+        health = attrs.evolve(health, check_timeout=config.probe_timeout)
+    health = attrs.evolve(health, kernel_log=resolve(health.kernel_log) or health.kernel_log)
+    return attrs.evolve(config, devices=devices, gpu_health=health, **changes)
 
 
 def controller_url_problem(url: str) -> str | None:

@@ -6,14 +6,16 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from rc_worker.cgroup import limits_for
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config, DeviceConfig, child_environ
+from rc_worker.config_parse import cpu_count
 from rc_worker.host import Host, RunAs, resolve_user
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.model import Assignment, job_key
@@ -37,6 +39,9 @@ class WorkerContext:
     draining: bool = False
     stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
+    # The GPU health gate (gpu_health_coord.py): (device, job_id or None,
+    # grace) -> why the device cannot take work, or None. None: no checks.
+    health_gate: Callable[[str, str | None, float], Awaitable[str | None]] | None = None
     rng: random.Random = attrs.field(factory=random.Random)
     """Ids (faults) and jitter come from here: a simulation seeds it to replay exactly."""
 
@@ -50,13 +55,17 @@ class WorkerContext:
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)
 
-    def journal(self, job_dir: JobDir, a: Assignment) -> None:
-        """Record, durably, that this job is about to be spawned here.
+    def journal(self, job_dir: JobDir, a: Assignment) -> str | None:
+        """Record, durably, that this job is about to be spawned here; its cgroup.
 
         Written and fsynced before the process exists, so a worker that dies
         at any later moment finds the entry at its next start and can prove,
-        or refuse to claim, that the job left nothing behind.
+        or refuse to claim, that the job left nothing behind. Returns the
+        cgroup the job is to run in (journalled: recovery reads it), or
+        ``None`` without cgroups.
         """
+        containment = self.host.containment
+        cgroup = None if containment is None else containment.leaf(job_key(a.job_id, a.attempt))
         job_dir.create()
         write_json_durably(
             job_dir.journal,
@@ -67,9 +76,22 @@ class WorkerContext:
                 "boot_id": self.boot_id,
                 # A reported timestamp, never used for a timeout.
                 "started_at": time.time(),
+                # A lower bound of the job's start time in the process
+                # table's clock: recovery's sweep skips older processes.
+                "since_ticks": self.host.boot_ticks(),
                 "spawned": True,
+                "cgroup": cgroup,
             },
         )
+        return cgroup
+
+    def cgroup_limits(self, device: DeviceConfig) -> dict[str, str]:
+        """The files a job's cgroup on ``device`` gets written: its limits."""
+        containment = self.host.containment
+        if containment is None:
+            return {}
+        cpus = None if device.cpu_max is None else cpu_count(device.cpu_max)
+        return limits_for(device.memory_max, cpus, containment.controllers)
 
     def report(self, ident: Assignment | tuple[str, int, str], report: Mapping[str, Any]) -> None:
         """Durably record and deliver the finish of an attempt that never ran."""
@@ -115,7 +137,16 @@ class WorkerContext:
         return env
 
     def cuda_visible_devices(self, device: str) -> str | None:
-        """The GPU UUID from the device's probe labels, else N for ``gpu<N>``."""
+        """The MIG UUID of a slice, else the GPU UUID from the device's probe
+        labels, else N for ``gpu<N>``."""
+        mig = self.device_labels.get(device, {}).get("mig_uuid")
+        if mig:
+            return mig
+        slice_config = next((d for d in self.config.devices if d.name == device), None)
+        if slice_config is not None and slice_config.mig_of is not None:
+            # A MIG slice whose UUID is not known yet: no GPU at all rather
+            # than every GPU (an unset variable would show them all).
+            return slice_config.mig_uuid or ""
         uuid = self.device_labels.get(device, {}).get("uuid")
         if uuid:
             return uuid

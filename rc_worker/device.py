@@ -14,20 +14,23 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from rc_worker.config import DeviceConfig
 from rc_worker.errors import ControllerError
+from rc_worker.gpu_health import Fault, kind_defaults
 from rc_worker.hooks import run_hook
 from rc_worker.host import RunAs
 from rc_worker.lease import Lease
+from rc_worker.logs import log_context, set_log_context
 from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult, effective_limit
 from rc_worker.reports import finish_report, not_run_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
+from rc_worker.sweep import unproven
 from rc_worker.verify import run_verify
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ class DeviceSupervisor:
         self._pending: tuple[Assignment, bool] | None = None
         self._changed = trio.Event()
         self._acquire_scope: trio.CancelScope | None = None
+        self._delivery_scope: trio.CancelScope | None = None
         self._cancel_text: str | None = None
         self._handle: JobHandle | None = None
         self._linger_until = math.inf
@@ -73,15 +77,19 @@ class DeviceSupervisor:
         # The key of the last attempt whose finish was recorded, so an error
         # after that point does not record a second one.
         self._finished: str | None = None
+        # A physical GPU whose MIG slices are devices is offered through them only.
+        self.carries_slices = False
+        # Health faults raised here and still held, by kind: one is enough.
+        self._health_faults: dict[str, str] = {}
         self.scope = trio.CancelScope()
 
     # -- inputs from the worker (sync, never block) ------------------------
 
     def ready(self) -> bool:
-        return self.lease.ready(draining=self.ctx.draining)
+        return not self.carries_slices and self.lease.ready(draining=self.ctx.draining)
 
     def can_take(self) -> bool:
-        return self.lease.can_take(draining=self.ctx.draining)
+        return not self.carries_slices and self.lease.can_take(draining=self.ctx.draining)
 
     def not_offerable_reason(self) -> str:
         """Why this device cannot take an assignment now (for a stale offer's refusal)."""
@@ -116,6 +124,8 @@ class DeviceSupervisor:
     def stop_for_shutdown(self) -> None:
         """The worker's second signal: stop what runs now, report, and go."""
         self.cancel(*(self.lease.job or ("", -1)), "the worker is shutting down")
+        if self._delivery_scope is not None:
+            self._delivery_scope.cancel()
         self._poke()
 
     def set_idle_behavior(self, behavior: IdleBehavior) -> None:
@@ -128,26 +138,104 @@ class DeviceSupervisor:
         """Hold a fault raised elsewhere: by the controller (at register), or
         by an earlier worker process (a report still on disk)."""
         if fault_id not in self.lease.faults:
-            log.warning("device %s: quarantined (%s, fault %s)", self.name, why, fault_id)
+            log.warning(
+                "device %s: quarantined (%s, fault %s)",
+                self.name,
+                why,
+                fault_id,
+                extra={"device": self.name, "fault_id": fault_id},
+            )
         self.lease.add_fault(fault_id)
         self._poke()
 
     def _quarantine(
-        self, kind: str, reason: str, *, job_id: str | None = None, report: bool = True
+        self,
+        kind: str,
+        reason: str,
+        *,
+        job_id: str | None = None,
+        report: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        fault_id: str | None = None,
     ) -> str:
         """Raise a fault of this worker's own; ``report`` sends it with ``fault``
-        (a fault outside a finish), else the caller puts it in the finish."""
-        fault_id = new_fault_id(self.ctx.rng)
-        log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
+        (a fault outside a finish), else the caller puts it in the finish.
+        ``extra`` carries severity, action, scope, parent_fault (docs/protocol.md)."""
+        fault_id = fault_id or new_fault_id(self.ctx.rng)
+        log.warning(
+            "device %s: quarantined (%s: %s, fault %s)",
+            self.name,
+            kind,
+            reason,
+            fault_id,
+            extra={"device": self.name, "fault_id": fault_id},
+        )
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
-            body: dict[str, Any] = {"fault_id": fault_id, "kind": kind, "reason": reason}
+            severity, action = kind_defaults(kind)
+            body: dict[str, Any] = {
+                "fault_id": fault_id,
+                "kind": kind,
+                "reason": reason,
+                "severity": severity,
+                "action": action,
+                **(extra or {}),
+            }
             if job_id is not None:
                 body["job_id"] = job_id
             self.ctx.outbox.fault(self.name, body)
         self.lease.add_fault(fault_id)
         self._poke()
         return fault_id
+
+    # -- GPU health (issue 15; the checks are in gpu_health*.py) ------------
+
+    def raise_health_fault(
+        self,
+        fault: Fault,
+        *,
+        job_id: str | None = None,
+        fault_id: str | None = None,
+        parent_fault: str | None = None,
+    ) -> str | None:
+        """Quarantine for a health fault, once per kind while it is held.
+
+        Returns the new fault id, or None when one of that kind still holds
+        the device (a condition that persists is not news every interval).
+        """
+        held = self._health_faults.get(fault.kind)
+        if held is not None and held in self.lease.faults:
+            return None
+        extra: dict[str, Any] = fault.body()
+        extra.pop("kind")
+        extra.pop("reason")
+        if parent_fault is not None:
+            extra["parent_fault"] = parent_fault
+        new_id = self._quarantine(
+            fault.kind, fault.reason, job_id=job_id, extra=extra, fault_id=fault_id
+        )
+        self._health_faults[fault.kind] = new_id
+        return new_id
+
+    def set_health_hold(self, held: Mapping[str, str], passed: Collection[str]) -> None:
+        """Hold for the checks that could not run; lift the ones that ran."""
+        hold = self.lease.health_hold
+        before = dict(hold)
+        for check in passed:
+            hold.pop(check, None)
+        hold.update(held)
+        if hold != before:
+            if hold:
+                log.warning("device %s: held for health: %s", self.name, self.health_reason())
+            else:
+                log.info("device %s: health checks pass again; hold lifted", self.name)
+            self._poke()
+
+    def health_reason(self) -> str:
+        return "; ".join(f"{c}: {why}" for c, why in sorted(self.lease.health_hold.items()))
+
+    def health_faulted(self) -> bool:
+        return any(f in self.lease.faults for f in self._health_faults.values())
 
     def raise_fault(self, kind: str, reason: str) -> str:
         """Quarantine this device with a fault found outside a job (a health
@@ -174,6 +262,8 @@ class DeviceSupervisor:
             held=self.lease.held,
             faults=sorted(self.lease.faults),
         )
+        if self.lease.health_hold:
+            entry["held_for_health"] = self.health_reason()
         if self.lease.state is S.LINGERING and self.lease.idle_behavior is IdleBehavior.RUN:
             entry["linger_left_s"] = round(max(0.0, self._linger_until - trio.current_time()), 3)
         return entry
@@ -184,6 +274,8 @@ class DeviceSupervisor:
             entry["job_id"], entry["attempt"] = self.lease.job
         if self.lease.faults:
             entry["faults"] = sorted(self.lease.faults)
+        if self.lease.health_hold:
+            entry["held_for_health"] = self.health_reason()
         return entry
 
     def linger_deadline(self) -> float:
@@ -201,6 +293,7 @@ class DeviceSupervisor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The device's own task. Its cancel scope is the device: cancelling
         it abandons this device alone (its job is killed, shielded and bounded)."""
+        set_log_context(device=self.name)
         with trio.CancelScope() as self.scope:
             task_status.started()
             await self._loop()
@@ -211,7 +304,8 @@ class DeviceSupervisor:
             if self._pending is not None:
                 assignment, needs_acquire = self._pending
                 self._pending = None
-                await self._isolated(self._serve(assignment, needs_acquire), assignment)
+                with log_context(job_id=assignment.job_id, attempt=assignment.attempt):
+                    await self._isolated(self._serve(assignment, needs_acquire), assignment)
             elif state is S.RELEASING:
                 await self._isolated(self._release(), None)
             elif state is S.LINGERING and self._linger_over():
@@ -289,6 +383,11 @@ class DeviceSupervisor:
             self.ctx.report(a, report)
             self._settle()
             return
+        refusal = await self._health_gate(None)
+        if refusal is not None:
+            self.ctx.report(a, not_run_report(a, "refused", refusal))
+            self._settle()
+            return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):
             return
         self.lease.acquired()
@@ -324,7 +423,13 @@ class DeviceSupervisor:
         # outcome, so it never sees a device ready while a job it assigned
         # there still looks running.
         self._finished = key
-        await self.ctx.outbox.delivered(key)
+        # Stopping (a second SIGTERM) does not wait for the controller: the
+        # finish is on disk and goes out after the next start.
+        with trio.CancelScope() as self._delivery_scope:
+            if self.ctx.stopping:
+                self._delivery_scope.cancel()
+            await self.ctx.outbox.delivered(key)
+        self._delivery_scope = None
         self._settle()
 
     async def _acquire(self, a: Assignment) -> bool:
@@ -380,7 +485,7 @@ class DeviceSupervisor:
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
         try:
-            self.ctx.journal(job_dir, a)
+            cgroup = self.ctx.journal(job_dir, a)
             spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
         except OSError as e:
             raise _NotJournaled(str(e)) from e
@@ -394,13 +499,15 @@ class DeviceSupervisor:
             command=list(a.command),
             cwd=a.cwd,
             env=self.ctx.job_env(self.name, a),
-            grace_ceiling=a.grace_s,
+            grace_ceiling=self._grace(a),
             max_runtime=effective_limit(self.config.max_runtime, a.max_runtime_s),
             idle_timeout=a.idle_timeout_s,
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
             run_as=self.ctx.run_as(self.config),
+            cgroup=cgroup,
+            cgroup_limits=self.ctx.cgroup_limits(self.config),
         )
         began = trio.current_time()
         try:
@@ -408,6 +515,8 @@ class DeviceSupervisor:
         finally:
             self._handle = None
             spool.close()
+            if spool.truncated:
+                self.ctx.metrics.output_truncated.inc()
         self.ctx.metrics.job_seconds.observe(trio.current_time() - began)
         self.ctx.metrics.swept.inc(len(result.sweep.found))
         self.lease.to(S.VERIFYING)
@@ -415,6 +524,8 @@ class DeviceSupervisor:
             **self.ctx.child_env(self.name, a.job_id),
             "RC_JOB_EXIT_CODE": "" if result.exit_code is None else str(result.exit_code),
         }
+        # After the sweep, before verify: what is still resident on the GPU.
+        await self._health_gate(a.job_id, grace=a.grace_s)
         with self.ctx.metrics.verify_seconds.time():
             verify = await run_verify(
                 self.ctx.config.verify_dir,
@@ -427,12 +538,35 @@ class DeviceSupervisor:
         fault_id = None
         if not verify.ok:
             fault_id = self._quarantine("verify_failed", verify.reason, report=False)
-        elif result.sweep.remaining:
-            survivors = list(result.sweep.remaining)
-            fault_id = self._quarantine(
-                "dirty", f"processes {survivors} survived SIGKILL", report=False
-            )
+        elif (doubt := unproven(result.sweep)) is not None:
+            # The one rule recovery decides by too: not proven clean is dirty.
+            fault_id = self._quarantine("dirty", doubt, report=False)
         return result, verify, fault_id, spool.size
+
+    def _grace(self, a: Assignment) -> float:
+        # max_grace lets shutdown_grace and a service manager's stop timeout
+        # be sized whatever grace a user asks for.
+        if a.grace_s > self.ctx.config.max_grace:
+            log.info(
+                "device %s: job %s asked for a %gs grace; cut to max_grace (%gs)",
+                self.name,
+                a.job_id,
+                a.grace_s,
+                self.ctx.config.max_grace,
+            )
+            return self.ctx.config.max_grace
+        return a.grace_s
+
+    async def _health_gate(self, job_id: str | None, *, grace: float = 0.0) -> str | None:
+        """The GPU checks before an assignment (``job_id`` None) or after a job.
+
+        Returns why the device cannot take work, or None. Faults and holds are
+        applied to this device (and its slices) by the gate itself.
+        """
+        gate = self.ctx.health_gate
+        if gate is None:
+            return None
+        return await gate(self.name, job_id, grace)
 
     def _settle(self) -> None:
         nxt = self.lease.settle(draining=self.ctx.draining)

@@ -223,6 +223,7 @@ def heartbeat(f: Fields) -> HeartbeatRequest:
             job_id=d.opt_str("job_id"),
             attempt=d.opt_int("attempt"),
             faults=tuple(d.str_list("faults")),
+            held_for_health=d.opt_str("held_for_health"),
         )
     return HeartbeatRequest(session=f.req_str("session"), devices=devices)
 
@@ -233,6 +234,11 @@ def poll(f: Fields) -> tuple[str, list[str], float | None, list[str]]:
     if wait_s is not None:
         validate.finite_number(wait_s, "wait_s")
     return f.req_str("session"), f.str_list("ready"), wait_s, f.str_list("withdrawn")
+
+
+def known_cancels(f: Fields) -> set[tuple[str, int]]:
+    """A poll's ``known_cancels``: the cancels the worker already has (an addition)."""
+    return {(c.req_str("job_id"), c.req_int("attempt")) for c in f.objs("known_cancels")}
 
 
 def start(f: Fields) -> StartRequest:
@@ -275,6 +281,10 @@ def fault(f: Fields) -> FaultRequest:
         kind=f.opt_str("kind") or "fault",
         reason=f.opt_str("reason") or "",
         job_id=f.opt_str("job_id"),
+        severity=f.opt_str("severity"),
+        action=f.opt_str("action"),
+        scope=f.opt_str("scope"),
+        parent_fault=f.opt_str("parent_fault"),
     )
 
 
