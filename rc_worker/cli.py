@@ -25,12 +25,12 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"rc-worker: {e}", file=sys.stderr)
         return 2
-    for warning in config_warnings(config, euid=os.geteuid()):
-        print(f"rc-worker: warning: {warning}", file=sys.stderr)
     problem = _cgroup_preflight(config)
     if problem is not None:
         print(f"rc-worker: {problem}", file=sys.stderr)
         return 2
+    for warning in config_warnings(config, euid=os.geteuid()):
+        print(f"rc-worker: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(resolved_json(config), indent=2, sort_keys=True))
     else:

@@ -61,11 +61,8 @@ class HostileController:
     def batch(self) -> list[Any]:
         self.polls += 1
         if self.polls == 1:
-            return [*BAD, LONG]
-        if self.long_started.is_set() and self.polls < 100 and not self.long_finished.is_set():
-            # The same attempt again, to a free device and to the one running it.
-            self.polls = 100
-            return [{**LONG, "device": "gpu0"}, LONG]
+            # The same attempt again right behind it, to a free device and to its own.
+            return [*BAD, LONG, {**LONG, "device": "gpu0"}, LONG]
         if self.long_finished.is_set() and self.polls < 200:
             self.polls = 200
             return [{"job_id": "j-after", "attempt": 1, "device": "gpu0", "command": ["true"]}]

@@ -81,7 +81,7 @@ async def test_host_drain_resume_retire_need_admin(client: httpx.AsyncClient, st
     with trio.fail_after(10):
         await FakeWorker(client).register()
         bob, alice = auth(PLAIN_TOKEN), auth(USER_TOKEN)
-        for action in ("drain", "resume", "retire"):
+        for action in ("drain", "resume", "retire", "clear"):
             r = await client.post(f"/v1/hosts/box1/{action}", headers=bob)
             assert r.status_code == 403, action
             assert "admin" in r.json()["message"]

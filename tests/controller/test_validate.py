@@ -155,6 +155,8 @@ async def test_a_bug_is_a_logged_500_with_an_error_id(
 
 ENDPOINTS: list[tuple[str, str, str]] = [
     ("POST", "/v1/hosts/box1/register", WORKER_TOKEN),
+    ("POST", "/v1/hosts/box1/deregister", WORKER_TOKEN),
+    ("POST", "/v1/hosts/box1/clear", USER_TOKEN),
     ("POST", "/v1/hosts/box1/heartbeat", WORKER_TOKEN),
     ("POST", "/v1/hosts/box1/poll", WORKER_TOKEN),
     ("PUT", "/v1/hosts/box1/labels", WORKER_TOKEN),
