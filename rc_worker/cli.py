@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rc_worker._version import __version__
-from rc_worker.config import Config, load_config, resolved_json
+from rc_worker.config import Config, config_warnings, load_config, resolved_json
 from rc_worker.errors import ConfigError
 from rc_worker.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
 
@@ -29,6 +29,8 @@ def _check_config(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"rc-worker: {problem}", file=sys.stderr)
         return 2
+    for warning in config_warnings(config, euid=os.geteuid()):
+        print(f"rc-worker: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(resolved_json(config), indent=2, sort_keys=True))
     else:

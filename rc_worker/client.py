@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import trio
 
+from rc_worker import boundedjson
 from rc_worker.errors import ControllerError, UnknownSession
 from rc_worker.retry import Backoff, RetryLog, is_transient_status, parse_retry_after
 
@@ -40,6 +41,9 @@ POLL_SLACK_S = 15.0
 # seconds. Read at every request rather than fixed at construction, and
 # module-level, because the worker builds its own client: a test harness
 # shrinks them for a whole worker (monkeypatch); production never changes them.
+MAX_RESPONSE_BYTES = 32 * 2**20
+"""The largest answer the worker reads: a poll's batch of assignments is far below this."""
+
 RETRY_BASE_S = 0.2
 RETRY_CAP_S = 30.0
 
@@ -71,6 +75,12 @@ class ControllerClient:
         self.session: str | None = None
         self._generation = 0
         self._register_lock = trio.Lock()
+
+    @property
+    def origin(self) -> str | None:
+        """The controller's ``scheme://host[:port]``: the only place the token is sent."""
+        base = self._http.base_url
+        return f"{base.scheme}://{base.netloc.decode('ascii')}" if base.host else None
 
     # -- worker endpoints -------------------------------------------------
 
@@ -324,7 +334,7 @@ class ControllerClient:
         if content is not None and session:
             query["session"] = self.session
         try:
-            response = await self._http.request(
+            async with self._http.stream(
                 method,
                 path,
                 json=json_body,
@@ -336,10 +346,11 @@ class ControllerClient:
                     else self._headers
                 ),
                 timeout=(httpx.USE_CLIENT_DEFAULT if read_timeout is None else read_timeout),
-            )
+            ) as response:
+                data = await _read_bounded(response)
         except httpx.TransportError as e:
             raise _Transient(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
-        return _decode(response)
+        return _decode(response, data)
 
     async def _reregister(self, generation: int) -> None:
         assert self._on_unknown_session is not None
@@ -365,11 +376,27 @@ class _Transient(Exception):
         self.status = status
 
 
-def _decode(response: httpx.Response) -> dict[str, Any]:
+async def _read_bounded(response: httpx.Response) -> bytes:
+    """The answer's body, refusing (as a transient failure, so with backoff) one above
+    :data:`MAX_RESPONSE_BYTES` without holding more than that in memory."""
+    data = bytearray()
+    async for chunk in response.aiter_bytes():
+        data += chunk
+        if len(data) > MAX_RESPONSE_BYTES:
+            raise _Transient(
+                f"answer larger than {MAX_RESPONSE_BYTES} bytes (status {response.status_code})"
+            )
+    return bytes(data)
+
+
+def _decode(response: httpx.Response, data: bytes) -> dict[str, Any]:
     status = response.status_code
     try:
-        body = response.json() if response.content else {}
-    except ValueError:
+        body = boundedjson.loads(data) if data else {}
+    except ValueError as e:
+        if 200 <= status < 300:
+            # A success we cannot read is not a success: retry it like a broken connection.
+            raise _Transient(f"unreadable answer (status {status}): {e}") from None
         body = {}
     if not isinstance(body, dict):
         body = {}

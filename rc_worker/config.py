@@ -55,6 +55,11 @@ WORKER_ENV_VARS = frozenset(
     {ENV_CONFIG, ENV_CONTROLLER_URL, ENV_TOKEN, ENV_HOST, ENV_REQUIRE_MANUAL_CLEAR}
 )
 
+# Variables of the rc family that are someone's credentials or the rc client's settings: the
+# worker drops them from its own environment at start (worker_main.exec_without_token) and
+# no child of it ever sees them.
+FOREIGN_ENV_VARS = frozenset({"RC_USER_TOKEN", "RC_USER_TOKENS", "RC_WORKER_TOKENS", "RC_URL"})
+
 _TRUTHY = frozenset({"1", "true", "yes", "on"})
 _FALSY = frozenset({"0", "false", "no", "off", ""})
 
@@ -98,6 +103,8 @@ class DeviceConfig:
     timeout: float = DEFAULT_HOOK_TIMEOUT
     release_linger: float = DEFAULT_RELEASE_LINGER
     labels: Mapping[str, str] = attrs.field(factory=dict)
+    job_user: str | None = None
+    """Resolved at load: the device's own ``job_user``, else the host's."""
     # A MIG slice: ``mig_of`` names the physical GPU's device (name or NVML
     # index); ``mig_uuid``, or ``mig_index`` resolved through nvidia-smi -L.
     mig_of: str | None = None
@@ -136,6 +143,8 @@ class Config:
     require_manual_clear: bool = False
     state_dir: str = DEFAULT_STATE_DIR
     status_listen: str | None = None
+    status_token: str | None = None
+    job_user: str | None = None
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
     max_grace: float = DEFAULT_MAX_GRACE
@@ -235,6 +244,20 @@ def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
     return config
 
 
+def config_warnings(config: Config, *, euid: int) -> list[str]:
+    """What ``check-config`` warns about: settings that work but are unsafe."""
+    warnings = []
+    if euid == 0:
+        without = [d.name for d in config.devices if d.job_user is None]
+        if without:
+            warnings.append(
+                f"the worker runs as root and devices {', '.join(without)} have no job_user, "
+                "so their jobs, hooks and verify scripts run as root and can read the worker's "
+                "state and memory; set job_user (e.g. job_user: nobody)"
+            )
+    return warnings
+
+
 def cgroup_needs(config: Config) -> dict[str, str]:
     """Each device limit, by its config location, and the controller it needs."""
     needs: dict[str, str] = {}
@@ -249,17 +272,29 @@ def cgroup_needs(config: Config) -> dict[str, str]:
 
 
 def child_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` without the worker's own configuration variables.
+    """``environ`` without any ``RC_*`` variable.
 
     Jobs, hooks, probes and verify scripts start from this: the worker's
-    token and its RC_* settings never reach them.
+    token and settings never reach them, nor anything else of the rc family
+    the worker's environment happens to hold (``RC_USER_TOKEN``, ``RC_URL`` of
+    the ``rc`` client, an inherited ``RC_JOB_ID``). The ``RC_*`` variables a
+    child sees are only the ones the worker sets for it.
     """
-    return {k: v for k, v in environ.items() if k not in WORKER_ENV_VARS}
+    return {k: v for k, v in environ.items() if not k.startswith("RC_")}
+
+
+def probe_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` for the operator's probes, which run as the worker's user and may be
+    configured through ``RC_*`` variables of their own (``RC_RACK_FILE``): everything but the
+    worker's settings, its token and other people's credentials."""
+    drop = WORKER_ENV_VARS | FOREIGN_ENV_VARS
+    return {k: v for k, v in environ.items() if k not in drop}
 
 
 def resolved_json(config: Config) -> dict[str, Any]:
     """The config as JSON-ready data, durations in seconds, the token masked."""
     data = config_parse.unstructure(config)
-    if data.get("token") is not None:
-        data["token"] = "***"
+    for secret in ("token", "status_token"):
+        if data.get(secret) is not None:
+            data[secret] = "***"
     return data

@@ -9,11 +9,14 @@ for its line and column.
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
+from urllib.parse import urlsplit
 
 import attrs
 import cattrs
@@ -165,15 +168,54 @@ def unstructure(config: Config) -> dict[str, Any]:
     return data
 
 
+MAX_CONFIG_BYTES = 1 << 20
+MAX_TOKEN_FILE_BYTES = 64 * 1024
+MAX_YAML_DEPTH = 50
+"""A worker config nests five levels deep; ruamel recurses per level, so bound it."""
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of ``path``, which must be a regular file of at most ``limit`` bytes.
+
+    Opened non-blocking, so a FIFO cannot hang the worker, and never read past
+    ``limit``, so ``/dev/zero`` cannot exhaust its memory. ``ValueError`` names the
+    problem; ``OSError`` as from ``open``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("is not a regular file (a pipe, a device or a directory)")
+        if st.st_size > limit:
+            raise ValueError(f"is larger than {limit} bytes")
+        chunks = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, limit + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise ValueError(f"is larger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def parse_file(file: Path, *, read_token: bool = True) -> Config:
     try:
-        text = file.read_text(encoding="utf-8")
+        text = read_regular_file(file, MAX_CONFIG_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(
             f"{file}:1:1: (file): no such file; create it, or name another config file "
             "on the command line or in RC_WORKER_CONFIG"
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except ValueError as e:
+        raise ConfigError(
+            f"{file}:1:1: (file): the config {e}; name a regular file of at most 1 MiB"
+        ) from None
+    except OSError as e:
         raise ConfigError(
             f"{file}:1:1: (file): cannot read it ({e}); fix its permissions or encoding"
         ) from None
@@ -194,8 +236,18 @@ def parse_text(text: str, *, name: str, base_dir: Path, read_token: bool = True)
             # The node tree keeps each scalar's source text (label values are
             # taken as written, as Go's yaml.v3 does); the data built from it
             # keeps each value's line and column.
+            if _flow_depth(text) > MAX_YAML_DEPTH:
+                raise ConfigError(
+                    f"{name}:1:1: (yaml): nested more than {MAX_YAML_DEPTH} levels deep; "
+                    "a worker config needs about five"
+                )
             loc.nodes = yaml.compose(text)
+            _refuse_tags(name, loc.nodes)
             tree = None if loc.nodes is None else yaml.constructor.construct_document(loc.nodes)
+    except RecursionError:
+        raise ConfigError(
+            f"{name}:1:1: (yaml): nested too deep; a worker config needs about five levels"
+        ) from None
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
@@ -250,6 +302,8 @@ def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) ->
         if not isinstance(dev, dict):
             continue
         dev.setdefault("timeout", hooks.timeout)
+        if data.get("job_user") is not None:
+            dev.setdefault("job_user", data["job_user"])
         dev.setdefault("release_linger", hooks.release_linger)
         cpus = dev.get("cpu_max")
         if isinstance(cpus, int | float) and not isinstance(cpus, bool):
@@ -418,6 +472,17 @@ def _check(loc: _Locator, config: Config) -> None:
         problem = listen_problem(config.status_listen)
         if problem:
             loc.fail_at(("status_listen",), problem)
+    if config.status_token is not None and not config.status_token.strip():
+        loc.fail_at(("status_token",), "the token is empty; expected a token, or leave it out")
+    if config.job_user is not None:
+        problem = user_problem(config.job_user)
+        if problem:
+            loc.fail_at(("job_user",), problem)
+    for i, dev in enumerate(config.devices):
+        if dev.job_user is not None and dev.job_user != config.job_user:
+            problem = user_problem(dev.job_user)
+            if problem:
+                loc.fail_at(("devices", i, "job_user"), problem)
 
 
 def _check_mig(loc: _Locator, config: Config) -> None:
@@ -491,7 +556,13 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token:
         changes["token_file"] = token_file
     elif token_file is not None:
         try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
+            token = (
+                read_regular_file(Path(token_file), MAX_TOKEN_FILE_BYTES).decode("utf-8").strip()
+            )
+        except ValueError as e:
+            loc.fail_at(
+                ("token_file",), f"the token file {e}; expected a small file holding the token"
+            )
         except OSError as e:
             loc.fail_at(
                 ("token_file",),
@@ -520,9 +591,62 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token:
 
 
 def controller_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be the controller's URL, or None: the same checks as the HTTP
+    client ``rc-worker run`` opens it with, so check-config passes only what run accepts."""
+    bad = f"{url!r} is not a URL; expected http://HOST:PORT or https://HOST"
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
-        return f"{url!r} is not a URL; expected http://HOST:PORT or https://HOST"
+        return bad
+    try:
+        import httpx
+
+        parsed = httpx.URL(url)
+        _ = urlsplit(url).port
+    except (ValueError, httpx.InvalidURL) as e:
+        return f"{bad} ({e})"
+    if not parsed.host:
+        return bad
     return None
+
+
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of YAML flow brackets (``[``, ``{``), a cheap bound checked before
+    ruamel recurses into them (quoted text may over-count, which only errs strict)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+_STANDARD_TAG = re.compile(
+    r"tag:yaml\.org,2002:(str|int|float|bool|null|map|seq|omap|set|merge|timestamp|binary|value)"
+)
+
+
+def _refuse_tags(name: str, root: Node | None) -> None:
+    """Refuse any explicit tag outside YAML's core types (``!!python/object/apply``...)."""
+    stack = [] if root is None else [root]
+    seen = 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > 1_000_000:
+            break
+        tag = str(node.tag) if getattr(node, "tag", None) is not None else ""
+        if tag and not _STANDARD_TAG.fullmatch(tag):
+            mark = node.start_mark
+            raise ConfigError(
+                f"{name}:{mark.line + 1}:{mark.column + 1}: (yaml): the tag {tag!r} is not "
+                "allowed; remove it (a worker config uses plain values only)"
+            )
+        if isinstance(node, MappingNode):
+            for k, v in node.value:
+                stack.extend((k, v))
+        elif isinstance(node, SequenceNode):
+            stack.extend(node.value)
 
 
 def host_problem(host: str) -> str | None:
@@ -531,7 +655,22 @@ def host_problem(host: str) -> str | None:
     return None
 
 
+def user_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a ``job_user`` on this machine, or None."""
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return f"no user {name!r} on this machine; expected an existing user such as nobody"
+    return None
+
+
 def listen_problem(listen: str) -> str | None:
+    if listen.startswith("unix:"):
+        if not listen[len("unix:") :].startswith("/"):
+            return f"{listen!r}: expected unix:/absolute/path for a Unix socket"
+        return None
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         return f"{listen!r} is not a listen address; expected HOST:PORT such as 127.0.0.1:9100"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -15,11 +16,13 @@ from rc_worker.cgroup import limits_for
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config, DeviceConfig, child_environ
 from rc_worker.config_parse import cpu_count
-from rc_worker.host import Host
+from rc_worker.host import Host, RunAs, resolve_user
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.model import Assignment, job_key
 from rc_worker.outbox import Outbox
 from rc_worker.spool import JobDir
+
+log = logging.getLogger("rc_worker.context")
 
 
 @attrs.define(eq=False)
@@ -41,6 +44,13 @@ class WorkerContext:
     health_gate: Callable[[str, str | None, float], Awaitable[str | None]] | None = None
     rng: random.Random = attrs.field(factory=random.Random)
     """Ids (faults) and jitter come from here: a simulation seeds it to replay exactly."""
+
+    def run_as(self, device: DeviceConfig) -> RunAs | None:
+        """Who the device's jobs, hooks and verify scripts run as: its ``job_user`` when the
+        worker is root (only root can switch), else the worker's own user."""
+        if device.job_user is None or os.geteuid() != 0:
+            return None
+        return resolve_user(device.job_user)
 
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)
@@ -91,13 +101,18 @@ class WorkerContext:
             (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
         )
         job_dir = JobDir(self.root, job_key(job_id, attempt))
-        await self.outbox.report(
-            job_dir,
-            job_id,
-            attempt,
-            report,
-            {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
-        )
+        try:
+            await self.outbox.report(
+                job_dir,
+                job_id,
+                attempt,
+                report,
+                {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
+            )
+        except OSError as e:
+            # A full or failing disk costs this report its file, never its delivery.
+            log.error("job %s: cannot write its report (%s); sending it from memory", job_id, e)
+            self.outbox.hold_report(job_dir, job_id, attempt, report, device)
         self.metrics.jobs_finished.labels(str(report["outcome"])).inc()
 
     def child_env(self, device: str, job_id: str | None) -> dict[str, str]:

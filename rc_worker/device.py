@@ -23,6 +23,7 @@ from rc_worker.config import DeviceConfig
 from rc_worker.errors import ControllerError
 from rc_worker.gpu_health import Fault, kind_defaults
 from rc_worker.hooks import run_hook
+from rc_worker.host import RunAs
 from rc_worker.lease import Lease
 from rc_worker.logs import log_context, set_log_context
 from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult, effective_limit
@@ -48,6 +49,15 @@ FINISH_AFTER_ERROR_S = 30.0
 def new_fault_id(rng: random.Random) -> str:
     """A fault id: random, so that no two workers (or restarts) ever repeat one."""
     return f"f-{rng.getrandbits(48):012x}"
+
+
+class _NotJournaled(Exception):
+    """The disk refused a job's journal or spool file: nothing was spawned."""
+
+
+def _run_as(run_as: RunAs | None) -> dict[str, Any]:
+    """``run_as=`` for a hook or verify call only when set: the unset call is the plain one."""
+    return {} if run_as is None else {"run_as": run_as}
 
 
 class DeviceSupervisor:
@@ -397,7 +407,17 @@ class DeviceSupervisor:
         if not await self._start(a):
             self._settle()
             return
-        result, verify, fault_id, output_bytes = await self._run(a, key)
+        try:
+            result, verify, fault_id, output_bytes = await self._run(a, key)
+        except _NotJournaled as e:
+            # Nothing was spawned, so the device is as clean as before: this job ends
+            # `error` (its report held in memory if the disk refuses it too), no quarantine.
+            log.error("device %s: cannot journal job %s (%s); not run", self.name, a.job_id, e)
+            await self.ctx.report(
+                a, not_run_report(a, "error", "", error=f"the worker's state_dir refused it: {e}")
+            )
+            self._settle()
+            return
         report = finish_report(
             a, result, verify=verify, fault_id=fault_id, output_bytes=output_bytes
         )
@@ -436,6 +456,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, a.job_id),
                     host=self.ctx.host,
+                    **_run_as(self.ctx.run_as(self.config)),
                 )
         self._acquire_scope = None
         if scope.cancelled_caught:
@@ -478,8 +499,11 @@ class DeviceSupervisor:
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
-        cgroup = await self.ctx.journal(job_dir, a)
-        spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
+        try:
+            cgroup = await self.ctx.journal(job_dir, a)
+            spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
+        except OSError as e:
+            raise _NotJournaled(str(e)) from e
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool, device=self.name)
         self.lease.to(S.RUNNING)
         handle = JobHandle()
@@ -496,6 +520,7 @@ class DeviceSupervisor:
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
+            run_as=self.ctx.run_as(self.config),
             cgroup=cgroup,
             cgroup_limits=self.ctx.cgroup_limits(self.config),
         )
@@ -523,6 +548,7 @@ class DeviceSupervisor:
                 pass_budget=self.ctx.config.verify_pass_budget,
                 env=env,
                 host=self.ctx.host,
+                **_run_as(self.ctx.run_as(self.config)),
             )
         fault_id = None
         if not verify.ok:
@@ -579,6 +605,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, self._last_job_id),
                     host=self.ctx.host,
+                    **_run_as(self.ctx.run_as(self.config)),
                 )
             if not outcome.ok:
                 self.lease.released()

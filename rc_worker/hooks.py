@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import attrs
 
 from rc_worker.dropins import TailBuffer
-from rc_worker.host import Host
+from rc_worker.host import Host, RunAs
 from rc_worker.supervise import JobSpec, Result, run_job
 
 log = logging.getLogger("rc_worker.hooks")
@@ -51,6 +51,7 @@ async def run_hook(
     time_limit: float,
     env: Mapping[str, str],
     host: Host | None = None,
+    run_as: RunAs | None = None,
 ) -> HookOutcome:
     """Run one lease hook; ``env`` is the full environment it gets."""
     stderr = TailBuffer()
@@ -61,6 +62,7 @@ async def run_hook(
         grace_ceiling=min(HOOK_GRACE, time_limit),
         max_runtime=time_limit,
         stderr=stderr,
+        run_as=run_as,
     )
     result = await run_job(spec, stdout, host=host)
     if result.error is None and not result.killed and result.exit_code == 0:

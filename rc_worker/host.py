@@ -20,13 +20,14 @@ import fcntl
 import logging
 import os
 import platform
+import pwd
 import socket
 import struct
 import subprocess
 import termios
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 import trio
@@ -54,6 +55,23 @@ PTY_ROWS, PTY_COLS = 24, 80
 # 1 MiB is the unprivileged ceiling (/proc/sys/fs/pipe-max-size) by default;
 # past it the kernel refuses and the pipe keeps its 64 KiB.
 OUTPUT_PIPE_BYTES = 1 << 20
+
+
+@attrs.frozen
+class RunAs:
+    """Who a child runs as: ``user`` (for messages), its uid, gid and supplementary groups."""
+
+    user: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+def resolve_user(name: str) -> RunAs:
+    """The uid, primary gid and every group of user ``name`` (``KeyError`` if unknown)."""
+    entry = pwd.getpwnam(name)
+    groups = tuple(g for g in os.getgrouplist(name, entry.pw_gid) if g != entry.pw_gid)
+    return RunAs(name, entry.pw_uid, entry.pw_gid, groups)
 
 
 class HostProcess(Protocol):
@@ -114,6 +132,7 @@ class Host(Protocol):
         separate_stderr: bool,
         pty: bool,
         cgroup: str | None = None,
+        run_as: RunAs | None = None,
     ) -> HostProcess:
         """Start ``argv`` as the leader of a new session (so of its own process group).
 
@@ -255,9 +274,10 @@ class LinuxHost:
         separate_stderr: bool,
         pty: bool,
         cgroup: str | None = None,
+        run_as: RunAs | None = None,
     ) -> HostProcess:
         if cgroup is None:
-            return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty)
+            return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty, run_as)
         # Born in the cgroup: the worker moves itself into it for the fork
         # and straight back, so the child is in it from its first
         # instruction, before it could fork or exec anything. (What
@@ -272,7 +292,7 @@ class LinuxHost:
             home = self.own_cgroup()
             self.cgroup_write(cgroup, "cgroup.procs", str(os.getpid()))
             try:
-                return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty)
+                return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty, run_as)
             finally:
                 try:
                     self.cgroup_write(home, "cgroup.procs", str(os.getpid()))
@@ -290,9 +310,10 @@ class LinuxHost:
         stdin: bool,
         separate_stderr: bool,
         pty: bool,
+        run_as: RunAs | None = None,
     ) -> HostProcess:
         if pty:
-            return await _spawn_on_pty(argv, cwd=cwd, env=env, stdin=stdin)
+            return await _spawn_on_pty(argv, cwd=cwd, env=env, stdin=stdin, run_as=run_as)
         proc = await trio.lowlevel.open_process(
             list(argv),
             cwd=cwd,
@@ -301,6 +322,7 @@ class LinuxHost:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT,
             start_new_session=True,
+            **_identity(run_as),
         )
         assert proc.stdout is not None
         for stream in (proc.stdout, proc.stderr):
@@ -539,12 +561,27 @@ def _take_controlling_tty() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
+def _identity(run_as: RunAs | None) -> dict[str, Any]:
+    """``subprocess`` arguments that drop to ``run_as`` (its groups first, then its uid)."""
+    if run_as is None:
+        return {}
+    return {"user": run_as.uid, "group": run_as.gid, "extra_groups": list(run_as.groups)}
+
+
 async def _spawn_on_pty(
-    argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str], stdin: bool
+    argv: Sequence[str],
+    *,
+    cwd: str | None,
+    env: Mapping[str, str],
+    stdin: bool,
+    run_as: RunAs | None = None,
 ) -> HostProcess:
     master_fd, slave_fd = os.openpty()
     try:
         fcntl.ioctl(slave_fd, termios.TIOCSWINSZ, struct.pack("HHHH", PTY_ROWS, PTY_COLS, 0, 0))
+        if run_as is not None:
+            # The job's terminal is its own, as a login's is (it may reopen /dev/tty).
+            os.fchown(slave_fd, run_as.uid, -1)
         proc = await trio.lowlevel.open_process(
             list(argv),
             cwd=cwd,
@@ -554,6 +591,7 @@ async def _spawn_on_pty(
             stderr=slave_fd,
             start_new_session=True,
             preexec_fn=_take_controlling_tty,
+            **_identity(run_as),
         )
     except subprocess.SubprocessError as e:
         os.close(master_fd)

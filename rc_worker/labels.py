@@ -538,6 +538,8 @@ def parse_dropin_output(
         )
     except _Duplicate as e:
         raise ValueError(f"ambiguous output: {e}") from None
+    except RecursionError:
+        raise ValueError("not JSON we accept: nested too deep") from None
     except ValueError as e:
         raise ValueError(f"not JSON: {e}") from None
     if not isinstance(obj, dict):

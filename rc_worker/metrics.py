@@ -30,6 +30,11 @@ class WorkerMetrics:
         self.jobs_finished = Counter(
             "rc_worker_jobs_finished", "Job attempts finished, by outcome.", ["outcome"], registry=r
         )
+        self.duplicate_assignments = Counter(
+            "rc_worker_duplicate_assignments",
+            "Assignments of an attempt this worker already had, ignored (a controller bug).",
+            registry=r,
+        )
         self.job_seconds = Histogram(
             "rc_worker_job_run_seconds",
             "How long jobs ran, from spawn to exit.",

@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -21,6 +22,12 @@ from rc_worker.errors import AssignmentError
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 VERIFY_REASON_PREFIX = "verify failed: "
+
+# Bounds on an assignment: Linux refuses an argv+envp much above 2 MiB at execve anyway, and a
+# duration above a year is a controller bug, not a limit (it would also overflow deadlines).
+MAX_ARGS = 4096
+MAX_ARGV_CHARS = 1024 * 1024
+MAX_SECONDS = 366 * 24 * 3600.0
 
 
 class Outcome(enum.StrEnum):
@@ -115,8 +122,13 @@ def assignment_identity(raw: Any) -> tuple[str, int, str] | None:
     return job_id, attempt, device if isinstance(device, str) else ""
 
 
-def parse_assignment(raw: Any) -> Assignment:
-    """Check and convert one assignment from a poll response."""
+def parse_assignment(raw: Any, *, origin: str | None = None) -> Assignment:
+    """Check and convert one assignment from a poll response, completely: nothing acts on an
+    assignment before this has accepted every field of it.
+
+    ``origin`` is the controller's ``scheme://host[:port]``: a ``stdin.url`` must be a path on
+    it (or an absolute URL with that very origin), so the worker's token never goes elsewhere.
+    """
     if not isinstance(raw, Mapping):
         raise AssignmentError("the assignment is not a JSON object")
     ident = assignment_identity(raw)
@@ -130,8 +142,12 @@ def parse_assignment(raw: Any) -> Assignment:
     command = raw.get("command")
     if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
         raise AssignmentError("command must be a non-empty list of strings")
+    if not command[0]:
+        raise AssignmentError("command[0], the program, must not be an empty string")
     if any("\0" in c for c in command):
         raise AssignmentError("command must not contain NUL characters")
+    if len(command) > MAX_ARGS or sum(len(c) + 1 for c in command) > MAX_ARGV_CHARS:
+        raise AssignmentError(f"command is larger than {MAX_ARGV_CHARS} characters")
     cwd = raw.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd):
         raise AssignmentError("cwd must be null or a non-empty string")
@@ -141,12 +157,14 @@ def parse_assignment(raw: Any) -> Assignment:
         for k, v in env.items()
     ):
         raise AssignmentError("env must be an object mapping variable names to strings")
+    if len(env) > MAX_ARGS or sum(len(k) + len(v) + 2 for k, v in env.items()) > MAX_ARGV_CHARS:
+        raise AssignmentError(f"env is larger than {MAX_ARGV_CHARS} characters")
     stdin = raw.get("stdin")
     stdin_url: str | None = None
     if stdin is not None:
         if not isinstance(stdin, Mapping) or not isinstance(stdin.get("url"), str):
             raise AssignmentError('stdin must be null or {"url": "..."}')
-        stdin_url = stdin["url"]
+        stdin_url = check_controller_url(stdin["url"], origin, "stdin.url")
     pty = raw.get("pty", False)
     if not isinstance(pty, bool):
         raise AssignmentError("pty must be true or false")
@@ -174,6 +192,8 @@ def _seconds(raw: Mapping[str, Any], key: str, *, default: float | None) -> floa
         raise AssignmentError(f"{key} must be a number of seconds or null")
     if not math.isfinite(value) or value < 0:
         raise AssignmentError(f"{key} must be a finite, non-negative number of seconds")
+    if value > MAX_SECONDS:
+        raise AssignmentError(f"{key} must be at most {MAX_SECONDS:g} seconds")
     return float(value)
 
 
@@ -182,6 +202,39 @@ def _positive_or_none(raw: Mapping[str, Any], key: str) -> float | None:
     if value == 0:
         raise AssignmentError(f"{key} must be more than zero, or null for no limit")
     return value
+
+
+def url_origin(url: str) -> str:
+    """``scheme://host[:port]`` of an absolute URL, lower-cased, default ports dropped."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    default = {"http": 80, "https": 443}.get(scheme)
+    return f"{scheme}://{host}" + ("" if port in (None, default) else f":{port}")
+
+
+def check_controller_url(url: str, origin: str | None, where: str) -> str:
+    """``url`` if it addresses the controller (a path, or an absolute URL on ``origin``)."""
+    if url.startswith("/") and not url.startswith("//") and "\\" not in url:
+        return url
+    parts = urlsplit(url)
+    if (
+        parts.scheme
+        and parts.netloc
+        and origin is not None
+        and url_origin(url) == url_origin(origin)
+    ):
+        return url
+    raise AssignmentError(
+        f"{where} {url[:200]!r} is not on the controller's origin {origin or '(unknown)'}; "
+        "the worker sends its token only to the controller"
+    )
 
 
 def effective_limit(device_limit: float | None, job_limit: float | None) -> float | None:

@@ -1,7 +1,9 @@
 """Delivers what the worker owes the controller: job output, finish reports, faults.
 
-Everything is shipped from disk (``spool.py``), never from memory alone, so
-a controller outage of any length, or a worker restart, loses nothing.
+Everything is shipped from disk (``spool.py``), so a controller outage of
+any length, or a worker restart, loses nothing. A report the disk refuses
+(full, failing) is held in memory and delivered from there: the worker
+carries on, and only a restart before delivery could lose it.
 Output goes first, from the controller's committed offset; the ``finish``
 follows only once every byte up to ``output_bytes`` is committed; the job's
 directory (journal included) is removed once the ``finish`` is acknowledged.
@@ -26,7 +28,7 @@ from rc_worker.durable import Committer
 from rc_worker.errors import ControllerError
 from rc_worker.logs import set_log_context
 from rc_worker.retry import Backoff
-from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json
+from rc_worker.spool import JobDir, OutputSpool, job_dirs, move_aside, read_json
 
 log = logging.getLogger("rc_worker.outbox")
 
@@ -57,6 +59,8 @@ class _Delivery:
     fresh: bool = False
     finish_ready: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
+    report: dict[str, Any] | None = None
+    """The finish, when the disk would not take it."""
 
 
 class Outbox:
@@ -83,6 +87,15 @@ class Outbox:
         self._deliveries: dict[str, _Delivery] = {}
         self._nursery: trio.Nursery | None = None
         self._pending_faults: list[Path] = []
+        # Fault reports the disk would not take, by the path they would have had.
+        self._in_memory: dict[Path, dict[str, Any]] = {}
+        # Started once run() is: reports held before the outbox runs (recovery's).
+        self._early: list[_Delivery] = []
+        self._early_faults: list[Path] = []
+        self._early_records: dict[Path, dict[str, Any]] = {}
+        self.damaged: list[tuple[str | None, str]] = []
+        """``(device or None, why)`` of each damaged fault file :meth:`faults_on_disk` moved
+        aside; the worker quarantines those devices (all of them for None)."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -99,7 +112,14 @@ class Outbox:
                     _Delivery(jd, *ident, device=device if isinstance(device, str) else None)
                 )
             for path in _pending_fault_files(self._root):
-                self._start_fault(path)
+                if path not in self._early_faults:
+                    self._start_fault(path)
+            early, self._early = self._early, []
+            for delivery in early:
+                self._spawn(delivery)
+            faults, self._early_faults = self._early_faults, []
+            for path in faults:
+                self._start_fault(path, self._early_records.pop(path, None))
             task_status.started()
             await trio.sleep_forever()
 
@@ -115,10 +135,12 @@ class Outbox:
         self._spawn(_Delivery(job_dir, job_id, attempt, spool, device=device, fresh=True))
 
     def _spawn(self, delivery: _Delivery) -> None:
-        assert self._nursery is not None, "Outbox.run must be started first"
         self._deliveries[delivery.job_dir.key] = delivery
-        if delivery.job_dir.finish.exists():
+        if delivery.report is not None or delivery.job_dir.finish.exists():
             delivery.finish_ready.set()
+        if self._nursery is None:
+            self._early.append(delivery)
+            return
         self._nursery.start_soon(self._deliver_job, delivery)
 
     def deliver_report(
@@ -134,6 +156,19 @@ class Outbox:
         when this process wrote it (no need to ask where the output stands)."""
         self._spawn(_Delivery(job_dir, job_id, attempt, device=device, fresh=fresh))
 
+    def hold_report(
+        self,
+        job_dir: JobDir,
+        job_id: str,
+        attempt: int,
+        report: Mapping[str, Any],
+        device: str | None = None,
+    ) -> None:
+        """Deliver a finish the disk would not take, from memory."""
+        self._spawn(
+            _Delivery(job_dir, job_id, attempt, report=dict(report), device=device, fresh=True)
+        )
+
     def owes(self, device: str) -> bool:
         """Whether a finish for an attempt on ``device`` is not yet acknowledged.
 
@@ -146,7 +181,15 @@ class Outbox:
     async def finish(self, key: str, report: Mapping[str, Any]) -> None:
         """Record a job's finish report durably; it is sent once its output is in."""
         delivery = self._deliveries[key]
-        await self.committer.write(delivery.job_dir.finish, report)
+        try:
+            await self.committer.write(delivery.job_dir.finish, report)
+        except OSError as e:
+            log.error(
+                "job %s: cannot write its finish (%s); holding it in memory to send",
+                key,
+                e,
+            )
+            delivery.report = dict(report)
         delivery.finish_ready.set()
 
     async def report(
@@ -207,12 +250,17 @@ class Outbox:
         found = []
         for path in _pending_fault_files(self._root):
             data = read_json(path)
-            if data is None or not isinstance(data.get("report"), dict):
+            problem = _fault_problem(data)
+            if problem is not None:
+                device = data.get("device") if isinstance(data, dict) else None
+                move_aside(self._root, path, problem)
+                self.damaged.append(
+                    (device if isinstance(device, str) else None, f"{path.name}: {problem}")
+                )
                 continue
+            assert data is not None
             report = data["report"]
-            found.append(
-                (str(data.get("device")), str(report.get("fault_id")), str(report.get("reason")))
-            )
+            found.append((data["device"], report["fault_id"], str(report.get("reason"))))
         return found
 
     def fault(self, device: str, report: Mapping[str, Any]) -> None:
@@ -224,14 +272,23 @@ class Outbox:
         first send" holds. The device's quarantine is in memory already.
         """
         path = self._root / "faults" / f"{device}.{report['fault_id']}.json"
-        self._start_fault(path, {"device": device, "report": dict(report)})
+        record = {"device": device, "report": dict(report)}
+        if self._nursery is None:
+            # Raised before the outbox runs (a damaged state file at start):
+            # written and sent once it does, counted as owed from now.
+            self._pending_faults.append(path)
+            self._early_faults.append(path)
+            self._early_records[path] = record
+            return
+        self._start_fault(path, record)
 
     def _start_fault(self, path: Path, record: Mapping[str, Any] | None = None) -> None:
         assert self._nursery is not None, "Outbox.run must be started first"
         # Counted as pending now, not when its task first runs: a drain that
         # looked in between would otherwise see nothing owed and stop the
         # worker with the fault undelivered.
-        self._pending_faults.append(path)
+        if path not in self._pending_faults:
+            self._pending_faults.append(path)
         self._nursery.start_soon(self._deliver_fault, path, record)
 
     async def _deliver_fault(self, path: Path, record: Mapping[str, Any] | None = None) -> None:
@@ -240,17 +297,22 @@ class Outbox:
                 try:
                     await self.committer.write(path, record)
                 except OSError as e:
-                    # Not on disk, so not sent; the device stays quarantined
-                    # in memory and its heartbeat entry carries the fault id.
-                    log.error("cannot record fault report %s (%s); not sent", path.name, e)
-                    return
-            data = read_json(path)
-            if data is None:
+                    # A full disk must not turn one device's fault into the
+                    # worker's crash, nor keep the controller from hearing it.
+                    log.error("cannot write fault %s (%s); holding it in memory", path.name, e)
+                    self._in_memory[path] = dict(record)
+            data = self._in_memory.get(path) or read_json(path)
+            problem = _fault_problem(data)
+            if problem is not None:
+                if data is not None:
+                    move_aside(self._root, path, problem)
                 return
+            assert data is not None
             try:
                 await self._client.fault(str(data["device"]), data["report"])
             except ControllerError as e:
                 log.error("fault report %s was refused for good: %s", path.name, e)
+            self._in_memory.pop(path, None)
             await self.committer.run_blocking(functools.partial(_remove, path))
         finally:
             self._pending_faults.remove(path)
@@ -262,7 +324,7 @@ class Outbox:
         try:
             committed = await self._ship_output(d)
             await d.finish_ready.wait()
-            report = read_json(d.job_dir.finish) or {}
+            report = d.report if d.report is not None else read_json(d.job_dir.finish) or {}
             if committed is not None and committed < int(report.get("output_bytes", 0)):
                 log.error(
                     "job %s: finish sent with output only committed to %d", d.job_id, committed
@@ -380,11 +442,27 @@ def _identity(jd: JobDir) -> tuple[str, int] | None:
     """
     journal = read_json(jd.journal)
     if journal is not None:
-        return str(journal["job_id"]), int(journal["attempt"])
+        job_id, attempt = journal.get("job_id"), journal.get("attempt")
+        if isinstance(job_id, str) and isinstance(attempt, int) and not isinstance(attempt, bool):
+            return job_id, attempt
     job_id, _, attempt = jd.key.rpartition(".")
     if not job_id or not attempt.isdigit():
         return None
     return job_id, int(attempt)
+
+
+def _fault_problem(data: object) -> str | None:
+    """Why a fault file's content is unusable, or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    report = data.get("report")
+    if not isinstance(data.get("device"), str) or not data["device"]:
+        return "no device"
+    if not isinstance(report, dict):
+        return f"report is {type(report).__name__}, not an object"
+    if not isinstance(report.get("fault_id"), str) or not report["fault_id"]:
+        return "report has no fault_id"
+    return None
 
 
 def _pending_fault_files(root: Path) -> list[Path]:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 import attrs
 import trio
 
-from rc_worker.config import Config, child_environ
+from rc_worker.config import Config, probe_environ
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import (
     BUILTIN,
@@ -246,7 +246,7 @@ class Prober:
         out = _Capture(NVIDIA_SMI_OUTPUT_CAP, lambda: handle.stop(_STOP_CAP))
         spec = JobSpec(
             command=(path, *NVIDIA_SMI_ARGS),
-            env=child_environ(self._environ),
+            env=probe_environ(self._environ),
             grace_ceiling=PROBE_GRACE,
             max_runtime=limit,
         )
@@ -343,7 +343,7 @@ class Prober:
         handle = JobHandle()
         out = _Capture(DROPIN_STDOUT_CAP, lambda: handle.stop(_STOP_CAP))
         err = _Tail()
-        env = child_environ(self._environ)
+        env = probe_environ(self._environ)
         env["RC_HOST"] = self._config.host
         env["RC_DEVICES"] = ",".join(self._config.device_names)
         spec = JobSpec(

@@ -32,7 +32,7 @@ from rc_worker.durable import Committer
 from rc_worker.host import Host
 from rc_worker.model import Claim
 from rc_worker.reports import lost_report, sweep_json
-from rc_worker.spool import JobDir, job_dirs, read_json
+from rc_worker.spool import JobDir, job_dirs, move_aside, read_json
 from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors, unproven
 
 log = logging.getLogger("rc_worker.recovery")
@@ -74,12 +74,27 @@ def decide_claim(sweep: SweepReport, *, reboot: bool, require_manual_clear: bool
     return Claim.UNKNOWN
 
 
+@attrs.frozen
+class Damaged:
+    """A state file recovery could not use or write: its device (None: unknown, so every
+    device) is quarantined with a ``damaged_state`` fault, and any finish it could not write
+    is held in memory (``report``) for the outbox to deliver."""
+
+    device: str | None
+    why: str
+    job_dir: JobDir | None = None
+    job_id: str | None = None
+    attempt: int | None = None
+    report: dict[str, Any] | None = None
+
+
 async def recover(
     root: Path,
     *,
     boot_id: str,
     require_manual_clear: bool,
     host: Host | None = None,
+    damaged: list[Damaged] | None = None,
     committer: Committer | None = None,
 ) -> list[Recovered]:
     """Claim, for every journal entry of a spawned job, what is left of it.
@@ -88,64 +103,154 @@ async def recover(
     acknowledged, too: the controller still believes them running, and a
     register that left them out would have it finish them ``lost`` and
     quarantine their device, although their real finish is about to arrive.
+
+    Never crashes on what it finds: a damaged job directory (an unreadable or
+    incomplete journal, a bad claim, a garbage finish) is moved aside to
+    ``state_dir/damaged/`` and listed in ``damaged``, as is a finish the disk
+    would not take (full, failing); the caller quarantines their devices.
     """
     durable = committer if committer is not None else Committer()
     found: list[Recovered] = []
+    problems: list[Damaged] = [] if damaged is None else damaged
     for job_dir in job_dirs(root):
-        claimed = read_json(job_dir.path / RECOVERY_FILE)
-        if claimed is not None:
-            # Recovered by an earlier start that stopped before its finish
-            # was acknowledged: the claim stands, and is sent again.
-            entry = _from_json(claimed)
-            if require_manual_clear and entry.claim is not Claim.UNKNOWN:
-                # Switched on since that start: it still only tightens.
-                entry = attrs.evolve(entry, claim=Claim.UNKNOWN)
-            if not job_dir.finish.exists():
-                await _write_lost(durable, job_dir, entry)
+        problem = _damage(job_dir)
+        if problem is not None:
+            why, device = problem
+            move_aside(root, job_dir.path, why)
+            problems.append(Damaged(device, f"job directory {job_dir.key}: {why}"))
+            continue
+        try:
+            entry = await _recover_one(
+                durable,
+                job_dir,
+                boot_id=boot_id,
+                require_manual_clear=require_manual_clear,
+                host=host,
+            )
+        except _Unwritten as u:
+            log.error("job directory %s: cannot write recovery state: %s", job_dir.key, u.error)
+            found.append(u.entry)
+            problems.append(
+                Damaged(
+                    u.entry.device,
+                    f"job directory {job_dir.key}: cannot write recovery state ({u.error})",
+                    job_dir=job_dir if u.report is not None else None,
+                    job_id=u.entry.job_id,
+                    attempt=u.entry.attempt,
+                    report=u.report,
+                )
+            )
+            continue
+        if entry is not None:
             found.append(entry)
-            continue
+    return found
+
+
+class _Unwritten(Exception):
+    """The disk would not take a recovery write; what it would have held is here."""
+
+    def __init__(self, entry: Recovered, report: dict[str, Any] | None, error: OSError) -> None:
+        super().__init__(str(error))
+        self.entry, self.report, self.error = entry, report, error
+
+
+def _damage(job_dir: JobDir) -> tuple[str, str | None] | None:
+    """Why a job directory cannot be recovered as it is (and its device, if known)."""
+    journal_text_ok = True
+    journal: object = None
+    if job_dir.journal.exists():
         journal = read_json(job_dir.journal)
-        finished = job_dir.finish.exists()
-        if journal is None or not journal.get("spawned"):
-            if not finished:
-                # Nothing was spawned (the crash came between creating the
-                # directory and the journal): there is nothing to recover.
-                job_dir.remove()
-            # Else the report of an attempt that never ran: the outbox sends it.
-            continue
-        job_id, attempt = str(journal["job_id"]), int(journal["attempt"])
-        device, then = str(journal["device"]), str(journal.get("boot_id", ""))
-        reboot = then != boot_id
-        if reboot:
-            sweep = NOT_SWEPT
-        else:
-            sweep = await _sweep(journal, job_id, host)
-        claim = decide_claim(sweep, reboot=reboot, require_manual_clear=require_manual_clear)
-        log.warning(
-            "job %s attempt %d on %s %s: %s, claim %s%s",
-            job_id,
-            attempt,
-            device,
-            "ended, but its finish was not yet acknowledged when the worker stopped"
-            if finished
-            else "was interrupted by the worker's stop",
-            "reboot proven"
-            if reboot
-            else f"swept (found {list(sweep.found)}, "
-            f"remaining {list(sweep.remaining)}, blind {sweep.blind})",
-            claim,
-            " (require_manual_clear)" if require_manual_clear else "",
-        )
-        entry = Recovered(device, job_id, attempt, then, claim, sweep, reboot)
-        # The finish first: a crash between the two writes then leaves a job
-        # that is simply recovered again, never a claim without a report.
-        if not finished:
+        journal_text_ok = journal is not None
+    device = journal.get("device") if isinstance(journal, dict) else None
+    device = device if isinstance(device, str) and device else None
+    if not journal_text_ok:
+        return "journal.json is not a JSON object", None
+    if isinstance(journal, dict) and journal.get("spawned"):
+        job_id, attempt = journal.get("job_id"), journal.get("attempt")
+        if not isinstance(job_id, str) or not job_id:
+            return "journal.json has no job_id", device
+        if not isinstance(attempt, int) or isinstance(attempt, bool):
+            return "journal.json has no integer attempt", device
+        if device is None:
+            return "journal.json has no device", None
+    if job_dir.finish.exists() and read_json(job_dir.finish) is None:
+        return "finish.json is not a JSON object", device
+    claim_path = job_dir.path / RECOVERY_FILE
+    if claim_path.exists():
+        claimed = read_json(claim_path)
+        try:
+            if claimed is None:
+                raise ValueError("not a JSON object")
+            _from_json(claimed)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            return f"{RECOVERY_FILE} is unusable ({type(e).__name__}: {e})", device
+    return None
+
+
+async def _recover_one(
+    durable: Committer,
+    job_dir: JobDir,
+    *,
+    boot_id: str,
+    require_manual_clear: bool,
+    host: Host | None,
+) -> Recovered | None:
+    claimed = read_json(job_dir.path / RECOVERY_FILE)
+    if claimed is not None:
+        # Recovered by an earlier start that stopped before its finish
+        # was acknowledged: the claim stands, and is sent again.
+        entry = _from_json(claimed)
+        if require_manual_clear and entry.claim is not Claim.UNKNOWN:
+            # Switched on since that start: it still only tightens.
+            entry = attrs.evolve(entry, claim=Claim.UNKNOWN)
+        if not job_dir.finish.exists():
             await _write_lost(durable, job_dir, entry)
+        return entry
+    journal = read_json(job_dir.journal)
+    finished = job_dir.finish.exists()
+    if journal is None or not journal.get("spawned"):
+        if not finished and not job_dir.journal.exists():
+            # Nothing was spawned (the crash came between creating the
+            # directory and the journal): there is nothing to recover.
+            job_dir.remove()
+        # Else the report of an attempt that never ran: the outbox sends it.
+        return None
+    job_id, attempt = str(journal["job_id"]), int(journal["attempt"])
+    device, then = str(journal["device"]), str(journal.get("boot_id", ""))
+    reboot = then != boot_id
+    if reboot:
+        sweep = NOT_SWEPT
+    else:
+        sweep = await _sweep(journal, job_id, host)
+    claim = decide_claim(sweep, reboot=reboot, require_manual_clear=require_manual_clear)
+    log.warning(
+        "job %s attempt %d on %s %s: %s, claim %s%s",
+        job_id,
+        attempt,
+        device,
+        "ended, but its finish was not yet acknowledged when the worker stopped"
+        if finished
+        else "was interrupted by the worker's stop",
+        "reboot proven"
+        if reboot
+        else f"swept (found {list(sweep.found)}, "
+        f"remaining {list(sweep.remaining)}, blind {sweep.blind})",
+        claim,
+        " (require_manual_clear)" if require_manual_clear else "",
+    )
+    entry = Recovered(device, job_id, attempt, then, claim, sweep, reboot)
+    # The finish first: a crash between the two writes then leaves a job
+    # that is simply recovered again, never a claim without a report.
+    if not finished:
+        await _write_lost(durable, job_dir, entry)
+    try:
         await durable.write(
             job_dir.path / RECOVERY_FILE, {**entry.register_entry(), "reboot": reboot}
         )
-        found.append(entry)
-    return found
+    except OSError as e:
+        # The finish is on disk: only the claim is not, and it is sent from memory now.
+        raise _Unwritten(entry, None, e) from None
+    return entry
 
 
 async def _sweep(journal: dict[str, Any], job_id: str, host: Host | None) -> SweepReport:
@@ -176,16 +281,18 @@ async def _sweep(journal: dict[str, Any], job_id: str, host: Host | None) -> Swe
 
 
 async def _write_lost(durable: Committer, job_dir: JobDir, entry: Recovered) -> None:
-    await durable.write(
-        job_dir.finish,
-        lost_report(
-            entry.job_id,
-            entry.attempt,
-            entry.device,
-            sweep=entry.sweep,
-            output_bytes=job_dir.output_size(),
-        ),
+    report = lost_report(
+        entry.job_id,
+        entry.attempt,
+        entry.device,
+        sweep=entry.sweep,
+        output_bytes=job_dir.output_size(),
     )
+    try:
+        await durable.write(job_dir.finish, report)
+    except OSError as e:
+        # The caller holds it in memory and quarantines the device.
+        raise _Unwritten(entry, report, e) from None
 
 
 def _from_json(data: dict[str, Any]) -> Recovered:

@@ -15,6 +15,7 @@ crash whatever is left under ``jobs/`` is exactly the work not yet reported.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -25,9 +26,34 @@ from typing import Any
 
 import trio
 
+from rc_worker import boundedjson
+
 log = logging.getLogger("rc_worker.spool")
 
 TRUNCATION_MARKER = "\n[rc-worker: output truncated here: the job wrote more than {cap} bytes]\n"
+DISK_ERROR_MARKER = (
+    "\n[rc-worker: output truncated here: the worker could not write it to its disk ({why})]\n"
+)
+DAMAGED_DIR = "damaged"
+
+
+def move_aside(root: Path, path: Path, why: str) -> Path | None:
+    """Move a damaged file or directory of the state dir to ``state_dir/damaged/`` for an
+    operator to look at; never deleted. Returns where it went (None if it could not move)."""
+    damaged = root / DAMAGED_DIR
+    try:
+        damaged.mkdir(mode=0o700, exist_ok=True)
+        target = damaged / path.name
+        n = 1
+        while target.exists():
+            n += 1
+            target = damaged / f"{path.name}.{n}"
+        os.replace(path, target)
+    except OSError as e:
+        log.error("damaged state %s (%s) could not be moved aside: %s", path, why, e)
+        return None
+    log.error("damaged state %s (%s): moved to %s for an operator", path, why, target)
+    return target
 
 
 def ensure_state_dir(path: str) -> Path:
@@ -52,11 +78,19 @@ def write_json_durably(path: Path, data: Mapping[str, Any]) -> None:
     _fsync_dir(path.parent)
 
 
+MAX_STATE_FILE_BYTES = 1 << 20
+"""State files are a few hundred bytes; anything near this is damage, not data."""
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object in ``path``; None when absent or unreadable (logged)."""
+    """The JSON object in ``path``; None when absent or unreadable (logged). Bounded in size
+    and depth, so a damaged file can cost neither the worker's memory nor its stack."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_STATE_FILE_BYTES + 1)
+        if len(raw) > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
+        data = boundedjson.loads(raw)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -134,6 +168,12 @@ class OutputSpool:
         self._marked = False
         self.closed = False
         self._changed = trio.Event()
+        # Set when the disk refused a write (ENOSPC, EIO, EDQUOT...): the job keeps running,
+        # its further output is dropped, and a marker (held here if the disk refuses that
+        # too) ends what the controller gets.
+        self.disk_error: str | None = None
+        self._tail = b""
+        self._on_disk = self.size
 
     async def __call__(self, data: bytes) -> None:
         if self.closed or not data:
@@ -154,10 +194,45 @@ class OutputSpool:
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+                self._on_disk += n
+        except OSError as e:
+            self._disk_failed(e, len(view))
+            return
         self.size += len(data)
+
+    def _disk_failed(self, error: OSError, lost: int) -> None:
+        """Stop spooling this job (only this job) after the disk refused a write."""
+        why = errno.errorcode.get(error.errno or 0, "error") + f": {error.strerror or error}"
+        self.disk_error = why
+        self.truncated += lost
+        self._marked = True
+        marker = DISK_ERROR_MARKER.format(why=why).encode()
+        # What did reach the file stays; the marker follows it, from memory if need be.
+        self.size = self._on_disk
+        try:
+            os.write(self._fd, marker)
+            self._on_disk += len(marker)
+        except OSError:
+            self._tail = marker
+        self.size += len(marker)
+        log.error(
+            "job %s: spooling stopped, the disk refused its output (%s); the job runs on, "
+            "its further output is dropped",
+            self._dir.key,
+            why,
+        )
+
+    def read(self, offset: int, limit: int) -> bytes:
+        """Spooled output from ``offset``: the file, then a marker the disk would not take."""
+        data = self._dir.read_output(offset, min(limit, max(self._on_disk - offset, 0)))
+        if len(data) < limit and self._tail and offset + len(data) >= self._on_disk:
+            start = offset + len(data) - self._on_disk
+            data += self._tail[start : start + limit - len(data)]
+        return data
 
     def close(self) -> None:
         if not self.closed:

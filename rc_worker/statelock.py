@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +28,9 @@ from types import TracebackType
 from rc_worker.errors import ConfigError
 
 LOCK_NAME = "lock"
+
+
+log = logging.getLogger("rc_worker.statelock")
 
 
 class StateDirLocked(ConfigError):
@@ -78,9 +82,13 @@ class StateDirLock:
                 f"state_dir: cannot lock {path} ({e.strerror}); use a local file system "
                 "that supports flock for state_dir"
             ) from None
-        # Ours now: record who holds it, for the next one to name.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid() if pid is None else pid}\n".encode(), 0)
+        # Ours now: record who holds it, for the next one to name. Only a courtesy: a full
+        # disk must not keep the worker from starting (recovery then reports what it can).
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid() if pid is None else pid}\n".encode(), 0)
+        except OSError as e:
+            log.warning("cannot record this pid in %s: %s", path, e)
         return cls(root, fd)
 
     @property

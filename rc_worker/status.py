@@ -13,8 +13,12 @@ operator chose; it is read-only and never touches the controller.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hmac
 import json
+import os
 import socket
+import stat
 import sys
 from collections.abc import Callable
 from typing import Any, cast
@@ -29,14 +33,49 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from rc_worker import boundedjson
 from rc_worker.config import load_config
 from rc_worker.errors import ConfigError
 from rc_worker.metrics import WorkerMetrics
 
 
-def status_app(snapshot: Callable[[], dict[str, Any]], metrics: WorkerMetrics) -> Starlette:
-    async def status(_: Request) -> Response:
-        return JSONResponse(snapshot())
+def redact_jobs(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` without the ids of jobs: with a job id and the worker's token a job could
+    forge another's output, and a job cannot be kept from a TCP port on its own host."""
+    out = dict(status)
+    out["devices"] = {
+        name: {**dev, "job_id": None, "attempt": None} if dev.get("job_id") else dev
+        for name, dev in status.get("devices", {}).items()
+    }
+    out["recovered"] = len(status.get("recovered", []))
+    out["jobs_hidden"] = True
+    return out
+
+
+def status_app(
+    snapshot: Callable[[], dict[str, Any]],
+    metrics: WorkerMetrics,
+    *,
+    token: str | None = None,
+    private: bool = False,
+) -> Starlette:
+    """The status app. Job ids are listed only when ``private`` (a Unix socket, whose file
+    mode guards it) or when the request presents ``token`` (the ``status_token``) as a bearer
+    token."""
+
+    def shows_jobs(request: Request) -> bool:
+        if private:
+            return True
+        if token is None:
+            return False
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), token.encode()
+        )
+
+    async def status(request: Request) -> Response:
+        data = snapshot()
+        return JSONResponse(data if shows_jobs(request) else redact_jobs(data))
 
     async def healthz(_: Request) -> Response:
         # Liveness only: answering at all proves the event loop runs. A
@@ -69,11 +108,21 @@ async def serve_status(
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``listen`` until cancelled; reports the bound URLs."""
+    """Serve ``app`` on ``listen`` (``HOST:PORT`` or ``unix:/path``) until cancelled; reports
+    the bound URLs."""
     config = HypercornConfig()
     config.bind = [listen]
     config.accesslog = None
     config.errorlog = None
+    if listen.startswith("unix:"):
+        path = listen[len("unix:") :]
+        # Only the worker's user may connect: the socket lists job ids.
+        config.umask = 0o177
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # a stale socket from an earlier run
+        await hypercorn_serve(cast(Any, app), config, task_status=task_status)
+        return
     _check_listen(listen)
     await hypercorn_serve(cast(Any, app), config, task_status=task_status)
 
@@ -109,6 +158,7 @@ def configure(subparsers: Any) -> None:
     parser.add_argument("--config", dest="path", help="config file (to find status_listen)")
     parser.add_argument("--url", help="the status endpoint, e.g. http://127.0.0.1:9100")
     parser.add_argument("--json", action="store_true", help="print the raw status JSON")
+    parser.add_argument("--token", help="the worker's status_token, to see job ids (with --url)")
     parser.set_defaults(func=status_main)
 
 
@@ -127,11 +177,22 @@ def status_main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        url = "http://" + config.status_listen
+        url = config.status_listen
+        token = config.status_token
+    else:
+        token = args.token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        response = httpx.get(url.rstrip("/") + "/status", timeout=10.0)
+        if url.startswith("unix:"):
+            transport = httpx.HTTPTransport(uds=url[len("unix:") :])
+            with httpx.Client(transport=transport, base_url="http://worker") as client:
+                response = client.get("/status", headers=headers, timeout=10.0)
+        else:
+            if not url.startswith(("http://", "https://")):
+                url = "http://" + url
+            response = httpx.get(url.rstrip("/") + "/status", headers=headers, timeout=10.0)
         response.raise_for_status()
-        data = response.json()
+        data: Any = boundedjson.loads(response.content)
     except (httpx.HTTPError, ValueError) as e:
         print(f"rc-worker: cannot read the worker's status at {url}: {e}", file=sys.stderr)
         return 1

@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from rc_worker import cgroup as cgroups
-from rc_worker.host import Host, HostProcess, LinuxHost
+from rc_worker.host import Host, HostProcess, LinuxHost, RunAs
 from rc_worker.spawn_status import describe_spawn_error, exit_status
 from rc_worker.sweep import KILL_WAIT as SWEEP_KILL_WAIT
 from rc_worker.sweep import NOT_SWEPT, NOTHING_STARTED, SweepReport, sweep_job_survivors
@@ -166,6 +166,7 @@ class JobSpec:
     environment carries exactly ``RC_JOB_ID=<this>`` (see ``sweep.py``). An
     explicit opt-in, never read out of ``env``: hooks and verify probes carry
     the id too and must never sweep.
+    ``run_as``: the user (and groups) to run as; needs a root worker.
     ``pty``: run on a new pseudo-terminal (stdout and stderr are then one
     stream, so ``stderr`` must be ``None``; with no ``stdin`` the terminal's
     EOF is typed at once, so a reader sees end of file as from /dev/null).
@@ -190,6 +191,7 @@ class JobSpec:
     pty: bool = attrs.field(default=False, converter=bool)
     cgroup: str | None = None
     cgroup_limits: Mapping[str, str] = attrs.field(factory=dict)
+    run_as: RunAs | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.pty and self.stderr is not None:
@@ -345,6 +347,7 @@ async def run_job(
             stdin=spec.stdin is not None,
             separate_stderr=spec.stderr is not None,
             pty=spec.pty,
+            **({} if spec.run_as is None else {"run_as": spec.run_as}),
             cgroup=path,
         )
     except OSError as exc:

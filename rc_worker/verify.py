@@ -15,7 +15,7 @@ import trio
 
 from rc_worker.dropins import TailBuffer, list_executables
 from rc_worker.hooks import HOOK_GRACE, describe_failure
-from rc_worker.host import Host
+from rc_worker.host import Host, RunAs
 from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.supervise import JobSpec, run_job
 
@@ -29,6 +29,7 @@ async def run_verify(
     pass_budget: float,
     env: Mapping[str, str],
     host: Host | None = None,
+    run_as: RunAs | None = None,
 ) -> VerifyResult:
     """Run the verify pass over ``verify_dir``; ``env`` is each script's whole environment."""
     scripts = list_executables(verify_dir)
@@ -48,6 +49,7 @@ async def run_verify(
                 grace_ceiling=min(HOOK_GRACE, limit),
                 max_runtime=limit,
                 stderr=stderr,
+                run_as=run_as,
             ),
             TailBuffer(),
             host=host,

@@ -43,7 +43,7 @@ from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
-from rc_worker.device import DeviceSupervisor
+from rc_worker.device import DeviceSupervisor, new_fault_id
 from rc_worker.durable import Committer
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.gpu_health_coord import GpuHealthCoordinator
@@ -62,10 +62,10 @@ from rc_worker.model import (
 from rc_worker.operator_errors import register_refused
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
-from rc_worker.recovery import Recovered, recover
+from rc_worker.recovery import Damaged, Recovered, recover
 from rc_worker.reports import not_run_report
 from rc_worker.sheets import SheetReader
-from rc_worker.spool import ensure_state_dir
+from rc_worker.spool import JobDir, ensure_state_dir
 from rc_worker.statelock import StateDirLock
 from rc_worker.status import serve_status, status_app
 
@@ -105,6 +105,9 @@ class Worker:
         self._poll_wake = trio.Event()
         # Rejections of a poll's assignments still being written to disk.
         self._rejecting = 0
+        # Every (job_id, attempt) this process was assigned: one set entry per job, a few
+        # dozen bytes each, so a process that runs a million jobs holds a few tens of MB.
+        self._seen_attempts: set[tuple[str, int]] = set()
         self._drained = trio.Event()
         self._heartbeat_interval = config.heartbeat_interval
         self._poll_wait = config.poll_wait
@@ -249,24 +252,43 @@ class Worker:
             for device, fault_id, reason in outbox.faults_on_disk():
                 if device in self.devices:
                     self.devices[device].add_fault(fault_id, f"undelivered fault: {reason}")
+            for device_name, why in outbox.damaged:
+                self._quarantine_damaged(device_name, why)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if self.config.status_listen is not None:
                     # Up before register, so /readyz can say "not registered"
                     # through a controller outage.
-                    app = status_app(self.status, self.metrics)
+                    listen = self.config.status_listen
+                    app = status_app(
+                        self.status,
+                        self.metrics,
+                        token=self.config.status_token,
+                        private=listen.startswith("unix:"),
+                    )
                     self.status_urls = await nursery.start(
                         serve_status, app, self.config.status_listen
                     )
                     log.info("status and metrics at %s", ", ".join(self.status_urls))
                 self._apply_probe(await self._gather())
+                damaged: list[Damaged] = []
                 self.recovered = await recover(
                     root,
                     boot_id=boot_id,
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
                     committer=committer,
+                    damaged=damaged,
                 )
+                for d in damaged:
+                    if (
+                        d.report is not None
+                        and d.job_dir is not None
+                        and d.job_id is not None
+                        and d.attempt is not None
+                    ):
+                        outbox.hold_report(d.job_dir, d.job_id, d.attempt, d.report)
+                    self._quarantine_damaged(d.device, d.why)
                 if self.host.containment is not None:
                     kept = {job_key(r.job_id, r.attempt) for r in self.recovered}
                     await clear_strays(self.host, self.host.containment, keep=kept)
@@ -662,8 +684,23 @@ class Worker:
             self._record_soon(own)
             return
         assert self._ctx is not None
+        ident = assignment_identity(raw)
+        if ident is not None and self._known_attempt(ident[0], ident[1]):
+            # A buggy controller repeated an attempt (to this device or another). That attempt
+            # has, or will have, its one report from its own run; a rejection would overwrite
+            # its files and contradict it. Nothing is written or sent.
+            log.error(
+                "ignoring job %s attempt %d assigned again (to %s): this worker already has it",
+                ident[0],
+                ident[1],
+                ident[2] or "no device",
+            )
+            self.metrics.duplicate_assignments.inc()
+            return
+        if ident is not None:
+            self._seen_attempts.add((ident[0], ident[1]))
         try:
-            assignment = parse_assignment(raw)
+            assignment = parse_assignment(raw, origin=self._ctx.client.origin)
         except AssignmentError as e:
             self._reject(raw, f"malformed assignment: {e}", rejections)
             return
@@ -692,6 +729,26 @@ class Worker:
                 },
             )
             dev.assign(assignment)
+
+    def _quarantine_damaged(self, device: str | None, why: str) -> None:
+        """Quarantine the device of damaged state (every device when it is unknown): what ran
+        there is not known, so an operator decides (``kind: damaged_state``)."""
+        assert self._ctx is not None
+        names = [device] if device in self.devices else list(self.devices)
+        for name in names:
+            fault_id = new_fault_id(self._ctx.rng)
+            self.metrics.quarantines.labels("damaged_state").inc()
+            self._ctx.outbox.fault(
+                name, {"fault_id": fault_id, "kind": "damaged_state", "reason": why}
+            )
+            self.devices[name].add_fault(fault_id, f"damaged state: {why}")
+
+    def _known_attempt(self, job_id: str, attempt: int) -> bool:
+        """This worker process was handed the attempt before, or its files are on disk."""
+        assert self._ctx is not None
+        if (job_id, attempt) in self._seen_attempts:
+            return True
+        return JobDir(self._ctx.root, job_key(job_id, attempt)).path.exists()
 
     def _refuse_stale(
         self,

@@ -18,7 +18,9 @@ traceback follows it. Under systemd (``$NOTIFY_SOCKET``) it speaks
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -31,7 +33,7 @@ import attrs
 import httpx
 import trio
 
-from rc_worker.config import Config, load_config
+from rc_worker.config import ENV_TOKEN, FOREIGN_ENV_VARS, Config, load_config
 from rc_worker.errors import ConfigError, RcWorkerError
 from rc_worker.logs import setup_logging
 from rc_worker.operator_errors import EXIT_FAILED, EXIT_RESTART_WONT_HELP, unexpected
@@ -46,9 +48,71 @@ STATUS_EVERY_S = 1.0
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 
 
-def run_from_cli(args: argparse.Namespace) -> int:
+TOKEN_FD_VAR = "RC_TOKEN_FD"
+"""Set by :func:`exec_without_token`: the descriptor the re-executed worker reads its token from."""
+MAX_TOKEN_BYTES = 16 * 1024
+
+
+def exec_without_token() -> None:
+    """Re-execute this process without ``RC_TOKEN`` (nor the rc client's and controller's
+    credentials, :data:`~rc_worker.config.FOREIGN_ENV_VARS`) in its environment.
+
+    A process's initial environment stays readable in ``/proc/PID/environ`` for
+    its whole life (to its user and root), whatever ``os.environ`` later says,
+    so a job running as the same user could read the worker's token there. The
+    token goes to the new image through a pipe instead (:func:`take_token`).
+    Keeps the pid, so service managers see nothing.
+    """
+    # The rc client's RC_USER_TOKEN and RC_URL of whoever started the worker are none of the
+    # worker's business: they go too.
+    foreign = [k for k in os.environ if k in FOREIGN_ENV_VARS or k == ENV_TOKEN]
+    token = os.environ.get(ENV_TOKEN)
+    data = b"" if token is None else token.encode()
+    if token is not None and (not data.strip() or len(data) > MAX_TOKEN_BYTES):
+        # Nothing secret to move (an empty value), or more than a pipe holds at once:
+        # leave it to load_config, which reports what is wrong with it.
+        token = None
+        foreign.remove(ENV_TOKEN)
+    if not foreign:
+        return
+    env = {k: v for k, v in os.environ.items() if k not in foreign}
+    if token is not None:
+        read_end, write_end = os.pipe()
+        os.write(write_end, data)
+        os.close(write_end)
+        os.set_inheritable(read_end, True)
+        env[TOKEN_FD_VAR] = str(read_end)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
+def take_token() -> dict[str, str]:
+    """The environment to load the config with: ``os.environ`` plus the token passed by
+    :func:`exec_without_token`, which is read, its descriptor closed, and kept out of
+    ``os.environ`` (so no child is given it)."""
+    environ = dict(os.environ)
+    fd_text = os.environ.pop(TOKEN_FD_VAR, None)
+    environ.pop(TOKEN_FD_VAR, None)
+    if fd_text is None or not fd_text.isdigit():
+        return environ
+    fd = int(fd_text)
     try:
-        config = load_config(args.path)
+        data = os.read(fd, MAX_TOKEN_BYTES + 1)
+    except OSError:
+        return environ
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    environ[ENV_TOKEN] = data.decode("utf-8", "replace")
+    return environ
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    exec_without_token()
+    environ = take_token()
+    try:
+        config = load_config(args.path, environ=environ)
     except ConfigError as e:
         print(f"rc-worker: {e}", file=sys.stderr)
         return EXIT_RESTART_WONT_HELP

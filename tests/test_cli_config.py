@@ -79,6 +79,7 @@ def test_json_is_the_fully_resolved_config(
         "timeout": 60.0,
         "release_linger": 90.0,
         "labels": {},
+        "job_user": None,
         "mig_of": None,
         "mig_uuid": None,
         "mig_index": None,
@@ -118,7 +119,7 @@ def test_bad_config_is_exit_2_with_the_message_on_stderr(
     ("setup", "fragment"),
     [
         ("missing", ":1:1: (file): no such file"),
-        ("directory", ":1:1: (file): cannot read it"),
+        ("directory", ":1:1: (file): the config is not a regular file"),
         ("syntax", ":1:10: (yaml):"),
         ("unknown-key", ":2:1: colour: unknown key 'colour'"),
     ],

@@ -437,7 +437,7 @@ _BAD: list[tuple[str, str | None, str, str, dict[str, str]]] = [
         "token-file-unreadable",
         "devices: [gpu0]\ntoken_file: .\n",
         "2:13: token_file",
-        "cannot read the token file (Is a directory)",
+        "the token file is not a regular file",
         {},
     ),
     (
@@ -968,9 +968,15 @@ def test_require_manual_clear_rejects_anything_else(
     assert message.startswith(f"RC_REQUIRE_MANUAL_CLEAR: {value!r} is not a boolean; expected")
 
 
-def test_child_environ_drops_the_workers_own_variables() -> None:
-    env = {name: "x" for name in WORKER_ENV_VARS} | {"PATH": "/bin", "RC_JOB_ID": "j1"}
-    assert child_environ(env) == {"PATH": "/bin", "RC_JOB_ID": "j1"}
+def test_child_environ_drops_every_rc_variable() -> None:
+    env = {name: "x" for name in WORKER_ENV_VARS} | {
+        "PATH": "/bin",
+        "RC_JOB_ID": "j1",
+        "RC_USER_TOKEN": "u",
+        "RC_URL": "http://c",
+        "RCX": "kept",
+    }
+    assert child_environ(env) == {"PATH": "/bin", "RCX": "kept"}
 
 
 # --- the resolved JSON form -------------------------------------------------------
@@ -996,6 +1002,7 @@ def test_resolved_json_masks_the_token_and_uses_seconds(tmp_path: Path) -> None:
             "timeout": DEFAULT_HOOK_TIMEOUT,
             "release_linger": DEFAULT_RELEASE_LINGER,
             "labels": {"rack": "r1"},
+            "job_user": None,
             "mig_of": None,
             "mig_uuid": None,
             "mig_index": None,

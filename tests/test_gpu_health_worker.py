@@ -115,7 +115,7 @@ def kernel(tmp_path: Path, line: str) -> None:
 
 async def rc_json(system: LocalSystem, *argv: str) -> Any:
     """``rc ... --json`` against the system's controller, its stdout parsed."""
-    app = create_app(store=system.store, user_tokens=[USER_TOKEN])
+    app = create_app(store=system.store, user_tokens=[f"{USER_TOKEN}=ops:admin"])
     out: list[str] = []
     orig = rc_cli._out
     rc_cli._out = out.append  # type: ignore[assignment]

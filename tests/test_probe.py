@@ -429,3 +429,25 @@ async def test_the_example_dropins(env: Env) -> None:
     (env.root / "rack").write_text("r 12\n")
     refused = await one_pass(env, env.config())
     assert "a rack name may use letters" in outcome(refused, "probe.d/10-rack").why
+
+
+async def test_a_failing_host_scoped_source_loses_its_labels_not_freezes_them(env: Env) -> None:
+    """What examples/probe.d/20-cuda's comment promises: on failure its host labels vanish."""
+    flag = env.root / "broken"
+    env.dropin(
+        "20-cuda",
+        f"""if [ -e {flag} ]; then echo driver wedged >&2; exit 1; fi
+printf '{{"cuda_driver_version": "12.4"}}'""",
+    )
+    config = env.config()
+    with trio.fail_after(30):
+        prober = Prober(config, environ=env.environ)
+        first = await prober.gather()
+        flag.touch()
+        second = await prober.gather()
+    assert labels_payload(first.result)["host"]["cuda_driver_version"] == "12.4"
+    payload = labels_payload(second.result)
+    assert "cuda_driver_version" not in payload["host"]
+    assert not outcome(second, "probe.d/20-cuda").ok
+    # Nothing device-scoped depended on it: no device is unconfirmed by it.
+    assert second.result.unconfirmed == set()

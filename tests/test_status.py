@@ -133,6 +133,42 @@ async def test_an_unusable_state_dir_is_a_clear_error(tmp_path: Path) -> None:
             pass
 
 
+async def test_status_hides_job_ids_unless_private_or_token(tmp_path: Path) -> None:
+    sock = tmp_path / "status.sock"
+    configs = {
+        "tcp": make_config(tmp_path / "a", status_listen="127.0.0.1:0"),
+        "token": make_config(tmp_path / "b", status_listen="127.0.0.1:0", status_token="st"),
+        "unix": make_config(tmp_path / "c", status_listen=f"unix:{sock}"),
+    }
+    seen: dict[str, list[object]] = {}
+    for kind, config in configs.items():
+        with trio.fail_after(30):
+            async with local_system(config) as system:
+                job_id = system.submit(["sleep", "30"], grace_s=0.1)
+                await system.wait_job(job_id, frozenset({"running"}))
+                if kind == "unix":
+                    transport = httpx.AsyncHTTPTransport(uds=str(sock))
+                    async with httpx.AsyncClient(transport=transport, base_url="http://w") as h:
+                        answers = [(await h.get("/status")).json()]
+                    assert sock.stat().st_mode & 0o077 == 0
+                else:
+                    [url] = system.worker.status_urls
+                    async with httpx.AsyncClient(base_url=url) as h:
+                        answers = [
+                            (await h.get("/status")).json(),
+                            (await h.get("/status", headers={"Authorization": "Bearer st"})).json(),
+                        ]
+                seen[kind] = [a["devices"]["gpu0"]["job_id"] for a in answers]
+                system.store.cancel(job_id)
+                await system.wait_job(job_id)
+        seen[kind].append(job_id)
+    tcp, token, unix = seen["tcp"], seen["token"], seen["unix"]
+    assert tcp[:2] == [None, None]  # no status_token: nobody sees ids over TCP
+    assert token[0] is None  # shown only with the token
+    assert token[1] == token[2]
+    assert unix[0] == unix[1]  # a Unix socket is private
+
+
 async def test_metrics_for_operations(tmp_path: Path) -> None:
     from prometheus_client import generate_latest
 

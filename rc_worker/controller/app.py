@@ -10,6 +10,7 @@ Every error is ``{"error": code, "message": sentence}``.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from starlette.applications import Starlette
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rc_worker.controller import user_api, worker_api
-from rc_worker.controller.context import Controller
+from rc_worker.controller.context import Controller, User
 from rc_worker.controller.errors import ApiError
 from rc_worker.controller.metrics import metrics_endpoint
 from rc_worker.controller.store import Store
@@ -48,8 +49,17 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("internal error in %s %s", request.method, request.url.path, exc_info=exc)
-    return _error_response(500, "internal", "the controller failed; see its log")
+    # A bug, never a bad request (those are 400s): log it under an id the client can quote.
+    error_id = secrets.token_hex(6)
+    log.error(
+        "internal error %s in %s %s", error_id, request.method, request.url.path, exc_info=exc
+    )
+    return _error_response(
+        500,
+        "internal",
+        f"the controller failed (error id {error_id}); see its log",
+        error_id=error_id,
+    )
 
 
 async def _health(request: Request) -> Response:
@@ -60,14 +70,16 @@ def create_app(
     *,
     store: Store | None = None,
     worker_tokens: Mapping[str, str] | None = None,
-    user_tokens: Collection[str] = (),
+    user_tokens: Collection[str] | Mapping[str, User] = (),
     clock: Callable[[], float] | None = None,
     webhooks: Sequence[str] = (),
 ) -> Starlette:
     """Build the reference controller.
 
     ``worker_tokens`` maps a worker token to the host it may act as (``"*"``:
-    any host); ``user_tokens`` are the tokens of people (the ``rc`` client).
+    any host); ``user_tokens`` are the tokens of people (the ``rc`` client): each
+    ``TOKEN=NAME[:admin]`` or a bare ``TOKEN`` (a plain user with a derived name),
+    or a mapping of token to :class:`~rc_worker.controller.context.User`.
     With no tokens nobody is let in. ``webhooks`` are URLs each event is POSTed
     to by :func:`rc_worker.controller.serve.deliver_webhooks` (run by ``rc
     serve``; in-process users run it themselves if they want deliveries).

@@ -10,6 +10,7 @@ event loop's clock, so a custom ``clock`` must advance with it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import math
@@ -27,6 +28,10 @@ from rc_worker.controller.wire import Fields, decode
 
 log = logging.getLogger("rc_worker.controller")
 
+LOOP_WATCH_S = 0.5
+LOOP_STALL_S = 2.0
+"""A silence of the event loop longer than this is a pause, credited to every timer."""
+
 MAX_JSON_BYTES = 8 * 1024 * 1024
 """Large enough for a registration carrying every usage sheet of a big host."""
 
@@ -40,11 +45,45 @@ def _default_clock() -> float:
 
 
 @attrs.frozen
+class User:
+    """A person's token: their name (recorded in jobs and events) and whether they are admin."""
+
+    name: str
+    admin: bool = False
+
+
+def parse_user_token(text: str) -> tuple[str, User]:
+    """``TOKEN=NAME[:admin]`` (or ``:user``), or a bare ``TOKEN``: a plain user whose name is
+    derived from the token (``user-`` and 8 hex digits of its SHA-256), never the token itself.
+
+    Raises ``ValueError`` with a message naming the fix.
+    """
+    token, sep, rest = text.rpartition("=")
+    if not sep or not rest:
+        # A bare token (one that merely ends in '=', as base64 may, stays whole).
+        token = text
+        digest = hashlib.sha256(token.encode()).hexdigest()[:8]
+        user = User(f"user-{digest}")
+    else:
+        name, _, role = rest.partition(":")
+        if role not in ("", "user", "admin"):
+            raise ValueError(
+                f"user token role {role!r} is not 'user' or 'admin'; write TOKEN=NAME[:admin]"
+            )
+        if not name or not name.strip() == name:
+            raise ValueError("user token: NAME must be non-empty; write TOKEN=NAME[:admin]")
+        user = User(name, admin=role == "admin")
+    if not token:
+        raise ValueError("user token: TOKEN must be non-empty; write TOKEN=NAME[:admin]")
+    return token, user
+
+
+@attrs.frozen
 class Principal:
     """Who a bearer token speaks for: a worker for ``host`` (``"*"``: any host), and/or a user."""
 
     worker_host: str | None
-    user: bool
+    user: User | None
 
 
 class Changes:
@@ -79,17 +118,21 @@ class Controller:
         store: Store,
         *,
         worker_tokens: Mapping[str, str],
-        user_tokens: Collection[str],
+        user_tokens: Collection[str] | Mapping[str, User],
         clock: Callable[[], float] | None,
         webhooks: Sequence[str],
     ) -> None:
         self.store = store
         self.clock = clock or _default_clock
         self.worker_tokens = dict(worker_tokens)
-        self.user_tokens = tuple(user_tokens)
+        if isinstance(user_tokens, Mapping):
+            self.user_tokens: dict[str, User] = dict(user_tokens)
+        else:
+            self.user_tokens = dict(parse_user_token(t) for t in user_tokens)
         self.webhooks = tuple(webhooks)
         self.changes = Changes()
         store.subscribe(self.changes.poke)
+        self.loop_seen: float | None = None
         # Stdin pipes live here, not in the store: they are flow control, not state.
         self.stdin = StdinPipes(self.changes)
 
@@ -99,8 +142,32 @@ class Controller:
     def tick(self) -> float:
         """Apply the store's due timers (lazily, on every request); returns ``now``."""
         now = self.now()
+        self.check_loop(now)
         self.store.tick(now)
         return now
+
+    def check_loop(self, now: float) -> None:
+        """Credit the store with any time the event loop did not run (see
+        :meth:`StoreState.credit_pause`). Active only while :func:`watch_loop` runs (``rc
+        serve``): it notes the loop running every :data:`LOOP_WATCH_S`; a longer silence
+        than :data:`LOOP_STALL_S` means the whole process was stopped or starved."""
+        if self.loop_seen is not None and now - self.loop_seen > LOOP_STALL_S:
+            stalled = now - self.loop_seen - LOOP_WATCH_S
+            log.warning(
+                "the controller did not run for %.1fs (paused or starved); "
+                "host and assignment timers are extended by that much",
+                stalled,
+            )
+            self.store.credit_pause(stalled)
+        if self.loop_seen is not None:
+            self.loop_seen = now
+
+    async def watch_loop(self) -> None:
+        """Note, every :data:`LOOP_WATCH_S`, that the loop runs; runs until cancelled."""
+        self.loop_seen = self.now()
+        while True:
+            await anyio.sleep(LOOP_WATCH_S)
+            self.check_loop(self.now())
 
     async def wait_change(self, seen: int, deadline: float | None) -> None:
         """Return once :attr:`Changes.version` differs from ``seen``, ``deadline`` passes, or
@@ -137,14 +204,28 @@ class Controller:
         for candidate, allowed in self.worker_tokens.items():
             if hmac.compare_digest(candidate.encode(), given):
                 host = allowed
-        user = any(hmac.compare_digest(t.encode(), given) for t in self.user_tokens)
-        if host is None and not user:
+        user = None
+        for candidate, who in self.user_tokens.items():
+            if hmac.compare_digest(candidate.encode(), given):
+                user = who
+        if host is None and user is None:
             raise Unauthorized("unknown token")
         return Principal(worker_host=host, user=user)
 
-    def require_user(self, request: Request) -> None:
-        if not self.principal(request).user:
+    def require_user(self, request: Request) -> User:
+        user = self.principal(request).user
+        if user is None:
             raise Forbidden("this endpoint needs a user token, not a worker token")
+        return user
+
+    def require_admin(self, request: Request, what: str) -> User:
+        user = self.require_user(request)
+        if not user.admin:
+            raise Forbidden(
+                f"{what} needs an admin token; {user.name} is a user "
+                "(rc serve --user-token TOKEN=NAME:admin)"
+            )
+        return user
 
     def require_worker(self, request: Request, host: str | None = None) -> Principal:
         p = self.principal(request)
@@ -190,6 +271,11 @@ def query_int(request: Request, name: str, default: int | None = None) -> int:
             raise BadRequest(f"{name}: required query parameter")
         return default
     try:
-        return int(raw)
+        if len(raw) > 20:
+            raise ValueError
+        value = int(raw)
     except ValueError:
-        raise BadRequest(f"{name}: expected an integer, got {raw!r}") from None
+        raise BadRequest(f"{name}: expected an integer, got {raw[:40]!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise BadRequest(f"{name}: {value} is out of range")
+    return value

@@ -302,6 +302,7 @@ class JobInfo:
     host: str | None = None
     device: str | None = None
     submitted_at: float | None = None
+    submitted_by: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
     outcome: str | None = None
@@ -333,6 +334,7 @@ class JobInfo:
             "device": self.device,
             "spec": self.spec.to_json(),
             "submitted_at": self.submitted_at,
+            "submitted_by": self.submitted_by,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "outcome": self.outcome,

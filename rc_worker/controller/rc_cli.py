@@ -23,11 +23,12 @@ from typing import Any, cast
 import httpx
 import trio
 
-from rc_worker import completion
+from rc_worker import boundedjson, completion
 from rc_worker._version import __version__
 from rc_worker.controller import rc_follow
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.app import create_app
+from rc_worker.controller.context import User, parse_user_token
 from rc_worker.controller.rc_follow import (
     EXIT_CONTROLLER_GONE,
     CliError,
@@ -127,8 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--user-token",
         action="append",
         default=[],
-        metavar="TOKEN",
-        help="a user token; repeatable; also $RC_USER_TOKENS",
+        metavar="TOKEN[=NAME[:admin]]",
+        help="a user token, its user's name and role (bare: a plain user with a name derived "
+        "from the token); repeatable; also $RC_USER_TOKENS",
+    )
+    p.add_argument(
+        "--max-grace",
+        type=_duration,
+        default=600.0,
+        metavar="D",
+        help="the longest grace a job may ask for (default %(default)ss)",
     )
     p.add_argument(
         "--webhook",
@@ -288,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
 async def _json(r: Awaitable[httpx.Response]) -> Any:
     response = await r
     raise_for(response)
-    return response.json()
+    try:
+        return boundedjson.loads(response.content)
+    except ValueError as e:
+        raise CliError(f"the controller answered with JSON rc cannot read ({e})") from None
 
 
 def _out(text: str) -> None:
@@ -417,10 +429,17 @@ async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
         reconnect = Reconnect(args.reconnect, str(client.base_url), args.job)
         await rc_follow.follow_output(client, args.job, args.offset, sink, reconnect)
         return 0
-    r = await client.get(f"/v1/jobs/{args.job}/output", params={"offset": args.offset})
-    raise_for(r)
-    if r.content:
-        sink(args.offset, r.content)
+    # Streamed in chunks: a job's output may be larger than this machine's memory.
+    offset = args.offset
+    async with client.stream(
+        "GET", f"/v1/jobs/{args.job}/output", params={"offset": args.offset}
+    ) as r:
+        if not r.is_success:
+            await r.aread()
+            raise_for(r)
+        async for chunk in r.aiter_raw():
+            sink(offset, chunk)
+            offset += len(chunk)
     return 0
 
 
@@ -490,12 +509,18 @@ async def _cmd_events(client: httpx.AsyncClient, args: argparse.Namespace) -> in
 
 def serve_settings(
     args: argparse.Namespace, env: Mapping[str, str]
-) -> tuple[dict[str, str], list[str]]:
+) -> tuple[dict[str, str], dict[str, User]]:
     worker: dict[str, str] = {}
     for text in [*_split_list(env.get("RC_WORKER_TOKENS", "")), *args.worker_token]:
         token, host = parse_worker_token(text)
         worker[token] = host
-    users = [*_split_list(env.get("RC_USER_TOKENS", "")), *args.user_token]
+    users: dict[str, User] = {}
+    for text in [*_split_list(env.get("RC_USER_TOKENS", "")), *args.user_token]:
+        try:
+            token, user = parse_user_token(text)
+        except ValueError as e:
+            raise CliError(f"rc serve: --user-token: {e}", 2) from None
+        users[token] = user
     if not worker or not users:
         raise CliError(
             "rc serve: give at least one --worker-token TOKEN[=HOST] and one --user-token TOKEN "
@@ -524,6 +549,7 @@ async def run_serve(
         heartbeat_interval_s=args.heartbeat_interval,
         poll_wait_s=args.poll_wait,
         heartbeat_rate=args.heartbeat_rate,
+        max_grace_s=args.max_grace,
     )
     app = create_app(
         store=Store(config), worker_tokens=worker, user_tokens=users, webhooks=args.webhook

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import select
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 import trio
 
+from rc_worker import boundedjson
 from rc_worker.controller.messages import TERMINAL_STATES
 from rc_worker.durations import format_duration
 
@@ -48,7 +51,7 @@ def raise_for(r: httpx.Response) -> None:
     if r.is_success:
         return
     try:
-        body = r.json()
+        body: Any = boundedjson.loads(r.content)
         message = f"{body['error']}: {body['message']}"
     except (ValueError, KeyError, TypeError):
         message = f"HTTP {r.status_code}"
@@ -145,10 +148,43 @@ async def follow_output(
 
 def to_stream(stream: Any) -> Sink:
     def sink(offset: int, data: bytes) -> None:
-        stream.buffer.write(data)
-        stream.flush()
+        write_all(stream, data)
 
     return sink
+
+
+def write_all(stream: Any, data: bytes) -> None:
+    """Write all of ``data`` to ``stream``, or fail loudly (``CliError``): never a silent
+    short write.
+
+    Straight to the descriptor, in a loop: a pipe whose reader set it non-blocking makes a
+    buffered write stop short (``BlockingIOError``), and the rest would be lost unnoticed.
+    """
+    stream.flush()
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None  # not a real file (captured in tests): its buffer takes all or raises
+    if fd is None:
+        written = stream.buffer.write(data)
+        if written is not None and written != len(data):
+            raise CliError(f"wrote {written} of {len(data)} bytes to stdout")
+        stream.buffer.flush()
+        return
+    stream.buffer.flush()
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            select.select([], [fd], [])
+            continue
+        except OSError as e:
+            raise CliError(
+                f"cannot write the output to stdout ({e.strerror or e}); "
+                f"{len(view)} bytes were not written"
+            ) from None
+        view = view[n:]
 
 
 def discard(offset: int, data: bytes) -> None:

@@ -110,6 +110,7 @@ class Job:
     spec: JobSpec
     selector: Selector
     submitted_at: float
+    submitted_by: str | None = None
     state: str = "queued"
     attempts: list[Attempt] = attrs.Factory(list)
     cancel_reason: str | None = None
@@ -154,6 +155,7 @@ class Job:
             host=None if cur is None else cur.host,
             device=None if cur is None else cur.device,
             submitted_at=self.submitted_at,
+            submitted_by=self.submitted_by,
             started_at=self.started_at,
             finished_at=self.finished_at,
             outcome=self.outcome,

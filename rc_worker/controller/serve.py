@@ -24,7 +24,9 @@ from typing import Any, Final, cast
 import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import run as hypercorn_trio_run
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio import tcp_server as hypercorn_tcp_server
 from starlette.applications import Starlette
 
 from rc_worker.controller.context import Controller
@@ -127,6 +129,42 @@ async def _post_event(
     log.warning("webhook %s: giving up on event %d after %d tries", url, event.seq, WEBHOOK_TRIES)
 
 
+class _EofClosingTCPServer(hypercorn_tcp_server.TCPServer):
+    """hypercorn's connection handler, closing a connection as soon as its peer has.
+
+    hypercorn 0.18 notices the client's EOF but keeps the connection's task group,
+    and so the socket, open until its keep-alive timer fires: every keep-alive
+    client that hangs up leaves a socket in CLOSE-WAIT for ``keep_alive_timeout``
+    (75 s here), and a steady stream of clients piles them up. Once the peer is gone
+    the keep-alive timer has nothing to wait for: stop it, or close at once.
+    """
+
+    _peer_gone = False
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        self._peer_gone = True
+        await self.idle_task.stop()
+
+    async def _idle_timeout(self) -> None:
+        if self._peer_gone:
+            with trio.CancelScope(shield=True):
+                await self._initiate_server_close()
+            return
+        await super()._idle_timeout()
+
+
+def _install_eof_fix() -> None:
+    # hypercorn.trio.run builds connections through its module-level name; replacing it
+    # there is the one seam it offers. Checked, so a hypercorn that changed shape is
+    # left alone rather than broken.
+    if getattr(hypercorn_trio_run, "TCPServer", None) is hypercorn_tcp_server.TCPServer:
+        setattr(hypercorn_trio_run, "TCPServer", _EofClosingTCPServer)  # noqa: B010
+
+
+_install_eof_fix()
+
+
 def hypercorn_config(listen: str) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [listen]
@@ -154,6 +192,8 @@ async def serve(
     """
     ctl = _controller(app)
     async with trio.open_nursery() as nursery:
+        # Before housekeeping's first tick: a pause is measured from the first moment.
+        nursery.start_soon(ctl.watch_loop)
         await nursery.start(housekeeping, app)
         if ctl.webhooks:
             if webhook_client is None:

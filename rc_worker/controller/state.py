@@ -44,6 +44,9 @@ class StoreConfig:
     max_refusals: int = 10
     max_stale_refusals: int = 1000
     max_events: int = 100_000
+    max_grace_s: float = 600.0
+    """The longest ``grace_s`` a job may ask for (``rc serve --max-grace``): a job that ignores
+    SIGTERM holds its device, a cancel and a worker's shutdown this long."""
     cleared_omissions: int = 3
     """A lifted fault id leaves heartbeat ``cleared`` once this many heartbeats in a row have
     reported its device without it."""
@@ -183,6 +186,24 @@ class StoreState:
                 changed = True
         if changed:
             self._changed()
+
+    def credit_pause(self, seconds: float) -> None:
+        """Time the controller itself was not running (a SIGSTOP, a long GC, a suspended VM)
+        does not count against anybody: every host's and assignment's timer moves on by it.
+
+        The heartbeats a host sent meanwhile are waiting in the controller's own socket
+        backlog; without the credit the first tick after the pause would declare the host
+        lost before reading them.
+        """
+        if seconds <= 0:
+            return
+        for h in self._hosts.values():
+            if h.session is not None:
+                h.last_seen += seconds
+        for job in self._live.values():
+            cur = job.current
+            if cur is not None:
+                cur.last_heard += seconds
 
     def _lost_after(self, h: Host) -> float:
         """Silence after which a host is lost: missed heartbeats of the interval it was told."""

@@ -54,6 +54,7 @@ from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
 from rc_worker.controller.state import StoreConfig, StoreState
+from rc_worker.controller.validate import check_job
 
 __all__ = ["Store", "StoreConfig"]
 
@@ -106,10 +107,25 @@ class Store(StoreState):
         grace_s: float = 10.0,
         pty: bool = False,
         stdin: bool = False,
+        submitted_by: str | None = None,
     ) -> str:
-        """Queue a job; returns its id. Raises BadRequest / NotFound (unknown ``device``)."""
-        if isinstance(command, str) or not command or not all(isinstance(a, str) for a in command):
+        """Queue a job; returns its id. Raises BadRequest / NotFound (unknown ``device``).
+
+        ``submitted_by`` names the user (recorded in the job and the event log); only
+        that user, or an admin, may cancel the job through the API."""
+        if isinstance(command, str) or not all(isinstance(a, str) for a in command):
             raise BadRequest("command: must be a non-empty list of strings")
+        check_job(
+            command=command,
+            env=env or {},
+            select=select,
+            device=device,
+            cwd=cwd,
+            max_runtime_s=max_runtime_s,
+            idle_timeout_s=idle_timeout_s,
+            grace_s=grace_s,
+            max_grace_s=self.config.max_grace_s,
+        )
         try:
             selector = parse_selector(select)
         except SelectorError as e:
@@ -119,14 +135,6 @@ class Store(StoreState):
             if not sep or not host or not name or "/" in name:
                 raise BadRequest(f"device: {device!r} is not of the form host/device")
             self._device(host, name)
-        for key in env or {}:
-            if not key or "=" in key:
-                raise BadRequest(f"env: {key!r} is not a valid variable name")
-        for field, value in (("max_runtime_s", max_runtime_s), ("idle_timeout_s", idle_timeout_s)):
-            if value is not None and value <= 0:
-                raise BadRequest(f"{field}: must be positive or null")
-        if grace_s < 0:
-            raise BadRequest("grace_s: must not be negative")
         spec = JobSpec(
             command=tuple(command),
             select=str(selector),
@@ -140,9 +148,18 @@ class Store(StoreState):
             stdin=stdin,
         )
         job_id = self._next_id("j")
-        job = Job(job_id, self._counters["j"], spec, selector, submitted_at=self._wall())
+        job = Job(
+            job_id,
+            self._counters["j"],
+            spec,
+            selector,
+            submitted_at=self._wall(),
+            submitted_by=submitted_by,
+        )
         self._jobs[job_id] = job
         bisect.insort(self._queue, (job.seq, job_id))
+        if submitted_by is not None:
+            self._emit("job_submitted", job_id=job_id, by=submitted_by)
         self._changed()
         return job_id
 
@@ -203,14 +220,17 @@ class Store(StoreState):
     def committed(self, job_id: str) -> int:
         return len(self._job(job_id).output)
 
-    def cancel(self, job_id: str, reason: str = "cancelled") -> JobInfo:
+    def cancel(self, job_id: str, reason: str = "cancelled", *, by: str | None = None) -> JobInfo:
         """Cancel a job: at once if it has not started, else via the heartbeat's ``cancel``.
 
-        A finished job is left as it is (cancelling is idempotent).
+        A finished job is left as it is (cancelling is idempotent). ``by`` names who asked
+        (recorded in the event log).
         """
         job = self._job(job_id)
         if job.cancel_reason is not None:
             return job.info()
+        if by is not None and not job.terminal:
+            self._emit("job_cancel_requested", job_id=job_id, by=by, reason=reason)
         if job.terminal:
             # Declared lost by the controller, it may still run on a worker that was only
             # cut off: the cancel is kept for that worker's heartbeats; the state stays.
@@ -237,20 +257,20 @@ class Store(StoreState):
         h, d = self._device(host, name)
         return SheetInfo(host, name, h.sheet, d.sheet)
 
-    def clear(self, host: str, name: str) -> list[str]:
+    def clear(self, host: str, name: str, *, by: str = "operator") -> list[str]:
         """Lift every current fault of a device (an operator's ``clear``); returns their ids."""
         h, d = self._device(host, name)
         ids = list(d.faults)
         if ids:
-            self._lift(d, ids, by="operator")
+            self._lift(d, ids, by=by)
             # A MIG slice's faults raised for its parent's go with the parent's.
             for other in h.devices.values():
                 children = [f for f, x in other.faults.items() if x.parent_fault in ids]
-                self._lift(other, children, by="operator")
+                self._lift(other, children, by=by)
             self._changed()
         return ids
 
-    def clear_host(self, host: str) -> dict[str, list[str]]:
+    def clear_host(self, host: str, *, by: str = "operator") -> dict[str, list[str]]:
         """Lift the host-level faults (``scope: host``) of every device of ``host``."""
         h = self._hosts.get(host)
         if h is None:
@@ -259,18 +279,24 @@ class Store(StoreState):
         for d in h.devices.values():
             ids = [f for f, x in d.faults.items() if x.scope == "host"]
             if ids:
-                self._lift(d, ids, by="operator")
+                self._lift(d, ids, by=by)
                 cleared[d.name] = ids
         if cleared:
             self._changed()
         return cleared
 
-    def set_idle_behavior(self, host: str, name: str, behavior: str) -> DeviceInfo:
+    def set_idle_behavior(
+        self, host: str, name: str, behavior: str, *, by: str | None = None
+    ) -> DeviceInfo:
         if behavior not in IDLE_BEHAVIORS:
             raise BadRequest(f"idle_behavior: {behavior!r} is not one of drain, hold, run")
         h, d = self._device(host, name)
         if d.idle_behavior != behavior:
             d.idle_behavior = behavior
+            if by is not None:
+                self._emit(
+                    "idle_behavior_set", host=host, device=name, idle_behavior=behavior, by=by
+                )
             self._changed()
         return d.info(h)
 
@@ -294,7 +320,9 @@ class Store(StoreState):
             info for info in self.jobs() if info.terminal and info.finished_at is not None
         ]
 
-    def set_host_idle_behavior(self, host: str, behavior: str) -> list[DeviceInfo]:
+    def set_host_idle_behavior(
+        self, host: str, behavior: str, *, by: str | None = None
+    ) -> list[DeviceInfo]:
         """``drain`` (no new work on any device of the host) or ``run`` (resume)."""
         if behavior not in IDLE_BEHAVIORS:
             raise BadRequest(f"idle_behavior: {behavior!r} is not one of drain, hold, run")
@@ -307,11 +335,12 @@ class Store(StoreState):
                 d.idle_behavior = behavior
                 changed = True
         if changed:
-            self._emit("host_idle_behavior", host=host, idle_behavior=behavior)
+            who = {} if by is None else {"by": by}
+            self._emit("host_idle_behavior", host=host, idle_behavior=behavior, **who)
             self._changed()
         return [d.info(h) for d in h.devices.values()]
 
-    def retire_host(self, host: str, *, force: bool = False) -> list[str]:
+    def retire_host(self, host: str, *, force: bool = False, by: str | None = None) -> list[str]:
         """Forget a host gone for good: its devices leave the device list; its jobs'
         records stay. Refused (409) while it runs jobs, unless ``force``, which ends
         them ``lost``. Returns the ids of the jobs so ended. A retired host that
@@ -339,7 +368,8 @@ class Store(StoreState):
         for key in [k for k in self._poll_gen if k[0] == host]:
             del self._poll_gen[key]
         del self._hosts[host]
-        self._emit("host_retired", host=host, forced=bool(busy), jobs=ended)
+        who = {} if by is None else {"by": by}
+        self._emit("host_retired", host=host, forced=bool(busy), jobs=ended, **who)
         self._changed()
         return ended
 

@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rc_worker.controller import wire
-from rc_worker.controller.context import Controller, controller_of, json_body, query_int
-from rc_worker.controller.errors import ApiError, BadRequest, Conflict
+from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
+from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
 
 MAX_EVENTS_PER_PAGE = 1000
@@ -26,8 +26,17 @@ def _user(request: Request) -> Controller:
     return ctl
 
 
+def _admin(request: Request, what: str) -> tuple[Controller, User]:
+    ctl = controller_of(request)
+    user = ctl.require_admin(request, what)
+    ctl.tick()
+    return ctl, user
+
+
 async def submit(request: Request) -> Response:
-    ctl = _user(request)
+    ctl = controller_of(request)
+    user = ctl.require_user(request)
+    ctl.tick()
     body = await json_body(request)
     kwargs = wire.submit(body)
     if body.flag("strict"):
@@ -37,7 +46,7 @@ async def submit(request: Request) -> Response:
             raise Conflict(
                 f"no registered device could ever run this job: {why.reason}", code="no_match"
             )
-    job_id = ctl.store.submit(**kwargs)
+    job_id = ctl.store.submit(**kwargs, submitted_by=user.name)
     job = ctl.store.job(job_id)
     return JSONResponse(
         {"job_id": job_id, "pending_reason": job.pending_reason, "pending_code": job.pending_code}
@@ -63,16 +72,31 @@ async def get_output(request: Request) -> Response:
         raise BadRequest("offset: must not be negative")
     job = ctl.store.job(job_id)
     if request.query_params.get("follow", "").lower() not in ("1", "true", "yes"):
-        return Response(
-            ctl.store.output(job_id, offset),
+        # Streamed in chunks up to what is committed now: never a copy of the whole output.
+        return StreamingResponse(
+            _snapshot(ctl, job_id, offset, job.committed_bytes),
             media_type="application/octet-stream",
-            headers={"X-RC-Job-State": job.state, "X-RC-Committed": str(job.committed_bytes)},
+            headers={
+                "X-RC-Job-State": job.state,
+                "X-RC-Committed": str(job.committed_bytes),
+                "Content-Length": str(max(job.committed_bytes - offset, 0)),
+            },
         )
     return StreamingResponse(
         _follow(ctl, job_id, offset),
         media_type="application/octet-stream",
         headers={"X-RC-Job-State": job.state},
     )
+
+
+async def _snapshot(ctl: Controller, job_id: str, offset: int, end: int) -> AsyncIterator[bytes]:
+    pos = offset
+    while pos < end:
+        data = ctl.store.output(job_id, pos, min(STREAM_CHUNK, end - pos))
+        if not data:
+            return
+        pos += len(data)
+        yield data
 
 
 async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[bytes]:
@@ -112,10 +136,19 @@ async def put_stdin(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    ctl = _user(request)
+    ctl = controller_of(request)
+    user = ctl.require_user(request)
+    ctl.tick()
+    job_id = request.path_params["job_id"]
+    owner = ctl.store.job(job_id).submitted_by
+    if owner != user.name and not user.admin:
+        raise Forbidden(
+            f"job {job_id} was submitted by {owner or 'nobody known'}; "
+            f"only they or an admin may cancel it"
+        )
     f = await json_body(request, empty_ok=True)
     reason = f.opt_str("reason") or "cancelled"
-    return JSONResponse(ctl.store.cancel(request.path_params["job_id"], reason).to_json())
+    return JSONResponse(ctl.store.cancel(job_id, reason, by=user.name).to_json())
 
 
 async def list_devices(request: Request) -> Response:
@@ -133,24 +166,25 @@ async def get_sheet(request: Request) -> Response:
 
 
 async def clear(request: Request) -> Response:
-    ctl = _user(request)
+    ctl, user = _admin(request, "clearing a device")
     host, device = _address(request)
-    cleared = ctl.store.clear(host, device)
+    cleared = ctl.store.clear(host, device, by=user.name)
     return JSONResponse({"cleared": cleared, "device": ctl.store.device(host, device).to_json()})
 
 
 async def clear_host(request: Request) -> Response:
-    ctl = _user(request)
+    ctl, user = _admin(request, "clearing a host")
     host = request.path_params["host"]
-    cleared = ctl.store.clear_host(host)
+    cleared = ctl.store.clear_host(host, by=user.name)
     devices = [d.to_json() for d in ctl.store.devices() if d.host == host]
     return JSONResponse({"host": host, "cleared": cleared, "devices": devices})
 
 
 async def idle_behavior(request: Request) -> Response:
-    ctl = _user(request)
+    ctl, user = _admin(request, "setting a device's idle behaviour")
     behavior = (await json_body(request)).req_str("idle_behavior")
-    return JSONResponse(ctl.store.set_idle_behavior(*_address(request), behavior).to_json())
+    info = ctl.store.set_idle_behavior(*_address(request), behavior, by=user.name)
+    return JSONResponse(info.to_json())
 
 
 async def pool(request: Request) -> Response:
@@ -160,22 +194,22 @@ async def pool(request: Request) -> Response:
 
 
 async def host_drain(request: Request) -> Response:
-    ctl = _user(request)
-    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain")
+    ctl, user = _admin(request, "draining a host")
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain", by=user.name)
     return JSONResponse({"devices": [d.to_json() for d in devices]})
 
 
 async def host_resume(request: Request) -> Response:
-    ctl = _user(request)
-    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run")
+    ctl, user = _admin(request, "resuming a host")
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run", by=user.name)
     return JSONResponse({"devices": [d.to_json() for d in devices]})
 
 
 async def host_retire(request: Request) -> Response:
-    ctl = _user(request)
+    ctl, user = _admin(request, "retiring a host")
     body = await json_body(request)
     host = request.path_params["host"]
-    ended = ctl.store.retire_host(host, force=body.flag("force"))
+    ended = ctl.store.retire_host(host, force=body.flag("force"), by=user.name)
     return JSONResponse({"host": host, "retired": True, "jobs_lost": ended})
 
 
@@ -183,7 +217,7 @@ async def events(request: Request) -> Response:
     ctl = _user(request)
     after = query_int(request, "after", 0)
     limit = min(query_int(request, "limit", MAX_EVENTS_PER_PAGE), MAX_EVENTS_PER_PAGE)
-    wait_s = min(float(query_int(request, "wait_s", 0)), MAX_EVENTS_WAIT_S)
+    wait_s = float(min(max(query_int(request, "wait_s", 0), 0), MAX_EVENTS_WAIT_S))
     deadline = ctl.now() + wait_s
     while True:
         seen = ctl.changes.version

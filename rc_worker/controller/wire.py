@@ -7,10 +7,11 @@ without breaking an older controller; a known field of the wrong type is a
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
+from rc_worker.controller import validate
 from rc_worker.controller.errors import BadRequest
 from rc_worker.controller.messages import (
     OUTCOMES,
@@ -35,11 +36,7 @@ def decode(body: bytes, *, empty_ok: bool = False) -> Fields:
     """Parse a request body as a JSON object."""
     if not body.strip() and empty_ok:
         return Fields({}, "body")
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body: not valid JSON ({e})") from None
-    return Fields(value, "body")
+    return Fields(validate.loads(body), "body")
 
 
 class Fields:
@@ -101,7 +98,13 @@ class Fields:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self._bad(key, "a number or null")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise BadRequest(f"{self._path(key)}: must be a finite number")
+        return number
 
     def flag(self, key: str, default: bool = False) -> bool:
         value = self._get(key, False)
@@ -228,8 +231,8 @@ def heartbeat(f: Fields) -> HeartbeatRequest:
 def poll(f: Fields) -> tuple[str, list[str], float | None, list[str]]:
     """``(session, ready, wait_s, withdrawn)`` of a long poll."""
     wait_s = f.opt_num("wait_s")
-    if wait_s is not None and wait_s < 0:
-        raise BadRequest("wait_s: must not be negative")
+    if wait_s is not None:
+        validate.finite_number(wait_s, "wait_s")
     return f.req_str("session"), f.str_list("ready"), wait_s, f.str_list("withdrawn")
 
 
@@ -291,8 +294,10 @@ def fault(f: Fields) -> FaultRequest:
 def submit(f: Fields) -> dict[str, Any]:
     """The keyword arguments of :meth:`Store.submit`."""
     command = f.required("command")
-    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+    if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
         raise BadRequest("command: expected a non-empty list of strings")
+    if not command:
+        raise BadRequest("command: must not be empty")
     grace = f.opt_num("grace_s")
     return {
         "command": command,

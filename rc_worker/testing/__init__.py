@@ -133,7 +133,9 @@ async def local_system(
             )
         )
     app = create_app(
-        store=store, worker_tokens={WORKER_TOKEN: config.host}, user_tokens=[USER_TOKEN]
+        store=store,
+        worker_tokens={WORKER_TOKEN: config.host},
+        user_tokens=[f"{USER_TOKEN}=tester:admin"],
     )
     config = attrs.evolve(config, token=WORKER_TOKEN)
     transport: httpx.AsyncBaseTransport = httpx.ASGITransport(app=app)

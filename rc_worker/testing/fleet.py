@@ -881,7 +881,7 @@ async def open_fleet(
         rng=None if seed is None else random.Random(f"{seed}/controller"),
     )
     tokens = {f"rc-sim-{name}": name for name in names}
-    app = create_app(store=store, worker_tokens=tokens, user_tokens=[USER_TOKEN])
+    app = create_app(store=store, worker_tokens=tokens, user_tokens=[f"{USER_TOKEN}=sim:admin"])
     with tempfile.TemporaryDirectory(prefix="rc-fleet-") as scratch:
         base = Path(root) if root is not None else Path(scratch)
         async with trio.open_nursery() as nursery:

@@ -55,7 +55,7 @@ import attrs
 import trio
 
 from rc_worker.cgroup import Containment
-from rc_worker.host import HostProcess, ProcessInfo, ProcessPin
+from rc_worker.host import HostProcess, ProcessInfo, ProcessPin, RunAs
 from rc_worker.testing.sim_cgroup import SimCgroupFs
 
 T = TypeVar("T")
@@ -694,6 +694,7 @@ class SimHost(SimCgroupFs):
         separate_stderr: bool,
         pty: bool,
         cgroup: str | None = None,
+        run_as: RunAs | None = None,
     ) -> HostProcess:
         # As trio.lowlevel.open_process: a cancel point before, none after,
         # so a cancellation never strands a started process.

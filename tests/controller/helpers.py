@@ -11,7 +11,9 @@ WORKER_TOKEN = "worker-any"
 BOX1_TOKEN = "worker-box1"
 USER_TOKEN = "user-1"
 WORKER_TOKENS = {WORKER_TOKEN: "*", BOX1_TOKEN: "box1"}
-USER_TOKENS = (USER_TOKEN,)
+USER_TOKENS = (f"{USER_TOKEN}=alice:admin", "user-2=bob")
+PLAIN_TOKEN = "user-2"
+"""A plain (non-admin) user, bob."""
 
 
 def auth(token: str) -> dict[str, str]:

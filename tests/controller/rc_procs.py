@@ -33,7 +33,16 @@ class Served:
 async def rc_serve(listen: str = "127.0.0.1:0") -> AsyncIterator[Served]:
     """A real ``rc serve`` process (worker token ``wt`` for box1, user token ``ut``)."""
     proc = await trio.lowlevel.open_process(
-        [RC, "serve", "--listen", listen, "--user-token", USER, "--worker-token", f"{WORKER}=box1"],
+        [
+            RC,
+            "serve",
+            "--listen",
+            listen,
+            "--user-token",
+            f"{USER}=ops:admin",
+            "--worker-token",
+            f"{WORKER}=box1",
+        ],
         stderr=subprocess.PIPE,
     )
     try:

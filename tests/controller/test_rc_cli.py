@@ -19,7 +19,7 @@ from .helpers import USER_TOKEN, FakeWorker
 @pytest.fixture
 async def served() -> AsyncIterator[str]:
     """``rc serve`` on a free port; yields its URL."""
-    argv = ["--listen", "127.0.0.1:0", "--worker-token", "wt=box1", "--user-token", "ut"]
+    argv = ["--listen", "127.0.0.1:0", "--worker-token", "wt=box1", "--user-token", "ut=ann:admin"]
     async with trio.open_nursery() as nursery:
         [url] = await nursery.start(
             lambda task_status: rc_cli.run_serve(argv, env={}, task_status=task_status)
@@ -101,7 +101,8 @@ def test_worker_tokens_from_args_and_env() -> None:
         args, {"RC_WORKER_TOKENS": "e1=box2, e2", "RC_USER_TOKENS": "u2,u3"}
     )
     assert worker == {"e1": "box2", "e2": "*", "abc": "box1", "any": "*"}
-    assert users == ["u2", "u3", "u"]
+    assert list(users) == ["u2", "u3", "u"]
+    assert all(not u.admin and u.name.startswith("user-") for u in users.values())
     assert rc_cli.parse_worker_token("tok==box1") == ("tok=", "box1")
     assert rc_cli.parse_worker_token("padded==") == ("padded==", "*")
 
@@ -186,10 +187,16 @@ async def test_client_commands_in_process(
         assert await rc("events", "--after", "0", token=USER_TOKEN, transport=transport) == 0
         lines = capsys.readouterr().out.splitlines()
         assert [line.split()[3] for line in lines] == [
+            "job_submitted",
+            "job_submitted",
+            "job_cancel_requested",
             "job_finished",
             "device_quarantined",
             "device_cleared",
+            "idle_behavior_set",
         ]
+        # The event log says who did what.
+        assert all("alice" in line for line in lines if "submitted" in line or "cleared" in line)
 
 
 async def test_client_errors_in_process(

@@ -22,7 +22,14 @@ H100 = {"host": {}, "devices": {"gpu0": {"product": "H100"}}}
 @pytest.fixture
 async def served() -> AsyncIterator[str]:
     """The controller served in-process on a free port (the clients are real processes)."""
-    argv = ["--listen", "127.0.0.1:0", "--worker-token", f"{WORKER}=box1", "--user-token", USER]
+    argv = [
+        "--listen",
+        "127.0.0.1:0",
+        "--worker-token",
+        f"{WORKER}=box1",
+        "--user-token",
+        f"{USER}=ops:admin",
+    ]
     async with trio.open_nursery() as nursery:
         [url] = await nursery.start(
             lambda task_status: rc_cli.run_serve(argv, env={}, task_status=task_status)

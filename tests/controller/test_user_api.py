@@ -117,7 +117,8 @@ async def test_devices_clear_and_idle_behavior(
         r = await user.get("/v1/devices/box1/gpu0/sheet")
         assert r.json()["device_sheet"] is None
     events = [e.type for e in store.events()]
-    assert events == ["device_quarantined", "device_cleared"]
+    assert events == ["device_quarantined", "device_cleared", "idle_behavior_set"]
+    assert [e.data["by"] for e in store.events()[1:]] == ["alice", "alice"]
 
 
 async def test_events(user: httpx.AsyncClient, store: Store) -> None:

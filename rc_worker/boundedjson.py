@@ -1,0 +1,79 @@
+"""One JSON decoder for untrusted input, shared by the worker and the controller (sans-IO).
+
+Python's ``json`` accepts ``NaN``, ``Infinity`` and ``1e999`` (as ``inf``),
+integers of any length, and recurses once per nesting level. A non-finite
+number stored and later serialised makes every answer carrying it fail; a
+100k-deep array raises ``RecursionError``. :func:`loads` refuses all three
+with a ``ValueError`` whose message names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any, Final
+
+__all__ = ["MAX_DEPTH", "JsonTooDeep", "depth", "loads"]
+
+MAX_DEPTH: Final = 64
+"""The deepest message of the protocol nests about 5 levels; this leaves room and stays far
+from Python's recursion limit."""
+MAX_INT_DIGITS: Final = 20
+
+
+class JsonTooDeep(ValueError):
+    """The document nests deeper than allowed."""
+
+
+def depth(value: object) -> int:
+    """The nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[object] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level + 1)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of range for a number")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer {text[:MAX_INT_DIGITS]}... is too large")
+    return int(text)
+
+
+def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> object:
+    """Parse JSON; ``ValueError`` (``JsonTooDeep`` for nesting) on anything unsafe."""
+    text = data.decode("utf-8") if isinstance(data, bytes) else data
+    too_deep = JsonTooDeep(f"JSON nested too deep; at most {max_depth} levels are accepted")
+    try:
+        # The C decoder guards its own recursion: a 100k-deep array is a RecursionError.
+        value = json.loads(
+            text,
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+            parse_int=_bounded_int,
+        )
+    except RecursionError:
+        raise too_deep from None
+    if depth(value) > max_depth:
+        raise too_deep
+    return value
