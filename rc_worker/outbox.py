@@ -424,7 +424,9 @@ async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
                 with trio.move_on_at(until):
                     await spool.wait_changed()
                 continue
-            data = os.pread(fd, n, pos)
+            # The spool's own read: past what the disk took it holds the marker
+            # of a disk error in memory (a full disk costs the output, not its marker).
+            data = d.spool.read(pos, n) if d.spool is not None else os.pread(fd, n, pos)
             if not data:
                 return
             pos += len(data)
