@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,14 @@ from rc_worker.config import DeviceConfig
 from rc_worker.errors import ControllerError
 from rc_worker.hooks import run_hook
 from rc_worker.lease import Lease
-from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult, effective_limit
+from rc_worker.model import (
+    Assignment,
+    DeviceState,
+    IdleBehavior,
+    VerifyResult,
+    effective_limit,
+    job_key,
+)
 from rc_worker.reports import finish_report, not_run_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
@@ -61,6 +69,9 @@ class DeviceSupervisor:
         # after that point does not record a second one.
         self._finished: str | None = None
         self.scope = trio.CancelScope()
+        # Kind and reason of each fault held, sent with register (protocol 2).
+        self.fault_notes: dict[str, tuple[str, str]] = {}
+        self._started_at: float | None = None
 
     # -- inputs from the worker (sync, never block) ------------------------
 
@@ -106,6 +117,7 @@ class DeviceSupervisor:
         by an earlier worker process (a report still on disk)."""
         if fault_id not in self.lease.faults:
             log.warning("device %s: quarantined (%s, fault %s)", self.name, why, fault_id)
+        self.fault_notes.setdefault(fault_id, ("fault", why))
         self.lease.add_fault(fault_id)
         self._poke()
 
@@ -116,6 +128,7 @@ class DeviceSupervisor:
         (a fault outside a finish), else the caller puts it in the finish."""
         fault_id = new_fault_id()
         log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
+        self.fault_notes[fault_id] = (kind, reason)
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
             body: dict[str, Any] = {"fault_id": fault_id, "kind": kind, "reason": reason}
@@ -148,6 +161,30 @@ class DeviceSupervisor:
         if self.lease.state is S.LINGERING and self.lease.idle_behavior is IdleBehavior.RUN:
             entry["linger_left_s"] = round(max(0.0, self._linger_until - trio.current_time()), 3)
         return entry
+
+    def register_claims(self) -> dict[str, Any]:
+        """What this device holds, for ``register`` (protocol 2): the faults, with kind and
+        reason, and the attempt it runs, so a controller that lost its store learns them."""
+        claims: dict[str, Any] = {
+            "faults": [
+                {
+                    "fault_id": f,
+                    "kind": self.fault_notes.get(f, ("fault", ""))[0],
+                    "reason": self.fault_notes.get(f, ("fault", ""))[1],
+                }
+                for f in sorted(self.lease.faults)
+            ]
+        }
+        if self.lease.job is not None and self.lease.state is S.RUNNING:
+            job_id, attempt = self.lease.job
+            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt))
+            claims["running"] = {
+                "job_id": job_id,
+                "attempt": attempt,
+                "output_bytes": job_dir.output_size(),
+                "started_at": self._started_at,
+            }
+        return claims
 
     def heartbeat_entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"state": str(self.lease.state)}
@@ -340,6 +377,7 @@ class DeviceSupervisor:
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)
+        self._started_at = time.time()
         handle = JobHandle()
         self._handle = handle
         if self._cancel_text is not None:

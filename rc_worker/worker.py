@@ -38,7 +38,13 @@ from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
-from rc_worker.model import IdleBehavior, assignment_identity, job_key, parse_assignment
+from rc_worker.model import (
+    PROTOCOL_VERSION,
+    IdleBehavior,
+    assignment_identity,
+    job_key,
+    parse_assignment,
+)
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Recovered, recover
@@ -277,8 +283,14 @@ class Worker:
             "worker_version": __version__,
             "boot_id": self._ctx.boot_id,
             "pid": _pid(),
+            "protocol": PROTOCOL_VERSION,
             "devices": [
-                {"name": d.name, "declared_labels": dict(d.labels)} for d in self.config.devices
+                {
+                    "name": d.name,
+                    "declared_labels": dict(d.labels),
+                    **self.devices[d.name].register_claims(),
+                }
+                for d in self.config.devices
             ],
             "labels": self._labels,
             "sheets": self._sheets.read(),
@@ -293,6 +305,13 @@ class Worker:
         }
         answer = await client.register(payload)
         log.info("registered with the controller as session %s", client.session)
+        theirs = answer.get("protocol")
+        if theirs != PROTOCOL_VERSION:
+            log.warning(
+                "the controller speaks protocol %s, this worker %d; upgrade the older one",
+                theirs if theirs is not None else "1 (or older)",
+                PROTOCOL_VERSION,
+            )
         self._heartbeat_interval = _positive(
             answer.get("heartbeat_interval_s"), self._heartbeat_interval
         )

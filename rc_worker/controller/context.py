@@ -20,6 +20,7 @@ import anyio
 import attrs
 from starlette.requests import Request
 
+from rc_worker.controller.durable import Durability
 from rc_worker.controller.errors import BadRequest, Forbidden, TooLarge, Unauthorized
 from rc_worker.controller.stdin import StdinPipes
 from rc_worker.controller.store import Store
@@ -92,6 +93,8 @@ class Controller:
         store.subscribe(self.changes.poke)
         # Stdin pipes live here, not in the store: they are flow control, not state.
         self.stdin = StdinPipes(self.changes)
+        self.durability: Durability | None = None
+        """Set by :func:`~rc_worker.controller.create_app` when the store is persisted."""
 
     def now(self) -> float:
         return self.clock()

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -25,10 +27,16 @@ import trio
 
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.app import create_app
+from rc_worker.controller.durable import Durability
+from rc_worker.controller.persist import Backend, MemoryBackend, StoreOpenError
+from rc_worker.controller.persist.opening import open_backend, open_store
+from rc_worker.controller.persist.sqlite import default_state_dir
 from rc_worker.controller.serve import serve
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
-from rc_worker.durations import parse_duration
+from rc_worker.durations import parse_duration, parse_size
+
+log = logging.getLogger("rc_worker.controller")
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 EXIT_KILLED = 137
@@ -50,6 +58,13 @@ class CliError(Exception):
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -108,6 +123,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--webhook", action="append", default=[], metavar="URL")
     p.add_argument("--heartbeat-interval", type=_duration, default=10.0, metavar="D")
     p.add_argument("--poll-wait", type=_duration, default=30.0, metavar="D")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="keep state in an SQLite database here (default: $RC_STATE_DIR, else "
+        "$XDG_STATE_HOME/rc, else ~/.local/state/rc)",
+    )
+    where.add_argument(
+        "--db", metavar="URL", help="keep state in PostgreSQL (a libpq URI; also $RC_DB)"
+    )
+    where.add_argument(
+        "--memory", action="store_true", help="keep state in memory only (tests, demos)"
+    )
+    p.add_argument(
+        "--recovery-grace",
+        type=_duration,
+        default=300.0,
+        metavar="D",
+        help="after a restart, how long a host may take to register again (default 5m)",
+    )
+    p.add_argument(
+        "--max-output-bytes",
+        type=_size,
+        default=1 << 30,
+        metavar="N",
+        help="output kept per job, past it dropped (default 1GiB; 0: no cap)",
+    )
+    p.add_argument(
+        "--retention",
+        type=_duration,
+        default=30 * 86400.0,
+        metavar="D",
+        help="delete finished jobs older than this (default 30d; 0: keep forever)",
+    )
 
     for name, help_ in (("submit", "queue a job; prints its id"), ("run", "submit, follow, exit")):
         p = sub.add_parser(name, parents=[common], help=help_)
@@ -362,19 +411,73 @@ async def run_serve(
     *,
     env: Mapping[str, str] | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    backend: Backend | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """``rc serve ARGS``: serve until cancelled (or ``shutdown_trigger``); reports bound URLs."""
     args = build_parser().parse_args(["serve", *argv])
-    worker, users = serve_settings(args, os.environ if env is None else env)
-    config = StoreConfig(heartbeat_interval_s=args.heartbeat_interval, poll_wait_s=args.poll_wait)
-    app = create_app(
-        store=Store(config), worker_tokens=worker, user_tokens=users, webhooks=args.webhook
+    env = os.environ if env is None else env
+    worker, users = serve_settings(args, env)
+    config = StoreConfig(
+        heartbeat_interval_s=args.heartbeat_interval,
+        poll_wait_s=args.poll_wait,
+        max_output_bytes=args.max_output_bytes,
     )
-    await serve(app, args.listen, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    if backend is None:
+        backend = await open_serve_backend(args, env)
+    try:
+        durability = None
+        if not isinstance(backend, MemoryBackend):
+            grace, now = args.recovery_grace, trio.current_time()
+            store, _ = await trio.to_thread.run_sync(
+                lambda: open_store(backend, config, now=now, recovery_grace_s=grace)
+            )
+            durability = Durability(store, backend)
+            log.info("controller state in %s", backend.description)
+        else:
+            store = Store(config)
+        app = create_app(
+            store=store,
+            worker_tokens=worker,
+            user_tokens=users,
+            webhooks=args.webhook,
+            durability=durability,
+        )
+        await serve(
+            app,
+            args.listen,
+            shutdown_trigger=shutdown_trigger,
+            retention_s=args.retention or None,
+            task_status=task_status,
+        )
+    finally:
+        backend.close()
 
 
-async def _serve_until_signalled(argv: Sequence[str], env: Mapping[str, str]) -> int:
+def serve_backend_choice(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """Where ``rc serve`` keeps state: ``--memory``, ``--db``/``$RC_DB``, else a state dir."""
+    if args.memory:
+        return {}
+    if args.db or (not args.state_dir and env.get("RC_DB")):
+        return {"db": args.db or env["RC_DB"]}
+    if args.state_dir:
+        return {"state_dir": Path(args.state_dir)}
+    return {"state_dir": default_state_dir(env)}
+
+
+async def open_serve_backend(args: argparse.Namespace, env: Mapping[str, str]) -> Backend:
+    """Open (create, migrate) the store ``rc serve`` was told to use; CliError, status 2."""
+    choice = serve_backend_choice(args, env)
+    try:
+        backend: Backend = await trio.to_thread.run_sync(lambda: open_backend(**choice))
+    except StoreOpenError as e:
+        raise CliError(f"rc serve: {e}", 2) from None
+    return backend
+
+
+async def _serve_until_signalled(
+    argv: Sequence[str], env: Mapping[str, str], backend: Backend
+) -> int:
     stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -386,7 +489,13 @@ async def _serve_until_signalled(argv: Sequence[str], env: Mapping[str, str]) ->
                     stop.set()
 
             async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
-                await run_serve(argv, env=env, shutdown_trigger=stop.wait, task_status=task_status)
+                await run_serve(
+                    argv,
+                    env=env,
+                    shutdown_trigger=stop.wait,
+                    backend=backend,
+                    task_status=task_status,
+                )
                 # Served its last request: the signal watcher has nothing left to do.
                 nursery.cancel_scope.cancel()
 
@@ -414,7 +523,9 @@ async def amain(
     try:
         if args.command == "serve":
             serve_settings(args, env)
-            return await _serve_until_signalled(argv[1:], env)
+            # Opened here, before any nursery, so a store that cannot be used is one line.
+            backend = await open_serve_backend(args, env)
+            return await _serve_until_signalled(argv[1:], env, backend)
         url = args.url or env.get("RC_URL") or DEFAULT_URL
         token = args.token or env.get("RC_USER_TOKEN", "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}

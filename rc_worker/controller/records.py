@@ -86,6 +86,12 @@ class Job:
     fault_id: str | None = None
     verify: Verify | None = None
     sweep: dict[str, object] | None = None
+    adopted: bool = False
+    """Recorded from a worker's claim (its registration or heartbeat), not from a submit."""
+    output_truncated: bool = False
+    """Output past the controller's ``max_output_bytes`` was acknowledged and dropped."""
+    dropped_bytes: int = 0
+    """How many bytes were dropped that way (the worker's committed count includes them)."""
 
     @property
     def terminal(self) -> bool:
@@ -126,6 +132,8 @@ class Job:
             verify=self.verify,
             sweep=None if self.sweep is None else dict(self.sweep),
             attempts=tuple(a.info() for a in self.attempts),
+            adopted=self.adopted,
+            output_truncated=self.output_truncated,
         )
 
 
@@ -147,6 +155,9 @@ class Device:
     job: Job | None = None
     """The job holding this device in the controller's view (assigned or running)."""
     worker_state: str | None = None
+    worker_faults: set[str] = attrs.Factory(set)
+    """Fault ids the worker said it holds (registration, heartbeats): never assigned while
+    any is held, whatever the controller's own records say."""
 
     @property
     def state(self) -> str:
@@ -206,7 +217,12 @@ class Host:
     facts: dict[str, str] = attrs.Factory(dict)
     sheet: str | None = None
     devices: dict[str, Device] = attrs.Factory(dict)
+    recovering_until: float | None = None
+    """Set when a controller restarts on a stored state: the host is ``unknown`` until its
+    worker registers again, or until this controller-clock time, when it is lost."""
 
     @property
     def state(self) -> str:
+        if self.recovering_until is not None:
+            return "unknown"
         return "lost" if self.lost else "up"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from rc_worker.controller.errors import NotFound, StaleAttempt, UnknownSession
+from rc_worker.controller.journal import Journal
 from rc_worker.controller.messages import Event
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
 
@@ -38,6 +39,8 @@ class StoreConfig:
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
     max_refusals: int = 10
     max_events: int = 100_000
+    max_output_bytes: int = 0
+    """Output kept per job (0: no cap); past it chunks are acknowledged and dropped."""
     cleared_omissions: int = 3
     """A lifted fault id leaves heartbeat ``cleared`` once this many heartbeats in a row have
     reported its device without it."""
@@ -74,6 +77,9 @@ class StoreState:
         self._event_seq = 0
         self.version = 0
         self._subscribers: list[Callable[[], None]] = []
+        self.journal = Journal()
+        """Dirty marks for a persistence layer beneath the store (off unless one enables it)."""
+        self.recovery_grace_s: float | None = None
 
     # --- change notification ----------------------------------------------------------------
 
@@ -93,7 +99,9 @@ class StoreState:
 
     def _emit(self, type_: str, **data: object) -> None:
         self._event_seq += 1
-        self._events.append(Event(self._event_seq, type_, self._wall(), data))
+        event = Event(self._event_seq, type_, self._wall(), data)
+        self._events.append(event)
+        self.journal.event(event)
 
     # --- lookups ----------------------------------------------------------------------------
 
@@ -101,6 +109,7 @@ class StoreState:
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"no job {job_id!r}", code="unknown_job")
+        self.journal.job(job_id)
         return job
 
     def _device(self, host: str, name: str) -> tuple[Host, Device]:
@@ -108,6 +117,7 @@ class StoreState:
         d = None if h is None else h.devices.get(name)
         if h is None or d is None:
             raise NotFound(f"no device {host}/{name}", code="unknown_device")
+        self.journal.host(host)
         return h, d
 
     def _session(self, session: str, host: str | None = None) -> Host:
@@ -116,6 +126,7 @@ class StoreState:
             raise UnknownSession(
                 f"session {session!r} is not known for host {host or '?'}; register again"
             )
+        self.journal.host(h.name)
         return h
 
     def session_host(self, session: str) -> str:
@@ -149,6 +160,10 @@ class StoreState:
             if h.session is not None and now >= h.last_seen + self.config.lost_after_s:
                 self._lose_host(h, now)
                 changed = True
+            elif h.recovering_until is not None and now >= h.recovering_until:
+                # Still absent after the recovery grace: lost by the ordinary rule.
+                self._lose_host(h, now)
+                changed = True
         for job in list(self._live.values()):
             cur = job.current
             if cur is None or now < cur.last_heard + self.config.report_timeout_s:
@@ -171,6 +186,7 @@ class StoreState:
             for h in self._hosts.values()
             if h.session is not None
         ]
+        deadlines += [h.recovering_until for h in self._hosts.values() if h.recovering_until]
         for job in self._live.values():
             cur = job.current
             if cur is not None and (cur.status == "assigned" or cur.adopted):
@@ -178,10 +194,12 @@ class StoreState:
         return min(deadlines, default=None)
 
     def _lose_host(self, h: Host, now: float) -> None:
-        assert h.session is not None
-        del self._sessions[h.session]
+        if h.session is not None:
+            del self._sessions[h.session]
         h.session = None
+        h.recovering_until = None
         h.lost = True
+        self.journal.host(h.name)
         lost: list[str] = []
         requeued: list[str] = []
         for d in h.devices.values():
@@ -210,6 +228,7 @@ class StoreState:
     # --- job transitions --------------------------------------------------------------------
 
     def _requeue(self, job: Job, note: str) -> None:
+        self.journal.job(job.job_id)
         cur = job.current
         if cur is not None:
             cur.status = "requeued"
@@ -238,6 +257,7 @@ class StoreState:
         """Record a terminal state; False (and no change) if one is already recorded."""
         if job.terminal:
             return False
+        self.journal.job(job.job_id)
         if job.state == "queued":
             self._queue.remove((job.seq, job.job_id))
         job.state = outcome
@@ -272,6 +292,7 @@ class StoreState:
             return False
         d.seen_faults.add(fault.fault_id)
         d.faults[fault.fault_id] = fault
+        self.journal.host(d.host)
         self._emit(
             "device_quarantined",
             host=d.host,
@@ -288,6 +309,7 @@ class StoreState:
         ids = [f for f in fault_ids if d.faults.pop(f, None) is not None]
         if not ids:
             return
+        self.journal.host(d.host)
         # Listed in heartbeat `cleared` whoever lifted them: a worker may hold an id it
         # learned at an earlier registration, and frees the device only when told.
         for i in ids:
@@ -309,6 +331,7 @@ class StoreState:
         for job in self._live.values():
             cur = job.current
             if cur is not None and cur.host == host and cur.status == "running":
+                self.journal.job(job.job_id)
                 out.append((job, cur))
         return out
 
@@ -337,3 +360,82 @@ class StoreState:
 
     def lose_job(self, job: Job, reason: str) -> None:
         self._terminate(job, "lost", by="controller", reason=reason)
+
+    # --- for adopted claims (rc_worker.controller.claims) ------------------------------------
+
+    def wall(self) -> float:
+        return self._wall()
+
+    def next_seq(self) -> int:
+        return int(self._next_id("j").split("-")[1])
+
+    def adopt_fault(self, d: Device, fault: Fault) -> None:
+        if self._raise_fault(d, fault):
+            self._emit("fault_adopted", host=d.host, device=d.name, fault_id=fault.fault_id)
+
+    def adopt_job(self, job: Job, d: Device) -> None:
+        self._jobs[job.job_id] = job
+        self._live[job.job_id] = job
+        d.job = job
+        self.journal.job(job.job_id)
+        cur = job.current
+        self._emit(
+            "job_adopted",
+            job_id=job.job_id,
+            attempt=job.attempt,
+            host=d.host,
+            device=d.name,
+            adopted_attempt=None if cur is None else cur.number,
+        )
+
+    # --- for persistence (rc_worker.controller.persist) -------------------------------------
+
+    def known_host(self, name: str) -> Host | None:
+        return self._hosts.get(name)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def last_event_seq_value(self) -> int:
+        return self._event_seq
+
+    def restore_counters(self, counters: dict[str, int], event_seq: int) -> None:
+        """Ids and event numbers carry on from a stored state: they never repeat."""
+        self._counters = dict(counters)
+        self._event_seq = event_seq
+
+    def restore_host(self, h: Host) -> None:
+        self._hosts[h.name] = h
+
+    def restore_job(self, job: Job) -> None:
+        """A stored job, back in the queue or on its device as it was."""
+        self._jobs[job.job_id] = job
+        if job.state == "queued":
+            bisect.insort(self._queue, (job.seq, job.job_id))
+            return
+        cur = job.current
+        if job.terminal or cur is None:
+            return
+        self._live[job.job_id] = job
+        h = self._hosts.get(cur.host)
+        d = None if h is None else h.devices.get(cur.device)
+        if d is not None:
+            d.job = job
+
+    def restore_events(self, events: Iterable[Event]) -> None:
+        self._events.extend(events)
+
+    def finished_before(self, wall_time: float) -> list[str]:
+        """Ids of jobs that ended before ``wall_time`` (wall clock): retention's candidates."""
+        return [
+            j.job_id
+            for j in self._jobs.values()
+            if j.terminal and j.finished_at is not None and j.finished_at < wall_time
+        ]
+
+    def forget(self, job_ids: Iterable[str]) -> None:
+        """Drop finished jobs (retention); a job still held anywhere is kept."""
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is not None and job.terminal:
+                del self._jobs[job_id]

@@ -19,6 +19,7 @@ import bisect
 import secrets
 from collections.abc import Mapping, Sequence
 
+from rc_worker.controller.claims import adopt_attempt, apply_register_claims
 from rc_worker.controller.errors import (
     BadRequest,
     Conflict,
@@ -51,6 +52,7 @@ from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
 from rc_worker.controller.state import StoreConfig, StoreState
+from rc_worker.model import PROTOCOL_VERSION
 
 __all__ = ["Store", "StoreConfig"]
 
@@ -116,6 +118,7 @@ class Store(StoreState):
         job_id = self._next_id("j")
         job = Job(job_id, self._counters["j"], spec, selector, submitted_at=self._wall())
         self._jobs[job_id] = job
+        self.journal.job(job_id)
         bisect.insort(self._queue, (job.seq, job_id))
         self._changed()
         return job_id
@@ -134,7 +137,8 @@ class Store(StoreState):
         return bytes(self._job(job_id).output[offset:end])
 
     def committed(self, job_id: str) -> int:
-        return len(self._job(job_id).output)
+        job = self._job(job_id)
+        return len(job.output) + job.dropped_bytes
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> JobInfo:
         """Cancel a job: at once if it has not started, else via the heartbeat's ``cancel``.
@@ -229,6 +233,8 @@ class Store(StoreState):
         )
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
+        self.journal.host(host)
+        h.recovering_until = None
         if h.session is not None:
             del self._sessions[h.session]
         h.session = f"{self._next_id('s')}-{secrets.token_hex(4)}"
@@ -252,9 +258,11 @@ class Store(StoreState):
                 continue
             self._requeue(job, "a new worker process registered before starting it")
         reconcile_registration(self, h, req, now, same_process=same_process)
+        apply_register_claims(self, h, req, now)
         h.boot_id = req.boot_id
         self._changed()
         return RegisterReply(
+            protocol=PROTOCOL_VERSION,
             session=h.session,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             poll_wait_s=self.config.poll_wait_s,
@@ -281,9 +289,14 @@ class Store(StoreState):
             if d is None:
                 continue
             d.worker_state = report.state
+            d.worker_faults = set(report.faults)
             self._age_cleared(d, report.faults)
             if report.job_id is None or report.attempt is None:
                 continue
+            if report.state == "running" and adopt_attempt(
+                self, h, d, report.job_id, report.attempt, now
+            ):
+                self._changed()
             job = self._jobs.get(report.job_id)
             cur = None if job is None else job.current
             if job is not None and cur is not None and cur.number == report.attempt:
@@ -344,7 +357,7 @@ class Store(StoreState):
                 # the worker (a lost poll response). Offer it again as a new attempt.
                 self._requeue(held, "the device was reported ready again; offered again")
                 changed = True
-            if d.job is not None or d.faults or d.idle_behavior != "run":
+            if d.job is not None or d.faults or d.worker_faults or d.idle_behavior != "run":
                 continue
             job = self._pick(h, d)
             if job is None:
@@ -353,6 +366,7 @@ class Store(StoreState):
             att = Attempt(job.attempt + 1, host, name, "assigned", last_heard=now)
             job.attempts.append(att)
             job.state = "assigned"
+            self.journal.job(job.job_id)
             d.job = job
             self._live[job.job_id] = job
             out.append(Assignment(job.job_id, att.number, name, job.spec))
@@ -406,10 +420,14 @@ class Store(StoreState):
             )
 
     def append_output(self, job_id: str, attempt: int, offset: int, data: bytes) -> int:
-        """Idempotent append; returns the committed length. Conflict ``gap`` above it."""
+        """Idempotent append; returns the committed length. Conflict ``gap`` above it.
+
+        Past ``config.max_output_bytes`` the bytes are acknowledged (counted in the
+        committed length) and dropped, and the job is marked ``output_truncated``.
+        """
         job = self._job(job_id)
         self._current(job, attempt)
-        committed = len(job.output)
+        committed = len(job.output) + job.dropped_bytes
         if offset < 0:
             raise BadRequest("offset: must not be negative")
         if offset > committed:
@@ -419,9 +437,18 @@ class Store(StoreState):
                 extra={"committed": committed},
             )
         if offset + len(data) > committed:
-            job.output += data[committed - offset :]
+            new = data[committed - offset :]
+            cap = self.config.max_output_bytes
+            if cap and len(job.output) + len(new) > cap:
+                keep = max(0, cap - len(job.output))
+                job.dropped_bytes += len(new) - keep
+                job.output_truncated = True
+                new = new[:keep]
+            if new:
+                self.journal.output(job_id, len(job.output), new)
+                job.output += new
             self._changed()
-        return len(job.output)
+        return len(job.output) + job.dropped_bytes
 
     def finish(self, job_id: str, req: FinishRequest, *, now: float) -> JobInfo:
         h = self._session(req.session)
