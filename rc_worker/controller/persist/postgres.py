@@ -51,7 +51,9 @@ class PostgresBackend(SqlBackend):
             ) from e
 
     def _connect(self) -> psycopg.Connection[Any]:
-        if self.conn is None or self.conn.closed or self.conn.broken:
+        if self.conn is not None and self.conn.broken and not self.conn.closed:
+            self.conn.close()
+        if self.conn is None or self.conn.closed:
             self.conn = psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT_S)
         return self.conn
 
