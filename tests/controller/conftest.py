@@ -64,8 +64,9 @@ def store_place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stor
         yield StorePlace("sqlite", state_dir=tmp_path / "state")
         return
     server: PgServer = request.getfixturevalue("pg_server")
-    url = server.new_database()
+    place = StorePlace("postgres", db=server.new_database(), server=server)
     try:
-        yield StorePlace("postgres", db=url, server=server)
+        yield place
     finally:
-        server.drop_database(url)
+        assert place.db is not None  # a test may have swapped in a fresh database
+        server.drop_database(place.db)
