@@ -171,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stdin", action="store_true", help="stream this command's stdin to it")
         p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
 
-    p = sub.add_parser("ps", parents=[common], help="list jobs")
+    p = sub.add_parser("ps", parents=[common], help="list jobs (the most recent 50 by default)")
+    p.add_argument("--limit", type=int, default=50, metavar="N", help="the N most recent")
+    p.add_argument("--all", action="store_true", help="every job the controller keeps")
     p.add_argument("--state", help="only jobs in this state")
     p = sub.add_parser("show", parents=[common], help="show one job")
     p.add_argument("job")
@@ -337,11 +339,21 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
             r = await client.get(f"/v1/jobs/{args.job}/output")
             _raise_for(r)
             _write_bytes(r.content)
+        job = await _json(client.get(f"/v1/jobs/{args.job}"))
+        if job.get("output_truncated"):
+            _out(
+                f"\n[rc: output truncated: the controller kept only the first "
+                f"{job.get('committed_bytes')} bytes (rc serve --max-output-bytes)]"
+            )
         return 0
     body: Any
     if c == "ps":
-        params = {"state": args.state} if args.state else {}
+        params: dict[str, Any] = {"state": args.state} if args.state else {}
+        if not args.all:
+            params.update(limit=args.limit, order="desc")
         body = await _json(client.get("/v1/jobs", params=params))
+        if not args.all:
+            body["jobs"].reverse()  # the most recent, shown oldest first
         text = fmt.jobs_table(body["jobs"])
     elif c == "show":
         body = await _json(client.get(f"/v1/jobs/{args.job}"))

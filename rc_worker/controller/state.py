@@ -425,6 +425,19 @@ class StoreState:
     def restore_events(self, events: Iterable[Event]) -> None:
         self._events.extend(events)
 
+    def jobs_page(
+        self, state: str | None, *, after: int | None, limit: int, newest_first: bool
+    ) -> tuple[list[Job], int | None]:
+        """One page of jobs in submission order (or newest first), after the cursor ``after``
+        (a job's ``seq``); returns the jobs and the cursor of the next page, None at the end."""
+        jobs = [j for j in self._jobs.values() if state is None or j.state == state]
+        if newest_first:
+            jobs.reverse()
+        if after is not None:
+            jobs = [j for j in jobs if (j.seq < after if newest_first else j.seq > after)]
+        page = jobs[:limit]
+        return page, (page[-1].seq if len(jobs) > limit else None)
+
     def finished_before(self, wall_time: float) -> list[str]:
         """Ids of jobs that ended before ``wall_time`` (wall clock): retention's candidates."""
         return [

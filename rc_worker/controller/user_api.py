@@ -14,6 +14,7 @@ from rc_worker.controller.context import Controller, controller_of, json_body, q
 from rc_worker.controller.errors import ApiError, BadRequest
 
 MAX_EVENTS_PER_PAGE = 1000
+MAX_JOBS_PER_PAGE = 10_000
 MAX_EVENTS_WAIT_S = 60.0
 STREAM_CHUNK = 64 * 1024
 
@@ -34,8 +35,22 @@ async def submit(request: Request) -> Response:
 
 async def list_jobs(request: Request) -> Response:
     ctl = _user(request)
-    jobs = ctl.store.jobs(request.query_params.get("state"))
-    return JSONResponse({"jobs": [j.to_json() for j in jobs]})
+    state = request.query_params.get("state")
+    q = request.query_params
+    if not any(k in q for k in ("limit", "after", "order")):
+        jobs = ctl.store.jobs(state)
+        return JSONResponse({"jobs": [j.to_json() for j in jobs], "next": None})
+    limit = query_int(request, "limit", MAX_JOBS_PER_PAGE)
+    if not 1 <= limit <= MAX_JOBS_PER_PAGE:
+        raise BadRequest(f"limit: must be between 1 and {MAX_JOBS_PER_PAGE}")
+    order = q.get("order", "asc")
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order: {order!r} is not asc or desc")
+    after = query_int(request, "after") if "after" in q else None
+    if state is not None:
+        ctl.store.jobs(state)  # validates the state name
+    page, nxt = ctl.store.jobs_page(state, after=after, limit=limit, newest_first=order == "desc")
+    return JSONResponse({"jobs": [j.info().to_json() for j in page], "next": nxt})
 
 
 async def get_job(request: Request) -> Response:
