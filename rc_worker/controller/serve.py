@@ -68,22 +68,29 @@ async def housekeeping(
 
 async def retention(app: Starlette, retention_s: float) -> None:
     """Delete finished jobs (and their output) older than ``retention_s``; runs until cancelled."""
-    ctl = _controller(app)
     while True:
-        cutoff = time.time() - retention_s
-        ids = ctl.store.finished_before(cutoff)
-        if ids:
-            d = ctl.durability
-            delete = getattr(None if d is None else d.backend, "delete_finished_before", None)
-            try:
-                if delete is not None:
-                    await trio.to_thread.run_sync(delete, cutoff)
-            except Exception as e:
-                log.warning("retention: could not delete old jobs: %s", e)
-            else:
-                ctl.store.forget(ids)
-                log.info("retention: deleted %d finished jobs", len(ids))
+        await retention_pass(app, retention_s)
         await trio.sleep(RETENTION_INTERVAL_S)
+
+
+async def retention_pass(app: Starlette, retention_s: float) -> list[str]:
+    """One pass of :func:`retention`; returns the ids of the jobs deleted."""
+    ctl = _controller(app)
+    cutoff = time.time() - retention_s
+    ids = ctl.store.finished_before(cutoff)
+    if not ids:
+        return []
+    d = ctl.durability
+    delete = getattr(None if d is None else d.backend, "delete_finished_before", None)
+    try:
+        if delete is not None:
+            await trio.to_thread.run_sync(delete, cutoff)
+    except Exception as e:
+        log.warning("retention: could not delete old jobs: %s", e)
+        return []
+    ctl.store.forget(ids)
+    log.info("retention: deleted %d finished jobs", len(ids))
+    return ids
 
 
 async def deliver_webhooks(

@@ -352,3 +352,71 @@ def test_job_documents_round_trip() -> None:
     before = store.job(job_id)
     doc = json.loads(json.dumps(job_doc(store.known_job(job_id))))  # type: ignore[arg-type]
     assert load_job(doc, 0.0).info() == before
+
+
+async def test_retention_deletes_old_finished_jobs_and_their_output(
+    store_place: StorePlace,
+) -> None:
+    from rc_worker.controller.serve import retention_pass
+
+    with trio.fail_after(GUARD):
+        opened = open_controller(store_place.open())
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            old = await submit(user, "echo", "old")
+            await w.run_one(b"old output\n")
+            keep = await submit(user, "sleep", "1")
+            assert await retention_pass(opened.app, 3600.0) == []
+            assert await retention_pass(opened.app, 0.0) == [old]
+            r = await user.get(f"/v1/jobs/{old}")
+            assert (r.status_code, r.json()["error"]) == (404, "unknown_job")
+        opened.backend.close()
+        reopened = open_controller(store_place.open())
+        assert [j.job_id for j in reopened.store.jobs()] == [keep]
+        reopened.backend.close()
+
+
+async def test_webhook_deliveries_not_confirmed_are_made_after_a_restart(
+    store_place: StorePlace,
+) -> None:
+    from rc_worker.controller.serve import deliver_webhooks
+
+    url = "http://hooks.example/in"
+    got: list[int] = []
+    confirm = trio.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        got.append(int(request.headers["X-RC-Event-Seq"]))
+        if len(got) == 2:
+            confirm.set()
+        return httpx.Response(200)
+
+    with trio.fail_after(GUARD):
+        backend = store_place.open()
+        opened = open_controller(backend)
+        store = opened.store
+        for _ in range(3):
+            store.cancel(store.submit(["echo"]))
+        await opened.durability.flush()
+        assert store.last_event_seq == 3
+        # A consumer confirmed events 1 and 2 before the controller died.
+        backend.save_webhook_cursor(url, 2)
+        backend.close()
+        reopened = open_controller(store_place.open())
+        from rc_worker.controller import create_app
+
+        app = create_app(store=reopened.store, webhooks=[url], durability=reopened.durability)
+        async with (
+            httpx.AsyncClient(transport=httpx.MockTransport(handler)) as hooks,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(deliver_webhooks, app, hooks)
+            reopened.store.cancel(reopened.store.submit(["echo"]))
+            await confirm.wait()
+            # The confirmation of event 4 is stored once its POST has returned.
+            while reopened.backend.webhook_cursors().get(url) != 4:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert got == [3, 4]
+        reopened.backend.close()
