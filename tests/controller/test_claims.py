@@ -5,9 +5,11 @@ The controller here has a fresh, empty store, as after losing its database.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
+import pytest
 
 from rc_worker.controller import Store
 
@@ -113,3 +115,15 @@ async def test_unknown_job_remains_for_ids_nobody_claims(client: httpx.AsyncClie
     a = {"job_id": "j-never", "attempt": 1, "device": "gpu0"}
     r = await w.output(a, 0, b"x")
     assert (r.status_code, r.json()["error"]) == (404, "unknown_job")
+
+
+async def test_a_version_mismatch_is_one_line_at_register(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = FakeWorker(client)
+    with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
+        reply = await w.register()  # a version-1 worker: no `protocol`, no claims
+    assert reply["protocol"] == 2
+    [line] = [r.getMessage() for r in caplog.records if "protocol" in r.getMessage()]
+    assert "protocol 1" in line
+    assert "speaks 2" in line

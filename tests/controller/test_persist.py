@@ -404,6 +404,15 @@ async def test_webhook_deliveries_not_confirmed_are_made_after_a_restart(
         backend.save_webhook_cursor(url, 2)
         backend.close()
         reopened = open_controller(store_place.open())
+        stored = trio.Event()
+        save = reopened.backend.save_webhook_cursor
+
+        def save_and_tell(url: str, seq: int) -> None:  # called in a worker thread
+            save(url, seq)
+            if seq == 4:
+                trio.from_thread.run_sync(stored.set)
+
+        reopened.backend.save_webhook_cursor = save_and_tell  # type: ignore[method-assign]
         from rc_worker.controller import create_app
 
         app = create_app(store=reopened.store, webhooks=[url], durability=reopened.durability)
@@ -414,9 +423,31 @@ async def test_webhook_deliveries_not_confirmed_are_made_after_a_restart(
             await nursery.start(deliver_webhooks, app, hooks)
             reopened.store.cancel(reopened.store.submit(["echo"]))
             await confirm.wait()
-            # The confirmation of event 4 is stored once its POST has returned.
-            while reopened.backend.webhook_cursors().get(url) != 4:
-                await trio.sleep(0.01)
+            await stored.wait()  # the confirmation of event 4, stored after its POST returned
             nursery.cancel_scope.cancel()
         assert got == [3, 4]
+        assert reopened.backend.webhook_cursors() == {url: 4}
         reopened.backend.close()
+
+
+async def test_rc_serve_refuses_a_store_it_cannot_use_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rc_worker.controller import rc_cli
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    tokens = ["--worker-token", "w", "--user-token", "u", "--listen", "127.0.0.1:0"]
+    cases = [
+        (["--state-dir", str(blocker / "state")], str(blocker / "state")),
+        (["--db", f"postgresql:///rc?host={tmp_path}/nowhere"], "cannot connect"),
+        (["--db", "mysql://x/y"], "not a PostgreSQL URI"),
+    ]
+    for extra, named in cases:
+        with trio.fail_after(GUARD):
+            assert await rc_cli.amain(["serve", *tokens, *extra], env={}) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith("rc: rc serve: ")
+        assert named in err
+        assert "Traceback" not in err
