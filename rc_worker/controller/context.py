@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from rc_worker.controller.durable import Durability
 from rc_worker.controller.errors import BadRequest, Forbidden, TooLarge, Unauthorized
+from rc_worker.controller.state import OutputElsewhere
 from rc_worker.controller.stdin import StdinPipes
 from rc_worker.controller.store import Store
 from rc_worker.controller.wire import Fields, decode
@@ -98,6 +99,25 @@ class Controller:
 
     def now(self) -> float:
         return self.clock()
+
+    async def read_output(self, job_id: str, offset: int, limit: int | None = None) -> bytes:
+        """A job's committed output from ``offset``: from memory, or from the store beneath
+        for what was committed there and dropped from memory."""
+        try:
+            return self.store.output(job_id, offset, limit)
+        except OutputElsewhere as e:
+            if self.durability is None:
+                raise
+            base = e.base
+        want = base - offset if limit is None else min(limit, base - offset)
+        data = await self.durability.read_output(job_id, offset, want)
+        if len(data) < want or (limit is not None and len(data) >= limit):
+            return data
+        try:
+            rest = self.store.output(job_id, base, None if limit is None else limit - len(data))
+        except OutputElsewhere:
+            rest = b""  # trimmed further meanwhile: the caller asks again from the new end
+        return data + rest
 
     def tick(self) -> float:
         """Apply the store's due timers (lazily, on every request); returns ``now``."""

@@ -84,6 +84,20 @@ class Durability:
             self.pending.clear()
             self.written = batches[-1].generation
             self.commits += 1
+            # Committed output leaves memory: reads below it go to the backend.
+            stored: dict[str, int] = {}
+            for batch in batches:
+                for job_id, off, data in batch.output:
+                    stored[job_id] = max(stored.get(job_id, 0), off + len(data))
+            for job_id, upto in stored.items():
+                self.store.trim_output(job_id, upto)
+
+    async def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        """Stored output, read in a thread (:class:`StoreUnavailable` if the read fails)."""
+        try:
+            return await anyio.to_thread.run_sync(self.backend.read_output, job_id, offset, limit)
+        except StoreWriteError as e:
+            raise StoreUnavailable(f"the controller could not read this output ({e})") from None
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

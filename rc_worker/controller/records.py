@@ -92,6 +92,13 @@ class Job:
     """Output past the controller's ``max_output_bytes`` was acknowledged and dropped."""
     dropped_bytes: int = 0
     """How many bytes were dropped that way (the worker's committed count includes them)."""
+    output_base: int = 0
+    """Where ``output`` starts: bytes below it are stored beneath the store (persisted and
+    dropped from memory), and read from there (:class:`OutputElsewhere`)."""
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.output_base + len(self.output)
 
     @property
     def terminal(self) -> bool:
@@ -126,7 +133,7 @@ class Job:
             reason=self.reason,
             error=self.error,
             output_bytes=self.output_bytes,
-            committed_bytes=len(self.output),
+            committed_bytes=self.stored_bytes,
             cancel_requested=self.cancel_reason,
             fault_id=self.fault_id,
             verify=self.verify,

@@ -23,7 +23,16 @@ from rc_worker.controller.journal import Journal
 from rc_worker.controller.messages import Event
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
 
-__all__ = ["StoreConfig", "StoreState"]
+__all__ = ["OutputElsewhere", "StoreConfig", "StoreState"]
+
+
+class OutputElsewhere(Exception):
+    """Output asked for below ``base`` is not in memory: read it from the persistence beneath."""
+
+    def __init__(self, job_id: str, base: int) -> None:
+        super().__init__(f"output of {job_id} below {base} is stored, not in memory")
+        self.job_id = job_id
+        self.base = base
 
 
 @attrs.frozen
@@ -437,6 +446,15 @@ class StoreState:
             jobs = [j for j in jobs if (j.seq < after if newest_first else j.seq > after)]
         page = jobs[:limit]
         return page, (page[-1].seq if len(jobs) > limit else None)
+
+    def trim_output(self, job_id: str, upto: int) -> None:
+        """Output below ``upto`` is committed beneath the store: drop it from memory."""
+        job = self._jobs.get(job_id)
+        if job is None or upto <= job.output_base:
+            return
+        cut = min(upto, job.stored_bytes) - job.output_base
+        del job.output[:cut]
+        job.output_base += cut
 
     def finished_before(self, wall_time: float) -> list[str]:
         """Ids of jobs that ended before ``wall_time`` (wall clock): retention's candidates."""

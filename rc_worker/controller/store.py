@@ -51,7 +51,7 @@ from rc_worker.controller.messages import (
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
-from rc_worker.controller.state import StoreConfig, StoreState
+from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState
 from rc_worker.model import PROTOCOL_VERSION
 
 __all__ = ["Store", "StoreConfig"]
@@ -132,13 +132,21 @@ class Store(StoreState):
         return [j.info() for j in self._jobs.values() if state is None or j.state == state]
 
     def output(self, job_id: str, offset: int = 0, limit: int | None = None) -> bytes:
-        """The job's committed output from ``offset`` (at most ``limit`` bytes)."""
-        end = None if limit is None else offset + limit
-        return bytes(self._job(job_id).output[offset:end])
+        """The job's committed output from ``offset`` (at most ``limit`` bytes).
+
+        :class:`OutputElsewhere` if part of it is no longer in memory (a persisted store
+        keeps only what is not yet committed to its database); the caller reads it there.
+        """
+        job = self._job(job_id)
+        if offset < job.output_base:
+            raise OutputElsewhere(job_id, job.output_base)
+        start = offset - job.output_base
+        end = None if limit is None else start + limit
+        return bytes(job.output[start:end])
 
     def committed(self, job_id: str) -> int:
         job = self._job(job_id)
-        return len(job.output) + job.dropped_bytes
+        return job.stored_bytes + job.dropped_bytes
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> JobInfo:
         """Cancel a job: at once if it has not started, else via the heartbeat's ``cancel``.
@@ -427,7 +435,7 @@ class Store(StoreState):
         """
         job = self._job(job_id)
         self._current(job, attempt)
-        committed = len(job.output) + job.dropped_bytes
+        committed = job.stored_bytes + job.dropped_bytes
         if offset < 0:
             raise BadRequest("offset: must not be negative")
         if offset > committed:
@@ -439,16 +447,16 @@ class Store(StoreState):
         if offset + len(data) > committed:
             new = data[committed - offset :]
             cap = self.config.max_output_bytes
-            if cap and len(job.output) + len(new) > cap:
-                keep = max(0, cap - len(job.output))
+            if cap and job.stored_bytes + len(new) > cap:
+                keep = max(0, cap - job.stored_bytes)
                 job.dropped_bytes += len(new) - keep
                 job.output_truncated = True
                 new = new[:keep]
             if new:
-                self.journal.output(job_id, len(job.output), new)
+                self.journal.output(job_id, job.stored_bytes, new)
                 job.output += new
             self._changed()
-        return len(job.output) + job.dropped_bytes
+        return job.stored_bytes + job.dropped_bytes
 
     def finish(self, job_id: str, req: FinishRequest, *, now: float) -> JobInfo:
         h = self._session(req.session)

@@ -67,7 +67,7 @@ async def get_output(request: Request) -> Response:
     job = ctl.store.job(job_id)
     if request.query_params.get("follow", "").lower() not in ("1", "true", "yes"):
         return Response(
-            ctl.store.output(job_id, offset),
+            await ctl.read_output(job_id, offset),
             media_type="application/octet-stream",
             headers={"X-RC-Job-State": job.state, "X-RC-Committed": str(job.committed_bytes)},
         )
@@ -83,14 +83,16 @@ async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[by
     while True:
         seen = ctl.changes.version
         ctl.tick()
-        # Read the output and the job's state with no await in between, so bytes committed
-        # just before the finish are always sent before the stream ends.
-        data = ctl.store.output(job_id, pos, STREAM_CHUNK)
+        # The job's state is read before the output: bytes committed just before the finish
+        # are then always sent before the stream ends, even across the await of a read from
+        # the store beneath (the output only grows).
+        ended = ctl.store.job(job_id).terminal
+        data = await ctl.read_output(job_id, pos, STREAM_CHUNK)
         if data:
             pos += len(data)
             yield data
             continue
-        if ctl.store.job(job_id).terminal:
+        if ended:
             return
         await ctl.wait_change(seen, None)
 

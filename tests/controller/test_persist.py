@@ -252,7 +252,7 @@ async def test_output_past_the_cap_is_acknowledged_dropped_and_marked(
         reopened = open_controller(store_place.open())
         info = reopened.store.job(job_id)
         assert info.output_truncated
-        assert reopened.store.output(job_id) == b"12345678"
+        assert reopened.backend.read_output(job_id, 0, None) == b"12345678"
         reopened.backend.close()
 
 
@@ -302,7 +302,8 @@ async def test_a_store_of_the_first_schema_is_migrated(store_place: StorePlace) 
     opened = open_controller(store_place.open())
     try:
         assert opened.store.job("j-1-v1").state == "succeeded"
-        assert opened.store.output("j-1-v1") == b"from schema 1\n"
+        assert opened.backend.read_output("j-1-v1", 0, None) == b"from schema 1\n"
+        assert opened.store.job("j-1-v1").committed_bytes == len(b"from schema 1\n")
         assert opened.store.job("j-2-v1").state == "queued"
         assert opened.store.device("box1", "gpu0").fault_id == "f-v1"
         assert opened.store.submit(["echo"]) == "j-3-v1"
@@ -451,3 +452,38 @@ async def test_rc_serve_refuses_a_store_it_cannot_use_in_one_line(
         assert err.startswith("rc: rc serve: ")
         assert named in err
         assert "Traceback" not in err
+
+
+async def test_committed_output_leaves_memory_and_is_read_from_the_store(
+    store_place: StorePlace,
+) -> None:
+    with trio.fail_after(GUARD):
+        opened = open_controller(store_place.open())
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            job_id = await submit(user, "cat")
+            [a] = await w.poll()
+            await w.start(a)
+            sent = b""
+            for i in range(5):
+                chunk = bytes([65 + i]) * 1000
+                assert (await w.output(a, len(sent), chunk)).json() == {
+                    "committed": len(sent) + len(chunk)
+                }
+                sent += chunk
+            record = opened.store.known_job(job_id)
+            assert record is not None
+            assert (len(record.output), record.output_base) == (0, len(sent))
+            assert await output(user, job_id) == sent
+            r = await user.get(f"/v1/jobs/{job_id}/output", params={"offset": 2500})
+            assert r.content == sent[2500:]
+            assert (await w.finish(a, output_bytes=len(sent))).status_code == 200
+            r = await user.get(f"/v1/jobs/{job_id}/output", params={"follow": "true"})
+            assert r.content == sent
+        opened.backend.close()
+        reopened = open_controller(store_place.open())
+        async with clients(reopened.app) as (_, user):
+            assert await output(user, job_id) == sent
+            assert (await job(user, job_id))["committed_bytes"] == len(sent)
+        reopened.backend.close()

@@ -19,7 +19,7 @@ import trio
 from .persistkit import StorePlace
 from .test_persist_restart import USER_TOKEN, WORKER_TOKEN, Controller
 
-GUARD = 120
+GUARD = 180
 ROUNDS = 3
 SEED = 20261130
 

@@ -42,6 +42,9 @@ class Backend(Protocol):
     def write(self, batches: Sequence[Batch]) -> None:
         """Write the batches in one transaction, in order; raise :class:`StoreWriteError`."""
 
+    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        """Stored output of a job from ``offset`` (at most ``limit`` bytes)."""
+
     def webhook_cursors(self) -> dict[str, int]: ...
 
     def save_webhook_cursor(self, url: str, seq: int) -> None: ...
@@ -62,6 +65,9 @@ class MemoryBackend:
 
     def write(self, batches: Sequence[Batch]) -> None:
         pass
+
+    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        return b""  # the store keeps all output in memory: never asked
 
     def webhook_cursors(self) -> dict[str, int]:
         return dict(self._cursors)

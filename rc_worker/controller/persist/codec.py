@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -57,7 +57,8 @@ class Loaded:
     hosts: tuple[str, ...]
     events: tuple[tuple[int, str, float, str], ...]
     """The most recent events, oldest first."""
-    output: Mapping[str, bytes]
+    output: Mapping[str, int]
+    """How many bytes of output each job has stored (the bytes stay in the store)."""
 
 
 def _dumps(value: object) -> str:
@@ -305,9 +306,8 @@ def restore(
         store.restore_host(h)
     for text in loaded.jobs:
         job = load_job(json.loads(text), now)
-        data = loaded.output.get(job.job_id)
-        if data:
-            job.output += data
+        # The bytes stay beneath the store; reads below this go there (OutputElsewhere).
+        job.output_base = loaded.output.get(job.job_id, 0)
         store.restore_job(job)
     store.restore_events(
         Event(seq, type_, time, json.loads(data)) for seq, type_, time, data in loaded.events
@@ -316,13 +316,3 @@ def restore(
 
 def insort_queue(queue: list[tuple[int, str]], job: Job) -> None:
     bisect.insort(queue, (job.seq, job.job_id))
-
-
-def output_chunks(chunks: Iterable[tuple[str, int, bytes]]) -> dict[str, bytes]:
-    """Output rows (in offset order per job) joined per job; overlapping rows are skipped."""
-    out: dict[str, bytearray] = {}
-    for job_id, offset, data in chunks:
-        buf = out.setdefault(job_id, bytearray())
-        if offset <= len(buf) < offset + len(data):
-            buf += data[len(buf) - offset :]
-    return {k: bytes(v) for k, v in out.items()}

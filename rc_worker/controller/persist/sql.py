@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rc_worker.controller.persist import StoreOpenError, StoreWriteError
-from rc_worker.controller.persist.codec import Batch, Loaded, output_chunks
+from rc_worker.controller.persist.codec import Batch, Loaded
 from rc_worker.controller.persist.schema import SCHEMA_VERSION, statements, too_new
 
 
@@ -105,8 +105,9 @@ class SqlBackend:
                 events = tuple(
                     (int(s), str(t), float(tm), str(d)) for s, t, tm, d in reversed(cur.fetchall())
                 )
-                cur.execute("SELECT job_id, off, data FROM output ORDER BY job_id, off")
-                output = output_chunks((str(j), int(o), bytes(d)) for j, o, d in cur.fetchall())
+                # Only how much each job has: the bytes are read when someone asks for them.
+                cur.execute("SELECT job_id, SUM(length(data)) FROM output GROUP BY job_id")
+                output = {str(j): int(n) for j, n in cur.fetchall()}
                 self._commit()
             except self.errors as e:
                 self._rollback()
@@ -153,6 +154,34 @@ class SqlBackend:
             except self.errors as e:
                 self._rollback()
                 raise StoreWriteError(f"writing to {self.description} failed: {e}") from e
+
+    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        """Stored output of ``job_id`` from ``offset``, at most ``limit`` bytes."""
+        p = self.ph
+        with self.lock:
+            cur = self._cursor()
+            try:
+                self._begin(cur)
+                sql = (
+                    f"SELECT off, data FROM output WHERE job_id = {p} AND off + length(data) > {p}"
+                )
+                params: tuple[object, ...] = (job_id, offset)
+                if limit is not None:
+                    sql += f" AND off < {p}"
+                    params += (offset + limit,)
+                cur.execute(sql + " ORDER BY off", params)
+                rows = cur.fetchall()
+                self._commit()
+            except self.errors as e:
+                self._rollback()
+                raise StoreWriteError(f"reading {self.description} failed: {e}") from e
+        out = bytearray()
+        for off, data in rows:
+            pos = offset + len(out)
+            if int(off) > pos:
+                break  # a hole (chunks are written contiguously, so never): stop at it
+            out += bytes(data)[pos - int(off) :]
+        return bytes(out if limit is None else out[:limit])
 
     def webhook_cursors(self) -> dict[str, int]:
         with self.lock:
