@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from rc_worker.controller.durable import Durability
 from rc_worker.controller.errors import BadRequest, Forbidden, TooLarge, Unauthorized
+from rc_worker.controller.messages import Event
 from rc_worker.controller.state import OutputElsewhere
 from rc_worker.controller.stdin import StdinPipes
 from rc_worker.controller.store import Store
@@ -99,6 +100,16 @@ class Controller:
 
     def now(self) -> float:
         return self.clock()
+
+    async def read_events(self, after: int, limit: int) -> list[Event]:
+        """Events after ``after``: from memory, or, for those older than the in-memory ring
+        keeps, from the store beneath (so ``after=N`` always gets exactly the events after N)."""
+        first = self.store.first_event_seq()
+        if self.durability is not None and first is not None and after + 1 < first:
+            older = await self.durability.read_events(after, min(limit, first - after - 1))
+            if older:
+                return older
+        return self.store.events(after, limit)
 
     async def read_output(self, job_id: str, offset: int, limit: int | None = None) -> bytes:
         """A job's committed output from ``offset``: from memory, or from the store beneath

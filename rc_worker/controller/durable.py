@@ -25,6 +25,7 @@ import anyio
 import anyio.to_thread
 
 from rc_worker.controller.errors import StoreUnavailable
+from rc_worker.controller.messages import Event
 from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import Batch, take_batch
 from rc_worker.controller.state import StoreState
@@ -91,6 +92,14 @@ class Durability:
                     stored[job_id] = max(stored.get(job_id, 0), off + len(data))
             for job_id, upto in stored.items():
                 self.store.trim_output(job_id, upto)
+
+    async def read_events(self, after: int, limit: int) -> list[Event]:
+        """Stored events after ``after``, read in a thread."""
+        try:
+            rows = await anyio.to_thread.run_sync(self.backend.read_events, after, limit)
+        except StoreWriteError as e:
+            raise StoreUnavailable(f"the controller could not read events ({e})") from None
+        return [Event(seq, type_, t, json.loads(data)) for seq, type_, t, data in rows]
 
     async def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         """Stored output, read in a thread (:class:`StoreUnavailable` if the read fails)."""

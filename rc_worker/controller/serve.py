@@ -126,7 +126,11 @@ async def _deliver_to(
     # deliveries not yet confirmed when a controller stopped are made again after a restart.
     while True:
         seen = ctl.changes.version
-        events = ctl.store.events(after, limit=100)
+        try:
+            events = await ctl.read_events(after, 100)
+        except StoreUnavailable:
+            await trio.sleep(WEBHOOK_BACKOFF_S[0])  # the store is failing: try again soon
+            continue
         if not events:
             await ctl.wait_change(seen, None)
             continue

@@ -431,6 +431,10 @@ class StoreState:
         if d is not None:
             d.job = job
 
+    def first_event_seq(self) -> int | None:
+        """The oldest event still in memory (older ones were dropped from the ring)."""
+        return self._events[0].seq if self._events else None
+
     def restore_events(self, events: Iterable[Event]) -> None:
         self._events.extend(events)
 

@@ -159,7 +159,7 @@ async def events(request: Request) -> Response:
     while True:
         seen = ctl.changes.version
         now = ctl.tick()
-        found = ctl.store.events(after, limit)
+        found = await ctl.read_events(after, limit)
         if found or now >= deadline:
             break
         await ctl.wait_change(seen, deadline)

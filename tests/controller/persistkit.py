@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from rc_worker.controller import Store, StoreConfig, create_app
 from rc_worker.controller.durable import Durability
 from rc_worker.controller.persist import Backend, StoreWriteError
-from rc_worker.controller.persist.codec import Batch
+from rc_worker.controller.persist.codec import Batch, Loaded
 from rc_worker.controller.persist.opening import open_backend, open_store
 
 from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, auth
@@ -46,13 +46,19 @@ class Breakable:
         self.description = inner.description
         self.broken = False
 
-    def load(self, max_events: int):  # type: ignore[no-untyped-def]
+    def load(self, max_events: int) -> Loaded:
         return self.inner.load(max_events)
 
     def write(self, batches: Sequence[Batch]) -> None:
         if self.broken:
             raise StoreWriteError(f"writing to {self.description} failed: disk I/O error")
         self.inner.write(batches)
+
+    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        return self.inner.read_output(job_id, offset, limit)
+
+    def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
+        return self.inner.read_events(after, limit)
 
     def webhook_cursors(self) -> dict[str, int]:
         return self.inner.webhook_cursors()

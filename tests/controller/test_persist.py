@@ -487,3 +487,26 @@ async def test_committed_output_leaves_memory_and_is_read_from_the_store(
             assert await output(user, job_id) == sent
             assert (await job(user, job_id))["committed_bytes"] == len(sent)
         reopened.backend.close()
+
+
+async def test_events_older_than_memory_keeps_are_read_from_the_store(
+    store_place: StorePlace,
+) -> None:
+    with trio.fail_after(GUARD):
+        opened = open_controller(store_place.open(), StoreConfig(max_events=3))
+        for _ in range(7):
+            opened.store.cancel(opened.store.submit(["echo"]))
+        await opened.durability.flush()
+        async with clients(opened.app) as (_, user):
+            seqs: list[int] = []
+            after = 0
+            for _ in range(10):  # pages, until the end
+                body = (await user.get("/v1/events", params={"after": after})).json()
+                if not body["events"]:
+                    break
+                seqs += [e["seq"] for e in body["events"]]
+                after = seqs[-1]
+            assert seqs == list(range(1, 8))
+            body = (await user.get("/v1/events", params={"after": 2, "limit": 2})).json()
+            assert [e["seq"] for e in body["events"]] == [3, 4]
+        opened.backend.close()

@@ -45,6 +45,9 @@ class Backend(Protocol):
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         """Stored output of a job from ``offset`` (at most ``limit`` bytes)."""
 
+    def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
+        """Stored events with ``seq > after`` (older than the store keeps in memory)."""
+
     def webhook_cursors(self) -> dict[str, int]: ...
 
     def save_webhook_cursor(self, url: str, seq: int) -> None: ...
@@ -68,6 +71,9 @@ class MemoryBackend:
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         return b""  # the store keeps all output in memory: never asked
+
+    def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
+        return []  # events dropped from memory are gone
 
     def webhook_cursors(self) -> dict[str, int]:
         return dict(self._cursors)

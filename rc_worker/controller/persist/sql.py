@@ -183,6 +183,25 @@ class SqlBackend:
             out += bytes(data)[pos - int(off) :]
         return bytes(out if limit is None else out[:limit])
 
+    def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
+        """Stored events with ``seq > after``, oldest first, at most ``limit``."""
+        p = self.ph
+        with self.lock:
+            cur = self._cursor()
+            try:
+                self._begin(cur)
+                cur.execute(
+                    f"SELECT seq, type, time, data FROM events WHERE seq > {p}"
+                    f" ORDER BY seq LIMIT {p}",
+                    (after, limit),
+                )
+                rows = [(int(s), str(t), float(tm), str(d)) for s, t, tm, d in cur.fetchall()]
+                self._commit()
+            except self.errors as e:
+                self._rollback()
+                raise StoreWriteError(f"reading {self.description} failed: {e}") from e
+        return rows
+
     def webhook_cursors(self) -> dict[str, int]:
         with self.lock:
             cur = self._cursor()
