@@ -92,11 +92,18 @@ class ControllerClient:
 
         return await self._call("POST", f"/v1/hosts/{self.host}/heartbeat", body)
 
-    async def poll(self, ready: list[str], wait_s: float) -> list[Any]:
+    async def poll(
+        self, ready: list[str], wait_s: float, withdrawn: list[str] | None = None
+    ) -> list[Any]:
+        """Long-poll for assignments to ``ready``; ``withdrawn`` names devices an
+        earlier poll still parked listed that are no longer offerable."""
+        payload: dict[str, Any] = {"ready": ready, "wait_s": wait_s}
+        if withdrawn:
+            payload["withdrawn"] = withdrawn
         body = await self._call(
             "POST",
             f"/v1/hosts/{self.host}/poll",
-            {"ready": ready, "wait_s": wait_s},
+            payload,
             read_timeout=wait_s + POLL_SLACK_S,
         )
         assignments = body.get("assignments", [])

@@ -58,6 +58,8 @@ class DeviceSupervisor:
         # Set while a poll that offered this device is in flight: a lingering
         # device does not start its release until that poll has answered.
         self.offered = False
+        # Which of the worker's polls offers it (the newest), while ``offered``.
+        self.poll_id: int | None = None
         self._pending: tuple[Assignment, bool] | None = None
         self._changed = trio.Event()
         self._acquire_scope: trio.CancelScope | None = None
@@ -80,6 +82,16 @@ class DeviceSupervisor:
 
     def can_take(self) -> bool:
         return self.lease.can_take(draining=self.ctx.draining)
+
+    def not_offerable_reason(self) -> str:
+        """Why this device cannot take an assignment now (for a stale offer's refusal)."""
+        if self.ctx.stopping:
+            return f"device {self.name}: the worker is shutting down"
+        if self.ctx.draining:
+            return f"device {self.name}: the worker is draining"
+        if self.lease.faults:
+            return f"device {self.name} is quarantined"
+        return f"device {self.name} is {self.lease.state}"
 
     def idle(self) -> bool:
         """Nothing to do now: free or quarantined, no assignment waiting."""
@@ -138,6 +150,12 @@ class DeviceSupervisor:
         self.lease.add_fault(fault_id)
         self._poke()
         return fault_id
+
+    def raise_fault(self, kind: str, reason: str) -> str:
+        """Quarantine this device with a fault found outside a job (a health
+        check, an operator's tool, a simulation), reported to the controller.
+        Returns the fault id."""
+        return self._quarantine(kind, reason)
 
     def clear_faults(self, cleared: set[str]) -> None:
         if cleared & self.lease.faults:
@@ -290,8 +308,11 @@ class DeviceSupervisor:
         key = self.ctx.job_key(a)
         if self.ctx.stopping:
             # Taken just before the worker was told to stop: not started, so
-            # hand it back; a refused attempt is requeued as a new one.
-            self.ctx.report(a, not_run_report(a, "refused", "the worker is shutting down"))
+            # hand it back; a refused attempt is requeued as a new one, and the
+            # refusal is the device's state, not the job's: a stale offer.
+            report = not_run_report(a, "refused", "stale offer: the worker is shutting down")
+            report["stale_offer"] = True
+            self.ctx.report(a, report)
             self._settle()
             return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):

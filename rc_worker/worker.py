@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
@@ -40,6 +42,7 @@ from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
 from rc_worker.model import (
     PROTOCOL_VERSION,
+    Assignment,
     IdleBehavior,
     assignment_identity,
     job_key,
@@ -92,10 +95,17 @@ class Worker:
         self.registered = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._labels: dict[str, Any] = {"host": {}, "devices": {}}
+        # What the controller has of them (sent at register or by PUT): an
+        # unchanged probe pass sends nothing, which at fleet scale is most of them.
+        self._labels_sent: dict[str, Any] | None = None
         self._last_probe: list[dict[str, Any]] = []
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
         self.status_urls: list[str] = []
+        # Who this process is, for the controller's "same process or new" at
+        # register; in memory only, so no later process can repeat it.
+        self.instance_id = secrets.token_hex(8)
+        self._poll_seq = 0
 
     # -- control ------------------------------------------------------------
 
@@ -282,7 +292,8 @@ class Worker:
         payload: dict[str, Any] = {
             "worker_version": __version__,
             "boot_id": self._ctx.boot_id,
-            "pid": _pid(),
+            "pid": self.host.own_pid(),
+            "instance_id": self.instance_id,
             "protocol": PROTOCOL_VERSION,
             "devices": [
                 {
@@ -304,6 +315,7 @@ class Worker:
             "require_manual_clear": self.config.require_manual_clear,
         }
         answer = await client.register(payload)
+        self._labels_sent = payload["labels"]
         log.info("registered with the controller as session %s", client.session)
         theirs = answer.get("protocol")
         if theirs != PROTOCOL_VERSION:
@@ -379,33 +391,63 @@ class Worker:
 
     async def _poll_manager(self, client: ControllerClient, nursery: trio.Nursery) -> None:
         assert self._ctx is not None
+        parked: list[_Poll] = []
         with trio.CancelScope() as polls:
             async with trio.open_nursery() as poll_nursery:
                 while not self._ctx.draining:
                     wake = self._poll_wake
+                    # A device listed in a parked poll that is no longer offerable
+                    # (quarantined, held, busy...) must not stay on offer until
+                    # poll_wait runs out: poll again now with the updated ready set
+                    # and that device withdrawn, which makes the controller answer
+                    # the old poll at once. An assignment it made meanwhile still
+                    # arrives, and is refused as a stale offer (requeued).
+                    withdrawn: list[DeviceSupervisor] = []
+                    for p in parked:
+                        if p.superseded or all(d.ready() for d in p.devices):
+                            continue
+                        p.superseded = True
+                        for dev in p.devices:
+                            if dev.poll_id == p.id:
+                                dev.offered, dev.poll_id = False, None
+                            if not dev.ready():
+                                withdrawn.append(dev)
+                    parked[:] = [p for p in parked if not p.done]
                     fresh = [d for d in self.devices.values() if d.ready() and not d.offered]
-                    if fresh:
+                    if fresh or withdrawn:
+                        self._poll_seq += 1
+                        poll = _Poll(self._poll_seq, fresh)
                         for dev in fresh:
-                            dev.offered = True
-                        poll_nursery.start_soon(self._poll_once, client, fresh)
+                            dev.offered, dev.poll_id = True, poll.id
+                        parked.append(poll)
+                        names = [d.name for d in withdrawn]
+                        poll_nursery.start_soon(self._poll_once, client, poll, names)
                     await wake.wait()
                 # Draining: in-flight polls are abandoned; an assignment lost
                 # with them is never started, and the controller offers it again.
                 polls.cancel()
 
-    async def _poll_once(self, client: ControllerClient, devices: list[DeviceSupervisor]) -> None:
+    async def _poll_once(self, client: ControllerClient, poll: _Poll, withdrawn: list[str]) -> None:
+        devices = poll.devices
+        assignments: list[Any] = []
         try:
             linger = min((d.linger_deadline() for d in devices), default=math.inf)
             wait_s = min(self._poll_wait, max(1.0, linger - trio.current_time()))
+            if not devices:
+                wait_s = 0.0  # only withdrawing: answered at once
             try:
-                assignments = await client.poll([d.name for d in devices], round(wait_s, 3))
+                assignments = await client.poll(
+                    [d.name for d in devices], round(wait_s, 3), withdrawn
+                )
             except ControllerError as e:
                 log.error("poll refused: %s; retrying after the heartbeat interval", e)
                 await trio.sleep(self._heartbeat_interval)
                 return
         finally:
+            poll.done = True
             for dev in devices:
-                dev.offered = False
+                if dev.poll_id == poll.id:
+                    dev.offered, dev.poll_id = False, None
                 dev.poke()
             self._poke_poller()
         for raw in assignments:
@@ -422,7 +464,9 @@ class Worker:
         if dev is None:
             self._reject(raw, f"unknown device {assignment.device!r} on host {self.config.host}")
         elif not dev.can_take():
-            self._reject(raw, f"device {assignment.device} is not ready ({dev.lease.state})")
+            # The device's state, not the assignment, is in the way: the poll that
+            # offered it went stale. Refused, so the controller requeues the job.
+            self._refuse_stale(assignment, dev.not_offerable_reason())
         else:
             log.info(
                 "device %s: assigned job %s attempt %d: %s",
@@ -432,6 +476,14 @@ class Worker:
                 list(assignment.command),
             )
             dev.assign(assignment)
+
+    def _refuse_stale(self, assignment: Assignment, why: str) -> None:
+        assert self._ctx is not None
+        reason = f"stale offer: {why}"
+        log.info("refusing job %s attempt %d: %s", assignment.job_id, assignment.attempt, reason)
+        report = not_run_report(assignment, "refused", reason)
+        report["stale_offer"] = True
+        self._ctx.report(assignment, report)
 
     def _reject(self, raw: Any, reason: str) -> None:
         assert self._ctx is not None
@@ -457,10 +509,15 @@ class Worker:
                     log.error("sheets refused: %s", e)
 
     async def _send_labels(self, client: ControllerClient) -> None:
+        labels = self._labels
+        if labels == self._labels_sent:
+            return
         try:
-            await client.put_labels(self._labels)
+            await client.put_labels(labels)
         except ControllerError as e:
             log.error("labels refused: %s", e)
+            return
+        self._labels_sent = labels
 
     async def _gather(self) -> ProbeResult:
         with self.metrics.probe_seconds.time():
@@ -482,6 +539,16 @@ class Worker:
                 self._ctx.device_labels[name] = dict(facts)
 
 
+@attrs.define(eq=False)
+class _Poll:
+    """One long poll in flight and the devices it offers."""
+
+    id: int
+    devices: list[DeviceSupervisor]
+    superseded: bool = False
+    done: bool = False
+
+
 def _state_dir_error(state_dir: str, e: OSError) -> ConfigError:
     return ConfigError(
         f"state_dir: cannot create or use {state_dir} ({e.strerror}); "
@@ -493,12 +560,6 @@ def _positive(value: Any, default: float) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return float(value)
     return default
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def state_root(config: Config) -> Path:

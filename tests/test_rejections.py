@@ -1,4 +1,5 @@
-"""Assignments the worker cannot run are answered with a rejected finish; the worker carries on.
+"""Assignments the worker cannot run are answered with a rejected finish (a defect of the
+assignment) or a refused one (the device is not ready: a stale offer); the worker carries on.
 
 The reference controller never sends a malformed assignment, so these tests
 talk to a scripted controller through ``httpx.MockTransport``.
@@ -77,9 +78,11 @@ async def test_unusable_assignments_are_rejected_and_the_rest_run(tmp_path: Path
     assert "env must be" in f["j-3"]["reason"]
     assert f["j-6"]["outcome"] == "rejected"
     assert "max_runtime_s must be a number" in f["j-6"]["reason"]
-    # gpu1 took j-4, so j-5 in the same poll found it busy.
-    assert f["j-5"]["outcome"] == "rejected"
-    assert "not ready" in f["j-5"]["reason"]
+    # gpu1 took j-4, so j-5 in the same poll found it busy: the device's state,
+    # not a defect of the assignment, so a stale offer, refused (requeued).
+    assert f["j-5"]["outcome"] == "refused"
+    assert f["j-5"]["stale_offer"] is True
+    assert f["j-5"]["reason"].startswith("stale offer: device gpu1 is")
     assert f["j-4"]["outcome"] == "succeeded"
     assert f["j-4"]["attempt"] == 2
     assert controller.output["j-4"] == b"ok\n"

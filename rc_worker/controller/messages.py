@@ -123,6 +123,9 @@ class RegisterRequest:
     devices: tuple[DeviceDecl, ...]
     worker_version: str = ""
     pid: int | None = None
+    # A per-process id the worker picks at start and keeps in memory only:
+    # the one thing that tells "the same live process again" from "a new one".
+    instance_id: str | None = None
     labels: LabelsUpdate = LabelsUpdate()
     sheets: SheetsUpdate = SheetsUpdate()
     recovery: tuple[Recovery, ...] = ()
@@ -174,6 +177,9 @@ class FinishRequest:
     sweep: Mapping[str, object] | None = attrs.field(default=None, hash=False)
     verify: Verify | None = None
     fault_id: str | None = None
+    # With ``refused``: the offer was stale (the device stopped being offerable
+    # between the poll and its answer), so the refusal is no mark against the job.
+    stale_offer: bool = False
 
 
 @attrs.frozen

@@ -73,6 +73,7 @@ class Job:
     attempts: list[Attempt] = attrs.Factory(list)
     cancel_reason: str | None = None
     refusals: int = 0
+    stale_refusals: int = 0
     output: bytearray = attrs.Factory(bytearray)
     started_at: float | None = None
     finished_at: float | None = None
@@ -219,6 +220,7 @@ class Host:
     session: str | None = None
     lost: bool = False
     pid: int | None = None
+    instance_id: str | None = None
     worker_version: str = ""
     require_manual_clear: bool = False
     facts: dict[str, str] = attrs.Factory(dict)

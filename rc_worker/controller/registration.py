@@ -1,11 +1,12 @@
 """What a registration decides about interrupted jobs and the devices they ran on.
 
-A registration by a new worker process (a different pid or boot id than the
-last one, or any ``recovery`` entries) means the process that supervised this
-host's jobs is gone, so every job it was running was interrupted. (The same
-live process registering again after an ``unknown_session`` interrupted
-nothing: its jobs stay as they are.) For each interrupted job, and each device
-quarantined for one:
+A registration by a new worker process (a different ``instance_id`` or boot id
+than the last one; see ``store._same_process``) means the process that
+supervised this host's jobs is gone, so every job it was running was
+interrupted. (The same live process registering again after an
+``unknown_session`` interrupted nothing: its jobs stay as they are, and the
+recovery entries it resends were judged when it first registered.) For each
+interrupted job, and each device quarantined for one:
 
 - the boot id now differs from the one recorded when the job started: a reboot
   proves nothing of it survives, the device is freed;
@@ -96,7 +97,10 @@ def reconcile_registration(
             att.adopted = True
             att.last_heard = now
 
-    for rec in req.recovery:
+    # The same live process registering again resends the recovery entries it sent
+    # when it started (until their finishes are delivered): they were judged then,
+    # so a resend changes nothing, not even a device an operator has since cleared.
+    for rec in () if same_process else req.recovery:
         d = h.devices.get(rec.device)
         if d is None or not d.present or (d.name, rec.job_id) in settled:
             continue

@@ -47,6 +47,7 @@ class StoreConfig:
     """An unstarted assignment, or a job carried over a registration in ``recovery``, that the
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
     max_refusals: int = 10
+    max_stale_refusals: int = 1000
     max_events: int = 100_000
     max_output_bytes: int = 0
     """Output kept per job (0: no cap); past it chunks are acknowledged and dropped."""
@@ -89,6 +90,9 @@ class StoreState:
         self.journal = Journal()
         """Dirty marks for a persistence layer beneath the store (off unless one enables it)."""
         self.recovery_grace_s: float | None = None
+        # The newest long poll that offered each (host, device): an older poll
+        # still parked for it has been superseded and gets nothing.
+        self._poll_gen: dict[tuple[str, str], int] = {}
 
     # --- change notification ----------------------------------------------------------------
 

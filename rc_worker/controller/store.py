@@ -64,6 +64,29 @@ def _check_name(kind: str, name: str) -> None:
         )
 
 
+def _same_process(h: Host, req: RegisterRequest, running: Sequence[tuple[Job, Attempt]]) -> bool:
+    """Whether a registration comes from the live worker process the host last had.
+
+    A worker sends an ``instance_id`` it picked at start and keeps in memory only,
+    so a new process (even one with the same pid, as in a restarted container)
+    never repeats it; with one the answer comes from that id and the boot id alone,
+    never from the ``recovery`` entries, which a restarted worker legitimately
+    resends, at every registration, until their finishes are delivered. Without one
+    (an older worker) the old rule stands: same boot, same pid, and no recovery
+    entry for a job running here.
+    """
+    if h.boot_id != req.boot_id:
+        return False
+    if req.instance_id is not None or h.instance_id is not None:
+        return req.instance_id is not None and req.instance_id == h.instance_id
+    running_here = {job.job_id for job, _ in running}
+    return (
+        h.pid is not None
+        and h.pid == req.pid
+        and not any(r.job_id in running_here for r in req.recovery)
+    )
+
+
 class Store(StoreState):
     """The reference controller's state and every operation on it (see :class:`StoreState`)."""
 
@@ -229,16 +252,7 @@ class Store(StoreState):
         if len(set(names)) != len(names):
             raise BadRequest("devices: device names must be unique")
         h = self._hosts.get(host)
-        # The same live process registering again (after an unknown_session) interrupted
-        # nothing: same boot, same pid, and no journal entry for a job running here, which
-        # a new process (even one given the same pid) would have for every such job.
-        running_here = {job.job_id for job, _ in self.running_on(host)}
-        same_process = (
-            h is not None
-            and h.pid is not None
-            and (h.pid, h.boot_id) == (req.pid, req.boot_id)
-            and not any(r.job_id in running_here for r in req.recovery)
-        )
+        same_process = h is not None and _same_process(h, req, self.running_on(host))
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
         self.journal.host(host)
@@ -250,6 +264,7 @@ class Store(StoreState):
         h.lost = False
         h.last_seen = now
         h.pid = req.pid
+        h.instance_id = req.instance_id
         h.worker_version = req.worker_version
         h.require_manual_clear = req.require_manual_clear
         wanted = {decl.name: decl for decl in req.devices}
@@ -347,16 +362,59 @@ class Store(StoreState):
             if d.cleared_pending[fault_id] >= self.config.cleared_omissions:
                 del d.cleared_pending[fault_id]
 
+    def open_poll(
+        self, host: str, ready: Sequence[str], withdrawn: Sequence[str] = ()
+    ) -> dict[str, int]:
+        """A long poll begins: it supersedes every earlier poll listing its devices.
+
+        Returns the offer generations to hand to each :meth:`poll` of this long
+        poll. A worker that sees a device it listed in a parked poll stop being
+        offerable polls again at once, with the devices still ready in ``ready``
+        and that one in ``withdrawn``: the older poll, superseded, is answered
+        at once (:meth:`superseded`) and is handed nothing more for any of them.
+        """
+        gens: dict[str, int] = {}
+        h = self._hosts.get(host)
+        bumped = False
+        for name in dict.fromkeys([*ready, *withdrawn]):
+            if h is None or name not in h.devices:
+                continue  # poll() skips it anyway; keep the table to known devices
+            key = (host, name)
+            old = self._poll_gen.get(key, 0)
+            bumped = bumped or old > 0
+            gen = self._poll_gen[key] = old + 1
+            if name in ready:
+                gens[name] = gen
+        if bumped:
+            self._changed()  # wake the superseded poll, so that it answers now
+        return gens
+
+    def superseded(self, host: str, offers: Mapping[str, int]) -> bool:
+        """Whether a newer poll has listed or withdrawn any device of this one's offers."""
+        return any(self._poll_gen.get((host, name)) != gen for name, gen in offers.items())
+
     def poll(
-        self, host: str, session: str, ready: Sequence[str], *, now: float
+        self,
+        host: str,
+        session: str,
+        ready: Sequence[str],
+        *,
+        now: float,
+        offers: Mapping[str, int] | None = None,
     ) -> list[Assignment]:
-        """Assign at most one queued job to each ready device; never waits."""
+        """Assign at most one queued job to each ready device; never waits.
+
+        ``offers``: this long poll's generations from :meth:`open_poll`; a device
+        a newer poll has offered since is skipped (the offer is superseded).
+        """
         h = self._session(session, host)
         out: list[Assignment] = []
         changed = False
         for name in dict.fromkeys(ready):
             d = h.devices.get(name)
             if d is None or not d.present:
+                continue
+            if offers is not None and self._poll_gen.get((host, name)) != offers.get(name):
                 continue
             held = d.job
             cur = None if held is None else held.current
@@ -526,6 +584,12 @@ class Store(StoreState):
             self._terminate(job, "error", by="worker", reason="refused after it had started")
         elif job.cancel_reason is not None:
             self._terminate(job, "killed", by="controller", reason=job.cancel_reason, killed=True)
+        elif req.stale_offer and job.stale_refusals < self.config.max_stale_refusals:
+            # The device stopped being offerable after the poll that listed it: the
+            # offer was stale, not the job unrunnable. Back in its place in the queue,
+            # not counted (a separate, generous bound stops a worker stuck saying so).
+            job.stale_refusals += 1
+            self._requeue(job, f"refused (stale offer): {req.reason}")
         else:
             job.refusals += 1
             if job.refusals >= self.config.max_refusals:

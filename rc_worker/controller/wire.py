@@ -224,6 +224,7 @@ def register(f: Fields) -> RegisterRequest:
         devices=tuple(devices),
         worker_version=f.opt_str("worker_version") or "",
         pid=f.opt_int("pid"),
+        instance_id=f.opt_str("instance_id"),
         labels=LabelsUpdate() if labels is None else labels_update(labels),
         sheets=SheetsUpdate() if sheets is None else sheets_update(sheets),
         recovery=tuple(recovery),
@@ -245,11 +246,12 @@ def heartbeat(f: Fields) -> HeartbeatRequest:
     return HeartbeatRequest(session=f.req_str("session"), devices=devices)
 
 
-def poll(f: Fields) -> tuple[str, list[str], float | None]:
+def poll(f: Fields) -> tuple[str, list[str], float | None, list[str]]:
+    """``(session, ready, wait_s, withdrawn)`` of a long poll."""
     wait_s = f.opt_num("wait_s")
     if wait_s is not None and wait_s < 0:
         raise BadRequest("wait_s: must not be negative")
-    return f.req_str("session"), f.str_list("ready"), wait_s
+    return f.req_str("session"), f.str_list("ready"), wait_s, f.str_list("withdrawn")
 
 
 def start(f: Fields) -> StartRequest:
@@ -280,6 +282,7 @@ def finish(f: Fields) -> FinishRequest:
         sweep=f.raw_obj("sweep"),
         verify=verify,
         fault_id=f.opt_str("fault_id"),
+        stale_offer=f.flag("stale_offer"),
     )
 
 

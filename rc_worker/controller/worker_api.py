@@ -60,10 +60,11 @@ async def poll(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    session, ready, wait_s = wire.poll(await json_body(request))
+    session, ready, wait_s, withdrawn = wire.poll(await json_body(request))
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
     deadline = ctl.now() + wait
+    offers = ctl.store.open_poll(host, ready, withdrawn)
     assignments: list[Assignment] = []
     error: ApiError | None = None
     async with anyio.create_task_group() as tg:
@@ -73,8 +74,10 @@ async def poll(request: Request) -> Response:
             while True:
                 seen = ctl.changes.version
                 now = ctl.tick()
-                assignments = ctl.store.poll(host, session, ready, now=now)
-                if assignments or now >= deadline:
+                assignments = ctl.store.poll(host, session, ready, now=now, offers=offers)
+                if assignments or now >= deadline or ctl.store.superseded(host, offers):
+                    # Superseded: the worker polled again with an updated ready set
+                    # (a device it listed here stopped being offerable): answer now.
                     break
                 await ctl.wait_change(seen, deadline)
         except ApiError as e:

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import json
 import math
 import re
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -55,6 +57,7 @@ from rc_worker.controller import create_app
 from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
+from rc_worker.labels import gpu_scope
 from rc_worker.testing.sim import Script, SimHost, SimProcess
 from rc_worker.worker import Worker
 
@@ -66,6 +69,7 @@ __all__ = [
     "Fleet",
     "SimNode",
     "SimulationStalled",
+    "SimulationTimedOut",
     "open_fleet",
     "simulate",
 ]
@@ -130,14 +134,18 @@ def endpoint_of(path: str) -> str:
 
 
 RequestHook = Callable[[str, httpx.Request], httpx.Request]
+AnswerHook = Callable[[str, httpx.Request, int, Mapping[str, Any]], None]
+"""``(endpoint, request, status, body)`` for every answer that reached the worker."""
 
 
 class FaultyTransport(httpx.AsyncBaseTransport):
     """Between one worker and the controller: planned faults, outages, a log.
 
     ``on_request(endpoint, request)`` sees every request that reaches the
-    wire, and returns the one to send. While ``down`` (the worker process is
-    dead) nothing is sent at all.
+    wire, and returns the one to send; ``on_send(endpoint, request)`` sees
+    every request the worker makes, faulted or not; ``on_answer`` every answer
+    that reaches the worker, with its JSON body. While ``down`` (the worker
+    process is dead) nothing is sent at all.
     """
 
     def __init__(
@@ -150,6 +158,8 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         self._inner = inner
         self.name = name
         self.on_request = on_request
+        self.on_send: RequestHook | None = None
+        self.on_answer: AnswerHook | None = None
         self.down = False
         self.log: list[Exchange] = []
         self._queued: dict[str, list[Fault]] = {}
@@ -157,12 +167,13 @@ class FaultyTransport(httpx.AsyncBaseTransport):
 
     def inject(self, endpoint: str, *faults: Fault) -> None:
         """The next requests to ``endpoint`` meet ``faults``, one each, in order."""
-        _check_endpoint(endpoint)
+        for fault in faults:
+            _check_fault(endpoint, fault)
         self._queued.setdefault(endpoint, []).extend(faults)
 
     def outage(self, endpoint: str, fault: Fault = Fault.UNAVAILABLE) -> None:
         """Every request to ``endpoint`` meets ``fault`` until :meth:`restore`."""
-        _check_endpoint(endpoint)
+        _check_fault(endpoint, fault)
         self._outages[endpoint] = fault
 
     def restore(self, endpoint: str | None = None) -> None:
@@ -174,11 +185,15 @@ class FaultyTransport(httpx.AsyncBaseTransport):
                 table.pop(endpoint, None)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        # One checkpoint per request, whatever the fault: a loop that only makes
+        # requests then still yields, and the stall guard sees it spin.
+        await trio.lowlevel.checkpoint()
         if self.down:
             # A dead process sends nothing; its code may still be unwinding.
-            await trio.lowlevel.checkpoint()
             raise httpx.ConnectError("the worker process is gone", request=request)
         endpoint = endpoint_of(request.url.path)
+        if self.on_send is not None:
+            request = self.on_send(endpoint, request)
         fault = self._outages.get(endpoint)
         if fault is None:
             queue = self._queued.get(endpoint)
@@ -189,6 +204,9 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         try:
             response = await self._answer(request, fault)
             status = response.status_code
+            if self.on_answer is not None:
+                await response.aread()
+                self.on_answer(endpoint, request, status, _json_body(response.content))
             return response
         finally:
             self.log.append(
@@ -226,12 +244,27 @@ def _check_endpoint(endpoint: str) -> None:
         raise ValueError(f"no endpoint {endpoint!r}; expected one of {', '.join(ENDPOINTS)}")
 
 
-def _json(request: httpx.Request) -> dict[str, Any]:
+def _check_fault(endpoint: str, fault: Fault) -> None:
+    _check_endpoint(endpoint)
+    if endpoint == "register" and fault is Fault.UNKNOWN_SESSION:
+        # No controller answers a register with unknown_session: it has no
+        # session to forget. Simulating one would test a controller that cannot exist.
+        raise ValueError(
+            "register cannot meet unknown_session (a register has no session to forget); "
+            "use Fault.UNAVAILABLE, REFUSED, TIMEOUT or LOST for register"
+        )
+
+
+def _json_body(content: bytes) -> Mapping[str, Any]:
     try:
-        body = json.loads(request.content or b"{}")
+        body = json.loads(content or b"{}")
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
+
+
+def _json(request: httpx.Request) -> dict[str, Any]:
+    return dict(_json_body(request.content))
 
 
 def _with_json(request: httpx.Request, body: Mapping[str, Any]) -> httpx.Request:
@@ -273,6 +306,12 @@ class Fleet:
         """What the harness did and saw, with virtual times, for reading a failure."""
         self.violations: list[str] = []
         """Invariant violations seen as they happened (see also :meth:`check`)."""
+        self.worker_environ: Mapping[str, str] = WORKER_ENVIRON
+        """The environment every worker process starts with (``PATH`` is the fleet's bin)."""
+        self._bin: Path | None = None
+        # Finishes a worker process has sent and not yet had a final answer to,
+        # by (host, device): such a device must not be listed ready.
+        self._unacked: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
 
     # -- driving --
 
@@ -294,6 +333,33 @@ class Fleet:
             path.chmod(0o755)
             node.host.program(str(path), script)
 
+    def program_nvidia_smi(self, script: Script) -> None:
+        """``nvidia-smi`` on every host runs ``script`` from now on.
+
+        An empty executable stands on the real disk, in the fleet's ``PATH``, where
+        the worker looks for it; the SimHosts run ``script`` for its path. Give it
+        to :func:`open_fleet` to have it there from the start, as on a GPU host.
+        """
+        assert self._bin is not None
+        path = self._bin / "nvidia-smi"
+        path.touch(mode=0o755)
+        path.chmod(0o755)
+        for node in self.nodes.values():
+            node.host.program(str(path), script)
+        self._note("nvidia-smi reprogrammed")
+
+    def probe_script(self, name: str, script: Script) -> None:
+        """Add the drop-in probe ``name`` (in every worker's ``probe_dir``) running ``script``.
+
+        Like :meth:`verify_script`: an empty executable on the real disk, run as ``script``.
+        """
+        for node in self.nodes.values():
+            path = Path(node.config.probe_dir) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o755)
+            path.chmod(0o755)
+            node.host.program(str(path), script)
+
     def submit(self, command: Sequence[str], **fields: Any) -> str:
         """Queue a job; ``fields`` as ``Store.submit`` takes them."""
         job_id = self.store.submit(list(command), **fields)
@@ -305,6 +371,20 @@ class Fleet:
         self.store.cancel(job_id, "cancelled by the simulation")
         self._note(f"cancel {job_id}")
 
+    def quarantine(self, host: str, device: str, reason: str = "simulated health fault") -> bool:
+        """The worker of ``host`` finds ``device`` unhealthy while it may be idle, as a
+        health check would: it quarantines it and reports the fault. Returns whether a
+        worker was running to do so."""
+        node = self.nodes[host]
+        worker = node.worker
+        if not node.running or not node._started.is_set() or worker is None:
+            return False  # not up yet (a register outage, say): nothing to find it
+        if device not in worker.devices:
+            return False
+        fault_id = worker.devices[device].raise_fault("dirty", reason)
+        self._note(f"{host}/{device} quarantined by its worker ({fault_id}: {reason})")
+        return True
+
     def set_idle_behavior(self, host: str, device: str, behavior: str) -> None:
         """``run``, ``hold`` or ``drain``, as an operator sets it at the controller."""
         self.store.set_idle_behavior(host, device, behavior)
@@ -315,6 +395,10 @@ class Fleet:
         node = self.nodes[name]
         self._note(f"crash {name}{' and reboot' if reboot else ''}")
         node.crashes.append(trio.current_time())
+        # What the dead process was owed dies with it; its successor resends
+        # from disk, and those sends are tracked afresh.
+        for key in [k for k in self._unacked if k[0] == name]:
+            del self._unacked[key]
         if node.running:
             node.running = False
             node.transport.down = True
@@ -360,7 +444,7 @@ class Fleet:
         node.incarnations += 1
         # Built here, not in the task, so that node.worker is never the dead one.
         http = httpx.AsyncClient(transport=node.transport, base_url="http://controller")
-        node.worker = Worker(node.config, http=http, host=node.host, environ=WORKER_ENVIRON)
+        node.worker = Worker(node.config, http=http, host=node.host, environ=self.worker_environ)
         self._nursery.start_soon(self._serve, node, node.worker, http)
 
     def inject(self, endpoint: str, *faults: Fault, hosts: Iterable[str] | None = None) -> None:
@@ -461,6 +545,8 @@ class Fleet:
         )
         for info in self.store.jobs():
             problems += self._check_job(info, finishes[info.job_id], events)
+        for node in self.nodes.values():
+            problems += self._check_hooks(node, events)
         manual = {n.name for n in self.nodes.values() if n.config.require_manual_clear}
         for e in events:
             if (
@@ -476,6 +562,10 @@ class Fleet:
     def _check_job(self, info: JobInfo, finishes: int, events: list[Event]) -> list[str]:
         job = info.job_id
         out: list[str] = []
+        if info.state == "rejected":
+            # The harness submits only well-formed jobs: `rejected` is for an
+            # assignment's own defects, so a device's state must never end one.
+            out.append(f"{job}: ended rejected ({info.reason!r}) though it was well-formed")
         if finishes > 1:
             out.append(f"{job}: {finishes} terminal states recorded")
         if info.started_at is not None and not info.terminal:
@@ -499,6 +589,13 @@ class Fleet:
         written = bytes(proc.stdout.written)
         if not disrupted and read != written:
             out.append(f"{job}: the worker read other than the job wrote: {_diff(read, written)}")
+        if info.state == "lost" and not disrupted:
+            # `lost` is for a crashed worker or a lost host only (docs/protocol.md),
+            # whether or not the job's process was signalled afterwards.
+            out.append(
+                f"{job}: ended lost on {node.name} though its worker never crashed "
+                f"and the host was never lost ({info.reason!r})"
+            )
         code = proc.returncode
         if code is None or code < 0 or proc.signalled or (info.state == "lost" and disrupted):
             return out
@@ -509,6 +606,59 @@ class Fleet:
                 f"(exit {info.exit_code}, killed {info.killed}, {info.reason!r})"
             )
         return out
+
+    def _check_hooks(self, node: SimNode, events: list[Event]) -> list[str]:
+        """A killed or failed hook is a failed hook, whatever its exit code.
+
+        After a failed ``on_acquire`` the job must not run on that device; after a
+        failed ``on_release`` the device must be quarantined (``hook_failed``).
+        Hooks cut off by a crash of the worker prove nothing either way.
+        """
+        out: list[str] = []
+        history = node.host.spawned()
+        for dev in node.config.devices:
+            for path, hook in ((dev.on_acquire, "on_acquire"), (dev.on_release, "on_release")):
+                if path is None:
+                    continue
+                for h in history:
+                    if h.argv[0] != path or h.environ.get("RC_DEVICE") != dev.name:
+                        continue
+                    if h.returncode == 0 and not h.signalled:
+                        continue
+                    if h.ended_at is None or self._crashed_during(node, h.started_at, h.ended_at):
+                        continue
+                    if hook == "on_acquire":
+                        ran = [
+                            p
+                            for p in history
+                            if p.job_id == h.job_id
+                            and p.environ.get("RC_DEVICE") == dev.name
+                            and p.argv[0] not in _worker_scripts(node)
+                            and p.started_at >= h.started_at
+                        ]
+                        if ran:
+                            out.append(
+                                f"{node.name}/{dev.name}: job {h.job_id} ran after its "
+                                f"on_acquire hook failed (exit {h.returncode}, signals "
+                                f"{h.signals})"
+                            )
+                    elif not any(
+                        e.type == "device_quarantined"
+                        and e.data.get("host") == node.name
+                        and e.data.get("device") == dev.name
+                        and e.data.get("kind") == "hook_failed"
+                        and e.time >= h.started_at
+                        for e in events
+                    ):
+                        out.append(
+                            f"{node.name}/{dev.name}: on_release hook failed (exit "
+                            f"{h.returncode}, signals {h.signals}) but the device was not "
+                            "quarantined"
+                        )
+        return out
+
+    def _crashed_during(self, node: SimNode, start: float, end: float) -> bool:
+        return any(start <= t <= end for t in node.crashes)
 
     def _disrupted(
         self, node: SimNode, proc: SimProcess, info: JobInfo, events: list[Event]
@@ -543,9 +693,6 @@ class Fleet:
     def _on_request(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
         if endpoint == "register":
             body = _json(request)
-            # The worker reports os.getpid(), the same for every simulated
-            # process; a restarted worker is a new process, so say so.
-            body["pid"] = node.host.worker_pid
             if node.config.require_manual_clear:
                 claims = [(r.get("job_id"), r.get("claim")) for r in body.get("recovery", [])]
                 if ("gone" in (c for _, c in claims)) or not body.get("require_manual_clear"):
@@ -553,18 +700,100 @@ class Fleet:
                         f"{node.name} has require_manual_clear but registered with "
                         f"require_manual_clear={body.get('require_manual_clear')}, claims {claims}"
                     )
+            labels = body.get("labels")
+            if isinstance(labels, Mapping):
+                self._check_labels(node, labels)
             return _with_json(request, body)
+        if endpoint == "labels":
+            self._check_labels(node, _json(request))
         if endpoint == "poll":
             for device in _json(request).get("ready", []):
                 alive = _job_processes(node, str(device))
                 if alive:
                     who = [(p.pid, p.job_id, p.state) for p in alive]
                     self._violation(f"{node.name} offered {device} as ready while {who} alive")
+                owed = self._unacked.get((node.name, str(device)))
+                if owed:
+                    self._violation(
+                        f"{node.name} offered {device} as ready while its finish "
+                        f"{sorted(owed)} is unacknowledged"
+                    )
+        if endpoint == "finish":
+            body = _json(request)
+            verify = body.get("verify")
+            if (
+                isinstance(verify, Mapping)
+                and verify.get("ok") is False
+                and not body.get("fault_id")
+            ):
+                # The controller would quarantine on verify.ok = false by itself,
+                # which hides a worker that forgot to: the worker must raise it.
+                self._violation(
+                    f"{node.name} reported a failed verify pass for {request.url.path} "
+                    f"without quarantining {body.get('device')} itself"
+                )
         return request
+
+    def _check_labels(self, node: SimNode, payload: Mapping[str, Any]) -> None:
+        """Invariant 4: facts a pass could not confirm are not sent (they stay as they were).
+
+        The last ``nvidia-smi`` run on the host is the truth of the pass that sent
+        them: if it failed (an error exit, killed at its timeout), no GPU device it
+        speaks for may appear in the payload, where even an empty map would wipe
+        the device's facts at the controller.
+        """
+        if self._bin is None:
+            return
+        smi = str(self._bin / "nvidia-smi")
+        runs = [p for p in node.host.spawned() if p.argv[:1] == (smi,) and p.ended_at is not None]
+        if not runs:
+            return
+        last = runs[-1]  # in spawn order: probe passes never overlap
+        if last.returncode == 0 and not last.signalled:
+            return
+        devices = payload.get("devices")
+        scope = set(gpu_scope(node.config.device_names).values())
+        sent = sorted(set(devices) & scope) if isinstance(devices, Mapping) else []
+        if sent:
+            self._violation(
+                f"{node.name} sent facts for {sent} although nvidia-smi failed "
+                f"(exit {last.returncode}, signals {last.signals}): unconfirmed facts "
+                "must be left out so that they keep their previous values"
+            )
+
+    def _on_send(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
+        if endpoint == "finish":
+            device = _json(request).get("device")
+            if isinstance(device, str):
+                self._unacked[(node.name, device)].add(request.url.path)
+        return request
+
+    def _on_answer(
+        self,
+        node: SimNode,
+        endpoint: str,
+        request: httpx.Request,
+        status: int,
+        body: Mapping[str, Any],
+    ) -> None:
+        if endpoint != "finish" or not _final(status, body):
+            return
+        device = _json(request).get("device")
+        if isinstance(device, str):
+            self._unacked[(node.name, device)].discard(request.url.path)
 
     def _violation(self, text: str) -> None:
         self._note(f"VIOLATION: {text}")
         self.violations.append(f"t={trio.current_time():.3f}: {text}")
+
+
+def _final(status: int, body: Mapping[str, Any]) -> bool:
+    """Whether an answer ends a report's delivery: success, or a 4xx no retry can change."""
+    if 200 <= status < 300:
+        return True
+    if status == 409 and body.get("error") == "unknown_session":
+        return False
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 def _diff(a: bytes, b: bytes) -> str:
@@ -608,9 +837,14 @@ async def open_fleet(
     heartbeat_interval: float = 5.0,
     poll_wait: float = 30.0,
     store_config: StoreConfig | None = None,
+    nvidia_smi: Script | None = None,
     **config_fields: Any,
 ) -> AsyncIterator[Fleet]:
     """A controller and a worker per host, each on its own SimHost and state directory.
+
+    ``nvidia_smi``: a script that stands for ``nvidia-smi`` on every host from the
+    start (its output is what the real one prints for the worker's query); change
+    it later with :meth:`Fleet.program_nvidia_smi`. Without it the hosts have no GPU tools.
 
     ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``devices``: names,
     or :class:`~rc_worker.config.DeviceConfig` with hooks, whose paths are
@@ -636,6 +870,9 @@ async def open_fleet(
             # As `rc serve` does: hosts are lost on time even when nobody calls.
             await nursery.start(housekeeping, app)
             fleet = Fleet(store, {}, nursery)
+            fleet._bin = base / "sim-bin"
+            fleet._bin.mkdir(parents=True, exist_ok=True)
+            fleet.worker_environ = {**WORKER_ENVIRON, "PATH": str(fleet._bin)}
             for name, token in ((n, t) for t, n in tokens.items()):
                 config = make_config(
                     base / name,
@@ -653,7 +890,12 @@ async def open_fleet(
                     FaultyTransport(httpx.ASGITransport(app=app), name=name),
                 )
                 node.transport.on_request = _bind(fleet, node)
+                node.transport.on_send = functools.partial(fleet._on_send, node)
+                node.transport.on_answer = functools.partial(fleet._on_answer, node)
                 fleet.nodes[name] = node
+            if nvidia_smi is not None:
+                fleet.program_nvidia_smi(nvidia_smi)
+            for name in fleet.nodes:
                 fleet.restart(name)
             try:
                 yield fleet
@@ -672,19 +914,43 @@ class SimulationStalled(Exception):
     """
 
 
+WALL_LIMIT = 90.0
+"""Real seconds a :func:`simulate` run may take (under the suite's 120 s per-test timeout)."""
+
 STALL_STEPS = 200_000
 """Task steps at one virtual instant past which :func:`simulate` calls the run stalled."""
 
 
+class SimulationTimedOut(Exception):
+    """A simulation ran past its wall-clock limit (``simulate(wall_limit=...)``).
+
+    Raised as an ordinary failure, before a per-test timeout would kill the
+    process, so that hypothesis still prints the plan that caused it.
+    """
+
+
+WALL_CHECK_STEPS = 1000
+"""Task steps between two looks at the wall clock."""
+
+
 class _StallGuard(trio.abc.Instrument):
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, wall_limit: float | None = None) -> None:
         self.limit = limit
         self.at = -math.inf
         self.steps = 0
         self.scope: trio.CancelScope | None = None
         self.stalled_at: float | None = None
+        self.wall_deadline = math.inf if wall_limit is None else time.monotonic() + wall_limit
+        self.timed_out = False
+        self._since_wall = 0
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._since_wall += 1
+        if self._since_wall >= WALL_CHECK_STEPS:
+            self._since_wall = 0
+            if time.monotonic() > self.wall_deadline and not self.timed_out and self.scope:
+                self.timed_out = True
+                self.scope.cancel()
         now = trio.current_time()
         if now != self.at:
             self.at, self.steps = now, 0
@@ -700,6 +966,7 @@ def simulate(
     *,
     time_limit: float = 3600.0,
     stall_steps: int = STALL_STEPS,
+    wall_limit: float | None = WALL_LIMIT,
     **fleet_args: Any,
 ) -> T:
     """Run ``scenario(fleet)`` in a fresh Trio run in virtual time, and return its result.
@@ -708,9 +975,12 @@ def simulate(
     checked twice: a scenario still running after ``time_limit`` virtual
     seconds raises ``trio.TooSlowError``, and one whose virtual time stops
     (more than ``stall_steps`` task steps at one instant: something retries
-    without ever sleeping) raises :class:`SimulationStalled`.
+    without ever sleeping) raises :class:`SimulationStalled`. A run still
+    going after ``wall_limit`` real seconds raises :class:`SimulationTimedOut`
+    (``None``: no limit), kept under pytest-timeout's so that the failure,
+    and the hypothesis plan behind it, are reported rather than the process killed.
     """
-    guard = _StallGuard(stall_steps)
+    guard = _StallGuard(stall_steps, wall_limit)
 
     async def main() -> T:
         with trio.CancelScope() as scope:
@@ -718,6 +988,11 @@ def simulate(
             with trio.fail_after(time_limit):
                 async with open_fleet(**fleet_args) as fleet:
                     return await scenario(fleet)
+        if guard.timed_out:
+            raise SimulationTimedOut(
+                f"the simulation ran past its wall-clock limit of {wall_limit}s (virtual time "
+                f"{trio.current_time():.3f}); a smaller plan, or a livelock that still sleeps"
+            )
         raise SimulationStalled(
             f"virtual time stopped at {guard.stalled_at}: more than {stall_steps} task "
             "steps went by without it moving (something retries without sleeping)"

@@ -31,6 +31,7 @@ def register(
     manual: bool = False,
     labels: LabelsUpdate | None = None,
     pid: int | None = None,
+    instance: str | None = None,
 ) -> str:
     reply = store.register(
         host,
@@ -41,6 +42,7 @@ def register(
             recovery=tuple(recovery),
             require_manual_clear=manual,
             pid=pid,
+            instance_id=instance,
         ),
         now=now,
     )

@@ -249,3 +249,63 @@ def test_resent_claims_for_jobs_the_worker_finished_change_nothing() -> None:
     assert store.device("box1", "gpu0").faults == ()
     finish(store, session, b)
     assert store.job(running).state == "succeeded"
+
+
+# -- the instance id: "same process or new" from who the process is, not its journal ---
+
+
+def _running_pair(store: Store, instance: str) -> tuple[str, str, str]:
+    """A restarted worker (``instance``) adopted ``old`` from its journal, then started
+    ``new`` on gpu1: (session, old job, new job)."""
+    session = register(store, devices=("gpu0", "gpu1"), instance="first")
+    old = store.submit(["old"], device="box1/gpu0")
+    start(store, session, assign(store, session, ready=["gpu0"]))
+    entry = Recovery("gpu0", old, 1, "boot-1", "unknown")
+    session = register(store, devices=("gpu0", "gpu1"), instance=instance, recovery=[entry])
+    new = store.submit(["new"], device="box1/gpu1")
+    start(store, session, assign(store, session, ready=["gpu1"]))
+    return session, old, new
+
+
+def test_a_resent_recovery_entry_from_the_same_instance_loses_no_running_job() -> None:
+    store = Store(instance="t")
+    _session, old, new = _running_pair(store, "second")
+    entry = Recovery("gpu0", old, 1, "boot-1", "unknown")
+    # The same process (its output answered unknown_session) registers again,
+    # resending the entry whose lost finish it could not yet deliver.
+    for now in (5, 6, 7):
+        register(store, devices=("gpu0", "gpu1"), instance="second", recovery=[entry], now=now)
+    assert store.job(new).state == "running"
+    assert store.job(old).state == "running"  # adopted: the worker owes its finish
+    assert store.device("box1", "gpu1").state == "busy"
+
+
+def test_a_resent_recovery_entry_does_not_requarantine_a_cleared_device() -> None:
+    store = Store(instance="t")
+    _session, old, _new = _running_pair(store, "second")
+    [fault] = store.device("box1", "gpu0").faults
+    assert store.job(old).state == "running"  # adopted; its lost finish not yet delivered
+    store.clear("box1", "gpu0")  # the operator looked and cleared it
+    entry = Recovery("gpu0", old, 1, "boot-1", "unknown")
+    register(store, devices=("gpu0", "gpu1"), instance="second", recovery=[entry], now=9)
+    assert store.device("box1", "gpu0").faults == ()
+    assert fault.fault_id not in {f.fault_id for f in store.device("box1", "gpu0").faults}
+
+
+def test_a_new_instance_with_the_same_pid_and_no_journal_is_a_restart() -> None:
+    store = Store(instance="t")
+    session = register(store, pid=1, instance="a")
+    job = store.submit(["x"])
+    start(store, session, assign(store, session))
+    register(store, pid=1, instance="b")
+    assert store.job(job).state == "lost"
+    assert store.device("box1", "gpu0").reason == "interrupted"
+
+
+def test_the_same_instance_on_a_new_boot_is_a_new_process() -> None:
+    store = Store(instance="t")
+    session = register(store, instance="a", boot="boot-1")
+    job = store.submit(["x"])
+    start(store, session, assign(store, session))
+    register(store, instance="a", boot="boot-2")
+    assert store.job(job).state == "lost"

@@ -28,6 +28,7 @@ ENDPOINTS = ("register", "heartbeat", "poll", "start", "output", "finish", "labe
 FAULTS = (Fault.UNAVAILABLE, Fault.REFUSED, Fault.TIMEOUT, Fault.LOST, Fault.UNKNOWN_SESSION)
 # A register has no session to forget: no controller answers it unknown_session.
 REGISTER_FAULTS = tuple(f for f in FAULTS if f is not Fault.UNKNOWN_SESSION)
+REREG_S = 45.0
 ACQUIRE = "/sim/hooks/acquire"
 RELEASE = "/sim/hooks/release"
 
@@ -66,7 +67,11 @@ class CrashPlan:
     at: float
     host: str
     down_for: float
-    how: str  # kill (SIGKILL), reboot, drain (SIGTERM) or stop (two signals)
+    # kill (SIGKILL), reboot, drain (SIGTERM), stop (two signals), or rereg: a kill
+    # while `output` answers unknown_session, which lasts REREG_S after the
+    # restart, so the new worker re-registers again and again with recovery
+    # entries it cannot yet deliver while it runs other jobs.
+    how: str
 
 
 @attrs.frozen
@@ -82,6 +87,42 @@ class IdlePlan:
     host: str
     device: str
     behavior: str  # hold or drain, then back to run
+
+
+@attrs.frozen
+class UnofferPlan:
+    """A device made unofferable by its worker at an instant (a health fault), very
+    likely while a poll listing it is parked at the controller."""
+
+    at: float
+    host: str
+    device: str
+
+
+@attrs.frozen
+class SmiPlan:
+    """nvidia-smi breaks (fails, or hangs past the probe timeout) at ``at`` for
+    ``duration``, with a probe pass forced at once: the GPUs' facts must be kept."""
+
+    at: float
+    duration: float
+    how: str  # fails or hangs
+
+
+SMI_OK = Script(
+    (
+        Write(
+            b"0, NVIDIA H100 80GB HBM3, GPU-5c1a9e3b-7f2d-4e8a-9b61-0d3f2a7c4e15, 81559, "
+            b"590.48.01, 00000000:00:09.0, 9.0, Disabled, 41, 0\n"
+            b"1, NVIDIA H100 80GB HBM3, GPU-6d2b0f4c-8a3e-4f9b-ac72-1e4a3b8d5f26, 81559, "
+            b"590.48.01, 00000000:00:0A.0, 9.0, Disabled, 40, 0\n"
+        ),
+    )
+)
+SMI_BROKEN = {
+    "fails": Script((Write(b"NVIDIA-SMI has failed because it couldn't communicate\n"),), 9),
+    "hangs": Script((Sleep(3600),)),
+}
 
 
 @attrs.frozen
@@ -102,6 +143,8 @@ class FleetPlan:
     crashes: tuple[CrashPlan, ...] = ()
     cancels: tuple[CancelPlan, ...] = ()
     idles: tuple[IdlePlan, ...] = ()
+    unoffers: tuple[UnofferPlan, ...] = ()
+    smi: tuple[SmiPlan, ...] = ()
     hooks: HooksPlan | None = None
     verify: Script | None = None
     require_manual_clear: bool = False
@@ -125,6 +168,7 @@ class FleetPlan:
             "hosts": self.hosts,
             "devices": tuple(devices),
             "require_manual_clear": self.require_manual_clear,
+            "nvidia_smi": SMI_OK if self.smi else None,
         }
 
 
@@ -248,7 +292,7 @@ def fleet_plans(
         seconds(0, 90),
         st.sampled_from(names),
         seconds(0, 90),
-        st.sampled_from(["kill", "kill", "reboot", "drain", "stop"]),
+        st.sampled_from(["kill", "kill", "reboot", "drain", "stop", "rereg"]),
     )
     devices = draw(st.integers(1, 2))
     idle_plans = st.builds(
@@ -258,6 +302,15 @@ def fleet_plans(
         st.sampled_from(names),
         st.sampled_from([f"gpu{i}" for i in range(devices)]),
         st.sampled_from(["hold", "drain"]),
+    )
+    unoffer_plans = st.builds(
+        UnofferPlan,
+        seconds(0, 90),
+        st.sampled_from(names),
+        st.sampled_from([f"gpu{i}" for i in range(devices)]),
+    )
+    smi_plans = st.builds(
+        SmiPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(["fails", "hangs"])
     )
     jobs = draw(st.lists(job_plans(extras=extras), min_size=1, max_size=5))
     hooks = draw(st.none() | HOOKS) if extras else None
@@ -279,6 +332,8 @@ def fleet_plans(
         if cancels
         else (),
         idles=tuple(draw(st.lists(idle_plans, max_size=2))) if extras else (),
+        unoffers=tuple(draw(st.lists(unoffer_plans, max_size=2))) if extras else (),
+        smi=tuple(draw(st.lists(smi_plans, max_size=2))) if extras else (),
         hooks=hooks,
         verify=draw(st.none() | HOOK_SCRIPTS) if extras else None,
         require_manual_clear=draw(st.booleans()),
@@ -321,6 +376,10 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
             nursery.start_soon(_cancel, fleet, cancel, submitted)
         for idle in plan.idles:
             nursery.start_soon(_idle, fleet, idle)
+        for unoffer in plan.unoffers:
+            nursery.start_soon(_unoffer, fleet, unoffer)
+        for smi in plan.smi:
+            nursery.start_soon(_smi, fleet, smi)
     fleet.restore()
     for name, node in fleet.nodes.items():
         if not node.running:
@@ -355,9 +414,14 @@ async def _crashes(fleet: Fleet, name: str, crashes: Sequence[CrashPlan]) -> Non
         if crash.how in ("drain", "stop"):
             await fleet.stop(name, drain=crash.how == "drain")
         else:
+            if crash.how == "rereg":
+                fleet.outage("output", Fault.UNKNOWN_SESSION, hosts=[name])
             await fleet.crash(name, reboot=crash.how == "reboot")
         await trio.sleep(crash.down_for)
         fleet.restart(name)
+        if crash.how == "rereg":
+            await trio.sleep(REREG_S)
+            fleet.restore("output", hosts=[name])
 
 
 async def _idle(fleet: Fleet, idle: IdlePlan) -> None:
@@ -368,6 +432,21 @@ async def _idle(fleet: Fleet, idle: IdlePlan) -> None:
         return  # not registered yet (a register outage): nothing for an operator to set
     await trio.sleep(idle.duration)
     fleet.set_idle_behavior(idle.host, idle.device, "run")
+
+
+async def _smi(fleet: Fleet, plan: SmiPlan) -> None:
+    await trio.sleep(plan.at)
+    fleet.program_nvidia_smi(SMI_BROKEN[plan.how])
+    for node in fleet.nodes.values():
+        if node.running and node.worker is not None:
+            node.worker.reprobe()
+    await trio.sleep(plan.duration)
+    fleet.program_nvidia_smi(SMI_OK)
+
+
+async def _unoffer(fleet: Fleet, plan: UnofferPlan) -> None:
+    await trio.sleep(plan.at)
+    fleet.quarantine(plan.host, plan.device)
 
 
 async def _cancel(fleet: Fleet, cancel: CancelPlan, submitted: dict[int, str]) -> None:

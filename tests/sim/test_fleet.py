@@ -18,7 +18,8 @@ import trio
 from hypothesis import given, note, settings
 
 from rc_worker.config import DeviceConfig
-from rc_worker.testing.fleet import Fault, Fleet, simulate
+from rc_worker.retry import Backoff
+from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
 from rc_worker.testing.sim import Fork, Hang, Script, Write
 
 from .plans import FleetPlan, describe, fleet_plans, play
@@ -258,5 +259,89 @@ def test_a_blind_sweep_does_not_offer_a_device_an_unseen_escapee_may_hold() -> N
         await fleet.wait_until(lambda: fleet.store.job(job).terminal)
         await trio.sleep(10)
         assert fleet.violations == []
+
+    scenario(fn)
+
+
+def test_a_reregistration_resending_an_undelivered_recovery_entry_loses_no_running_job() -> None:
+    # The re-registration issue's reduced case: the restarted worker's recovered job
+    # cannot be finished yet (output answers unknown_session), a second job starts on
+    # the other device, and every re-registration resends the recovery entry. The
+    # controller once took that for a new process and ended the second job `lost`.
+    async def fn(fleet: Fleet) -> None:
+        fleet.program("long", Script.printing((1, b"a\n"), (120, b"b\n")))
+        await fleet.wait_until(lambda: len(fleet.store.devices()) == 2)
+        first = fleet.submit(["train"], device="h0/gpu0")
+        await trio.sleep(5)
+        fleet.outage("output", Fault.UNKNOWN_SESSION)
+        await fleet.crash("h0")
+        fleet.restart("h0")
+        await trio.sleep(10)
+        second = fleet.submit(["long"], device="h0/gpu1")
+        await fleet.wait_until(lambda: fleet.store.job(second).state == "running")
+        await trio.sleep(60)  # many re-registrations, each resending the entry
+        assert fleet.store.job(second).state == "running"
+        fleet.restore()
+        await fleet.wait_until(lambda: fleet.store.job(second).terminal)
+        assert fleet.store.job(second).state == "succeeded"
+        assert fleet.store.output(second) == b"a\nb\n"
+        await fleet.wait_until(lambda: fleet.store.job(first).terminal)
+        assert fleet.store.job(first).state == "lost"
+
+    scenario(fn, devices=("gpu0", "gpu1"))
+
+
+# -- the harness is safe to use ------------------------------------------------------
+
+
+def test_register_cannot_meet_unknown_session() -> None:
+    async def fn(fleet: Fleet) -> None:
+        with pytest.raises(ValueError, match="register cannot meet unknown_session"):
+            fleet.outage("register", Fault.UNKNOWN_SESSION)
+        with pytest.raises(ValueError, match="register cannot meet unknown_session"):
+            fleet.inject("register", Fault.UNAVAILABLE, Fault.UNKNOWN_SESSION)
+
+    scenario(fn)
+
+
+def test_a_retry_loop_without_backoff_is_reported_as_stalled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker bug: retries with no delay. Virtual time stops moving while the
+    # loop spins; the stall guard must end the run with a clear error.
+    monkeypatch.setattr(Backoff, "next_delay", lambda self, retry_after=None: 0.0)
+
+    async def fn(fleet: Fleet) -> None:
+        await trio.sleep(10)
+        fleet.outage("heartbeat", Fault.UNAVAILABLE)
+        await trio.sleep(60)
+
+    with pytest.raises(SimulationStalled, match="virtual time stopped"):
+        simulate(fn, stall_steps=20_000)
+
+
+def test_a_run_past_its_wall_limit_fails_instead_of_hanging() -> None:
+    async def fn(fleet: Fleet) -> None:
+        while True:  # a scenario that never ends, in virtual time as in real time
+            fleet.submit(["true"])
+            await trio.sleep(1)
+
+    with pytest.raises(SimulationTimedOut, match="wall-clock limit"):
+        simulate(fn, time_limit=1e9, wall_limit=0.5)
+
+
+def test_a_device_quarantined_while_its_poll_is_parked_then_a_submit_costs_no_job() -> None:
+    # The stale-offer window: the poll listing gpu0 is parked at the controller
+    # when the worker quarantines gpu0, and a job is submitted in the same instant.
+    async def fn(fleet: Fleet) -> None:
+        await fleet.wait_until(lambda: bool(fleet.store.devices()))
+        await trio.sleep(2)  # the poll that lists gpu0 is parked now
+        assert fleet.quarantine("h0", "gpu0")
+        job = fleet.submit(["train"])
+        await trio.sleep(60)
+        assert fleet.store.job(job).state == "queued"  # waits: not rejected, not run
+        assert fleet.clear_clean_devices() == ["h0/gpu0"]
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        assert fleet.store.job(job).state == "succeeded"
 
     scenario(fn)

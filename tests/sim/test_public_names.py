@@ -28,6 +28,7 @@ FLEET = {
     "Fleet",
     "SimNode",
     "SimulationStalled",
+    "SimulationTimedOut",
     "open_fleet",
     "simulate",
 }
