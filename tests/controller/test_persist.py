@@ -510,3 +510,21 @@ async def test_events_older_than_memory_keeps_are_read_from_the_store(
             body = (await user.get("/v1/events", params={"after": 2, "limit": 2})).json()
             assert [e["seq"] for e in body["events"]] == [3, 4]
         opened.backend.close()
+
+
+def test_host_documents_round_trip() -> None:
+    from rc_worker.controller.messages import DeviceDecl, RegisterRequest
+    from rc_worker.controller.persist.codec import host_doc, load_host
+    from rc_worker.controller.store import Store
+
+    store = Store(instance="t")
+    req = RegisterRequest(
+        boot_id="b", devices=(DeviceDecl("gpu0", {"rack": "r1"}),), pid=9, instance_id="i-1"
+    )
+    store.register("box1", req, now=0.0)
+    store.set_idle_behavior("box1", "gpu0", "drain")
+    h = store.known_host("box1")
+    assert h is not None
+    loaded = load_host(json.loads(json.dumps(host_doc(h))), 5.0)
+    assert (loaded.instance_id, loaded.pid, loaded.boot_id) == ("i-1", 9, "b")
+    assert loaded.devices["gpu0"].info(loaded) == h.devices["gpu0"].info(h)
