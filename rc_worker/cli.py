@@ -84,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _optional_subcommands() -> list[Any]:
-    from rc_worker import cli_exec, cli_probe, status
+    from rc_worker import cli_exec, cli_probe, completion, status
 
-    return [cli_exec, cli_probe, status]
+    return [cli_exec, cli_probe, completion, status]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -76,7 +76,9 @@ def configure(subparsers: Any) -> None:
     parser.add_argument(
         "--result-json", default=None, metavar="PATH", help="write the job's Result to PATH"
     )
-    parser.add_argument("job_argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+    parser.add_argument(
+        "job_argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]", help="the command to run"
+    )
     parser.set_defaults(func=run_exec)
 
 

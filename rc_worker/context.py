@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,6 +34,8 @@ class WorkerContext:
     draining: bool = False
     stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
+    rng: random.Random = attrs.field(factory=random.Random)
+    """Ids (faults) and jitter come from here: a simulation seeds it to replay exactly."""
 
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)

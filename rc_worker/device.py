@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
-import uuid
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +45,9 @@ log = logging.getLogger("rc_worker.device")
 S = DeviceState
 
 
-def new_fault_id() -> str:
-    return f"f-{uuid.uuid4().hex[:12]}"
+def new_fault_id(rng: random.Random) -> str:
+    """A fault id: random, so that no two workers (or restarts) ever repeat one."""
+    return f"f-{rng.getrandbits(48):012x}"
 
 
 class DeviceSupervisor:
@@ -138,7 +139,7 @@ class DeviceSupervisor:
     ) -> str:
         """Raise a fault of this worker's own; ``report`` sends it with ``fault``
         (a fault outside a finish), else the caller puts it in the finish."""
-        fault_id = new_fault_id()
+        fault_id = new_fault_id(self.ctx.rng)
         log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
         self.fault_notes[fault_id] = (kind, reason)
         self.ctx.metrics.quarantines.labels(kind).inc()
@@ -263,7 +264,7 @@ class DeviceSupervisor:
             detail = f"internal worker error: {type(exc).__name__}: {exc}"
             if a is not None and self._finished != self.ctx.job_key(a):
                 self._finish_after_error(a, detail)
-            fault_id = new_fault_id()
+            fault_id = new_fault_id(self.ctx.rng)
             self.ctx.metrics.quarantines.labels("dirty").inc()
             self.ctx.outbox.fault(
                 self.name, {"fault_id": fault_id, "kind": "dirty", "reason": detail}

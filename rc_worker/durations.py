@@ -19,21 +19,23 @@ _UNIT_SECONDS = {
     "s": 1.0,
     "m": 60.0,
     "h": 3600.0,
+    "d": 86400.0,  # not in Go; a day is always 24h here (no calendar, no DST)
 }
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h|d)")
 # A bare number of seconds: plain decimal notation, optionally with an
 # exponent. Stricter than float(), which would also take "1_000", "nan", "inf".
 _SECONDS = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
-DURATION_HELP = "a number of seconds or a Go-style duration such as 500ms, 10s, 1m30s or 2h"
+DURATION_HELP = "a number of seconds or a Go-style duration such as 500ms, 10s, 1m30s, 2h or 1d"
 
 
 def parse_duration(value: str | int | float) -> float:
     """Return ``value`` in seconds.
 
     Accepts a number of seconds (``90``, ``0.5``, ``"90"``) or a Go-style
-    string (``"500ms"``, ``"1m30s"``, ``"2h"``). Negative, non-finite and
-    malformed values raise ``ValueError`` with a message naming the fix.
+    string (``"500ms"``, ``"1m30s"``, ``"2h"``), plus ``d`` for days of 24
+    hours (``"1d12h"``). Negative, non-finite and malformed values raise
+    ``ValueError`` with a message naming the fix.
     """
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration; expected {DURATION_HELP}")

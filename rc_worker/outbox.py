@@ -10,6 +10,7 @@ directory (journal included) is removed once the ``finish`` is acknowledged.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,14 @@ class Outbox:
     """Owns delivery; ``run`` is its task under the worker's root nursery."""
 
     def __init__(
-        self, root: Path, client: ControllerClient, *, on_change: Callable[[], None] | None = None
+        self,
+        root: Path,
+        client: ControllerClient,
+        *,
+        on_change: Callable[[], None] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
+        self._rng = rng or random.Random()
         self._root = root
         self._on_change = on_change or (lambda: None)
         self._client = client
@@ -174,7 +181,9 @@ class Outbox:
         Returns the committed offset, or None when the controller refused
         the output for good (the finish is still sent).
         """
-        stalled = Backoff(base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S)
+        stalled = Backoff(
+            base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S, rng=self._rng
+        )
         try:
             # An empty append asks where the controller is: after a restart
             # the worker resumes there instead of resending from zero.

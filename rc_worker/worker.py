@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
+import random
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -75,6 +75,7 @@ class Worker:
         http: httpx.AsyncClient | None = None,
         host: Host | None = None,
         environ: Mapping[str, str] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         import os
 
@@ -104,7 +105,10 @@ class Worker:
         self.status_urls: list[str] = []
         # Who this process is, for the controller's "same process or new" at
         # register; in memory only, so no later process can repeat it.
-        self.instance_id = secrets.token_hex(8)
+        # ``rng``: every id and jitter of this worker; a simulation seeds it so that
+        # a run replays exactly. By default, seeded from the OS.
+        self._rng = rng if rng is not None else random.Random()
+        self.instance_id = f"{self._rng.getrandbits(64):016x}"
         self._poll_seq = 0
 
     # -- control ------------------------------------------------------------
@@ -180,8 +184,9 @@ class Worker:
                 host=self.config.host,
                 token=self.config.token,
                 on_unknown_session=self._register,
+                rng=self._rng,
             )
-            outbox = Outbox(root, client, on_change=self._poke_poller)
+            outbox = Outbox(root, client, on_change=self._poke_poller, rng=self._rng)
             ctx = WorkerContext(
                 config=self.config,
                 host=self.host,
@@ -192,6 +197,7 @@ class Worker:
                 environ=self._environ,
                 poke_poller=self._poke_poller,
                 metrics=self.metrics,
+                rng=self._rng,
             )
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}

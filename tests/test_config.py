@@ -227,9 +227,9 @@ _BAD: list[tuple[str, str | None, str, str, dict[str, str]]] = [
     ),
     (
         "duration-unknown-unit",
-        "devices: [gpu0]\nprobe_interval: 1d\n",
+        "devices: [gpu0]\nprobe_interval: 1w\n",
         "2:17: probe_interval",
-        "'1d' is not a duration",
+        "'1w' is not a duration",
         {},
     ),
     (

@@ -114,6 +114,15 @@ async def wait_for(system: LocalSystem, predicate: object) -> None:
     await system.wait_until(predicate)
 
 
+def ticking_probe(config: Config) -> None:
+    """Labels are sent only when they change: a drop-in whose answer changes at
+    every pass gives each probe pass (a reprobe) a ``PUT labels`` to fault."""
+    probe = Path(config.probe_dir) / "10-tick"
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text('#!/bin/sh\necho "{\\"tick\\": \\"$(date +%s%N)\\"}"\n')
+    probe.chmod(0o755)
+
+
 async def run_one_job(
     directory: Path,
     plan: Mapping[str, Sequence[Fault]],
@@ -130,11 +139,17 @@ async def run_one_job(
     store = steady_store()
     job_id = store.submit(command)
     config = make_config(directory)
+    if "labels" in plan:
+        ticking_probe(config)
     wrap = Wrap(plan)
     async with local_system(config, store=store, transport_wrapper=wrap) as system:
         await system.wait_job(job_id)
         for endpoint in wait_for_faults:
-            await wrap.t.wait_until(lambda e=endpoint: wrap.t.pending(e) == 0)
+            while wrap.t.pending(endpoint):
+                if endpoint == "labels":
+                    system.worker.reprobe()
+                with trio.move_on_after(0.2):
+                    await wrap.t.wait_until(lambda e=endpoint: wrap.t.pending(e) == 0)
     return store.job(job_id), store, wrap.t, config
 
 
@@ -362,9 +377,13 @@ async def test_unknown_session_re_registers_and_carries_on(tmp_path: Path) -> No
     store = steady_store()
     config = make_config(tmp_path)
     wrap = Wrap({"labels": [Fault.UNKNOWN_SESSION]})
+    ticking_probe(config)
     with trio.fail_after(30):
         async with local_system(config, store=store, transport_wrapper=wrap) as system:
-            await wrap.t.wait_until(lambda: wrap.t.pending("labels") == 0)
+            while wrap.t.pending("labels"):
+                system.worker.reprobe()
+                with trio.move_on_after(0.2):
+                    await wrap.t.wait_until(lambda: wrap.t.pending("labels") == 0)
             await wrap.t.wait_until(lambda: len(wrap.t.exchanges("register")) == 2)
             job_id = system.submit(JOB)
             info = await system.wait_job(job_id)

@@ -46,6 +46,9 @@ from rc_worker.durations import (
         ("250\u03bcs", 250e-6),  # Greek mu: Go accepts both
         ("100ns", 100e-9),
         ("3s500ms", 3.5),
+        ("1d", 86400.0),
+        ("1d12h", 129600.0),
+        ("0.5d", 43200.0),
     ],
 )
 def test_parse_duration_accepts(text: str | float, seconds: float) -> None:
@@ -66,7 +69,8 @@ def test_parse_duration_accepts(text: str | float, seconds: float) -> None:
         ("nan", "'nan' is not a duration"),
         ("inf", "'inf' is not a duration"),
         ("0x10", "'0x10' is not a duration"),
-        ("1d", "'1d' is not a duration"),
+        ("1w", "'1w' is not a duration"),
+        ("1D", "'1D' is not a duration"),
         ("-5", "'-5' is negative"),
         ("-5s", "'-5s' is negative"),
         (-1, "-1 is negative"),

@@ -23,6 +23,7 @@ from rc_worker.controller import user_api, worker_api
 from rc_worker.controller.context import Controller
 from rc_worker.controller.durable import Durability, DurableMiddleware
 from rc_worker.controller.errors import ApiError
+from rc_worker.controller.metrics import metrics_endpoint
 from rc_worker.controller.store import Store
 from rc_worker.model import PROTOCOL_VERSION
 
@@ -93,6 +94,7 @@ def create_app(
     ctl.durability = durability
     routes = [
         Route("/v1/health", _health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint(store), methods=["GET"]),
         *worker_api.routes(),
         *user_api.routes(),
     ]

@@ -335,6 +335,9 @@ class JobInfo:
     attempts: tuple[AttemptInfo, ...] = ()
     adopted: bool = False
     output_truncated: bool = False
+    pending_reason: str | None = None
+    """Why a queued job is not running yet (None unless ``queued``); see controller/pending.py."""
+    pending_code: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -367,6 +370,8 @@ class JobInfo:
             "attempts": [a.to_json() for a in self.attempts],
             "adopted": self.adopted,
             "output_truncated": self.output_truncated,
+            "pending_reason": self.pending_reason,
+            "pending_code": self.pending_code,
         }
 
 

@@ -4,9 +4,9 @@
 client of ``RC_URL`` (default ``http://127.0.0.1:8080``) with the user token
 ``RC_USER_TOKEN``; ``--url`` and ``--token`` override them. Tables for people
 by default, ``--json`` for programs. Exit status: 0 ok, 1 the controller
-refused or could not be reached, 2 bad usage; ``rc run`` exits with the job's
-own status (see docs/controller.md). Errors are one line on stderr, never a
-traceback.
+refused, 2 bad usage, 3 the controller could not be reached or went away;
+``rc run`` exits with the job's own status (see docs/controller.md). Errors are
+one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,31 +25,44 @@ from typing import Any, cast
 import httpx
 import trio
 
+from rc_worker import completion
+from rc_worker._version import __version__
+from rc_worker.controller import rc_follow
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.app import create_app
 from rc_worker.controller.durable import Durability
 from rc_worker.controller.persist import Backend, MemoryBackend, StoreOpenError
 from rc_worker.controller.persist.opening import open_backend, open_store
 from rc_worker.controller.persist.sqlite import default_state_dir
+from rc_worker.controller.rc_follow import (
+    EXIT_CONTROLLER_GONE,
+    CliError,
+    Reconnect,
+    raise_for,
+)
 from rc_worker.controller.serve import serve
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
-from rc_worker.durations import parse_duration, parse_size
+from rc_worker.durations import DURATION_HELP, parse_duration, parse_size
 
 log = logging.getLogger("rc_worker.controller")
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 EXIT_KILLED = 137
 EXIT_NOT_RUN = 125
-FOLLOW_RETRIES = 5
+DEFAULT_RECONNECT_S = 60.0
 
-
-class CliError(Exception):
-    """A failure to report on stderr with an exit status (1: controller, 2: usage)."""
-
-    def __init__(self, message: str, status: int = 1) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = [
+    "EXIT_CONTROLLER_GONE",
+    "EXIT_KILLED",
+    "EXIT_NOT_RUN",
+    "CliError",
+    "amain",
+    "build_parser",
+    "main",
+    "run_exit_status",
+    "run_serve",
+]
 
 
 # --- argument parsing -----------------------------------------------------------------------
@@ -100,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--url", help=f"controller URL (default: $RC_URL or {DEFAULT_URL})")
     common.add_argument("--token", help="user token (default: $RC_USER_TOKEN)")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    d = f"D is {DURATION_HELP}"
 
-    parser = argparse.ArgumentParser(prog="rc", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="rc", description=__doc__.split("\n\n")[0], epilog="Durations: " + d + "."
+    )
+    parser.add_argument("--version", action="version", version=f"rc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the reference controller")
@@ -120,9 +137,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKEN",
         help="a user token; repeatable; also $RC_USER_TOKENS",
     )
-    p.add_argument("--webhook", action="append", default=[], metavar="URL")
-    p.add_argument("--heartbeat-interval", type=_duration, default=10.0, metavar="D")
-    p.add_argument("--poll-wait", type=_duration, default=30.0, metavar="D")
+    p.add_argument(
+        "--webhook",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="POST every event to URL; repeatable",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=_duration,
+        default=10.0,
+        metavar="D",
+        help="the heartbeat interval workers are told to keep (default 10s)",
+    )
+    p.add_argument(
+        "--heartbeat-rate",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="aim at N heartbeats per second across the fleet: with many hosts each is "
+        "told a longer interval, hosts/N at least (default 0: no target)",
+    )
+    p.add_argument(
+        "--poll-wait",
+        type=_duration,
+        default=30.0,
+        metavar="D",
+        help="the long-poll wait workers are told to use (default 30s)",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--state-dir",
@@ -162,90 +205,131 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_)
         p.add_argument("--select", default="", help="label selector, e.g. 'product=H100'")
         p.add_argument("--device", type=_address, help="HOST/DEVICE to run on")
-        p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="K=V")
-        p.add_argument("--cwd")
-        p.add_argument("--max-runtime", type=_duration, metavar="D")
-        p.add_argument("--idle-timeout", type=_duration, metavar="D")
-        p.add_argument("--grace", type=_duration, default=10.0, metavar="D")
+        p.add_argument(
+            "--env",
+            type=_env_pair,
+            action="append",
+            default=[],
+            metavar="K=V",
+            help="set an environment variable for the job; repeatable",
+        )
+        p.add_argument("--cwd", metavar="DIR", help="the job's working directory")
+        p.add_argument(
+            "--max-runtime", type=_duration, metavar="D", help="kill the job after this long"
+        )
+        p.add_argument(
+            "--idle-timeout",
+            type=_duration,
+            metavar="D",
+            help="kill the job after this long without output",
+        )
+        p.add_argument(
+            "--grace",
+            type=_duration,
+            default=10.0,
+            metavar="D",
+            help="SIGTERM to SIGKILL when the job is stopped (default 10s)",
+        )
         p.add_argument("--pty", action="store_true", help="run the job on a terminal")
         p.add_argument("--stdin", action="store_true", help="stream this command's stdin to it")
-        p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+        p.add_argument(
+            "--strict",
+            action="store_true",
+            help="refuse (exit 1, nothing queued) if no registered device could ever run it",
+        )
+        if name == "run":
+            p.add_argument(
+                "--quiet",
+                "-q",
+                action="store_true",
+                help="do not print the job's output (with --json it goes to stderr otherwise)",
+            )
+            p.add_argument(
+                "--reconnect",
+                type=_duration,
+                default=DEFAULT_RECONNECT_S,
+                metavar="D",
+                help="keep reconnecting to a controller that went away this long (default 1m)",
+            )
+        p.add_argument(
+            "cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run"
+        )
 
     p = sub.add_parser("ps", parents=[common], help="list jobs (the most recent 50 by default)")
     p.add_argument("--limit", type=int, default=50, metavar="N", help="the N most recent")
     p.add_argument("--all", action="store_true", help="every job the controller keeps")
-    p.add_argument("--state", help="only jobs in this state")
+    p.add_argument("--state", help="only jobs in this state (queued, running, failed, ...)")
     p = sub.add_parser("show", parents=[common], help="show one job")
-    p.add_argument("job")
+    p.add_argument("job", help="job id")
     p = sub.add_parser("logs", parents=[common], help="print a job's output")
-    p.add_argument("job")
+    p.add_argument("job", help="job id")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
+    p.add_argument("--offset", type=int, default=0, metavar="N", help="start at byte N (default 0)")
+    p.add_argument(
+        "--reconnect",
+        type=_duration,
+        default=DEFAULT_RECONNECT_S,
+        metavar="D",
+        help="with --follow: keep reconnecting to a controller that went away this long "
+        "(default 1m)",
+    )
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")
-    p.add_argument("job")
-    p.add_argument("--reason", default="")
+    p.add_argument("job", help="job id")
+    p.add_argument("--reason", default="", help="why (shown in the job's record)")
     sub.add_parser("devices", parents=[common], help="list devices")
     for name, help_ in (("sheet", "print a device's usage sheet"), ("clear", "lift a quarantine")):
         p = sub.add_parser(name, parents=[common], help=help_)
-        p.add_argument("device", type=_address, metavar="HOST/DEVICE")
+        p.add_argument("device", type=_address, metavar="HOST/DEVICE", help="the device")
     p = sub.add_parser("idle", parents=[common], help="set a device's idle behaviour")
-    p.add_argument("device", type=_address, metavar="HOST/DEVICE")
-    p.add_argument("behavior", choices=["run", "hold", "drain"])
+    p.add_argument("device", type=_address, metavar="HOST/DEVICE", help="the device")
+    p.add_argument(
+        "behavior",
+        choices=["run", "hold", "drain"],
+        help="run: take jobs; hold: take none, keep it; drain: take none, release it",
+    )
+    p = sub.add_parser(
+        "pool", parents=[common], help="hosts and devices per state, free devices per class"
+    )
+    p.add_argument(
+        "--class",
+        dest="class_label",
+        default="product",
+        metavar="LABEL",
+        help="count free devices per value of this label (default product)",
+    )
+    p = sub.add_parser("host", parents=[common], help="drain, resume or retire a host")
+    p.add_argument(
+        "action",
+        choices=["drain", "resume", "retire"],
+        help="drain: no new work on its devices; resume: take work again; "
+        "retire: forget a host gone for good (its jobs' records stay)",
+    )
+    p.add_argument("host", help="the host's name")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="retire even with jobs running there (they end lost)",
+    )
     p = sub.add_parser("events", parents=[common], help="print events")
-    p.add_argument("--after", type=int, default=0, metavar="N")
-    p.add_argument("--follow", "-f", action="store_true")
+    p.add_argument("--after", type=int, default=0, metavar="N", help="only events after number N")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p = sub.add_parser("completion", help="print a shell completion script")
+    p.add_argument("shell", choices=completion.SHELLS, help="the shell to complete for")
     return parser
 
 
 # --- client plumbing ------------------------------------------------------------------------
 
 
-def _raise_for(r: httpx.Response) -> None:
-    if r.is_success:
-        return
-    try:
-        body = r.json()
-        message = f"{body['error']}: {body['message']}"
-    except (ValueError, KeyError, TypeError):
-        message = f"HTTP {r.status_code}"
-    raise CliError(f"the controller answered {r.status_code}: {message}")
-
-
 async def _json(r: Awaitable[httpx.Response]) -> Any:
     response = await r
-    _raise_for(response)
+    raise_for(response)
     return response.json()
 
 
 def _out(text: str) -> None:
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     sys.stdout.flush()
-
-
-def _write_bytes(data: bytes) -> None:
-    sys.stdout.buffer.write(data)
-    sys.stdout.flush()
-
-
-async def _follow(client: httpx.AsyncClient, job_id: str, offset: int = 0) -> None:
-    """Stream a job's output to stdout until it ends, resuming after a dropped connection."""
-    failures = 0
-    while True:
-        try:
-            async with client.stream(
-                "GET", f"/v1/jobs/{job_id}/output", params={"offset": offset, "follow": "true"}
-            ) as r:
-                if not r.is_success:
-                    await r.aread()
-                    _raise_for(r)
-                async for chunk in r.aiter_raw():
-                    offset += len(chunk)
-                    _write_bytes(chunk)
-            return
-        except httpx.TransportError:
-            failures += 1
-            if failures > FOLLOW_RETRIES:
-                raise
-            await trio.sleep(min(2.0**failures, 10.0))
 
 
 async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
@@ -258,7 +342,14 @@ async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
         ):
             yield data
 
-    await _json(client.put(f"/v1/jobs/{job_id}/stdin", content=chunks(), timeout=None))
+    try:
+        await _json(client.put(f"/v1/jobs/{job_id}/stdin", content=chunks(), timeout=None))
+    except httpx.TransportError:
+        # Not resumable (a second upload is refused): the job has seen end of file.
+        print(
+            f"rc: the controller went away during the stdin upload; job {job_id} got end of file",
+            file=sys.stderr,
+        )
 
 
 def _submit_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -280,6 +371,7 @@ def _submit_body(args: argparse.Namespace) -> dict[str, Any]:
         "grace_s": args.grace,
         "pty": args.pty,
         "stdin": args.stdin,
+        "strict": args.strict,
     }
 
 
@@ -300,25 +392,39 @@ def run_exit_status(job: Mapping[str, Any]) -> int:
 
 
 async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
-    job_id: str = (await _json(client.post("/v1/jobs", json=_submit_body(args))))["job_id"]
+    submitted = await _json(client.post("/v1/jobs", json=_submit_body(args)))
+    job_id: str = submitted["job_id"]
+    if submitted.get("pending_code") == "no_match":
+        print(
+            f"rc: warning: no registered device could ever run job {job_id}: "
+            f"{submitted.get('pending_reason')}; it waits in the queue "
+            "(--strict refuses such jobs)",
+            file=sys.stderr,
+        )
     if args.command == "submit":
         _out(json.dumps({"job_id": job_id}) if args.json else job_id)
         if args.stdin:
             await _feed_stdin(client, job_id)
         return 0
     print(f"rc: job {job_id}", file=sys.stderr)
+    if args.quiet:
+        sink: rc_follow.Sink = rc_follow.discard
+    else:
+        sink = rc_follow.to_stream(sys.stderr if args.json else sys.stdout)
+    reconnect = Reconnect(args.reconnect, str(client.base_url), job_id)
     try:
         async with trio.open_nursery() as nursery:
             if args.stdin:
                 nursery.start_soon(_feed_stdin, client, job_id)
-            await _follow(client, job_id)
+            job = await rc_follow.follow_output(client, job_id, 0, sink, reconnect)
             nursery.cancel_scope.cancel()
+    except* (CliError, httpx.HTTPError) as group:
+        raise _translate(group) from group
     except* KeyboardInterrupt:
         print(
             f"\nrc: job {job_id} keeps running; stop it with: rc cancel {job_id}", file=sys.stderr
         )
         raise
-    job = await _json(client.get(f"/v1/jobs/{job_id}"))
     status = run_exit_status(job)
     if args.json:
         _out(json.dumps(job, indent=2))
@@ -328,24 +434,45 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     return status
 
 
-async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
-    c = args.command
-    if c in ("submit", "run"):
-        return await _cmd_submit(client, args)
-    if c == "logs":
-        if args.follow:
-            await _follow(client, args.job)
-        else:
-            r = await client.get(f"/v1/jobs/{args.job}/output")
-            _raise_for(r)
-            _write_bytes(r.content)
+def _translate(group: BaseExceptionGroup[CliError | httpx.HTTPError]) -> CliError:
+    """One CliError (the first one's message and status) for a group of them."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    if isinstance(first, CliError):
+        return CliError(str(first), first.status)
+    what = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
+    if isinstance(first, httpx.TransportError):
+        return CliError(f"cannot reach the controller: {what}", EXIT_CONTROLLER_GONE)
+    return CliError(what)
+
+
+async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
+    sink = rc_follow.json_lines if args.json else rc_follow.to_stream(sys.stdout)
+    if args.follow:
+        reconnect = Reconnect(args.reconnect, str(client.base_url), args.job)
+        await rc_follow.follow_output(client, args.job, args.offset, sink, reconnect)
+    else:
+        r = await client.get(f"/v1/jobs/{args.job}/output", params={"offset": args.offset})
+        raise_for(r)
+        if r.content:
+            sink(args.offset, r.content)
+    if not args.json:
         job = await _json(client.get(f"/v1/jobs/{args.job}"))
         if job.get("output_truncated"):
             _out(
                 f"\n[rc: output truncated: the controller kept only the first "
                 f"{job.get('committed_bytes')} bytes (rc serve --max-output-bytes)]"
             )
-        return 0
+    return 0
+
+
+async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
+    c = args.command
+    if c in ("submit", "run"):
+        return await _cmd_submit(client, args)
+    if c == "logs":
+        return await _cmd_logs(client, args)
     body: Any
     if c == "ps":
         params: dict[str, Any] = {"state": args.state} if args.state else {}
@@ -375,6 +502,13 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         path = "/v1/devices/{}/{}/idle-behavior".format(*args.device)
         body = await _json(client.post(path, json={"idle_behavior": args.behavior}))
         text = f"{body['address']}: idle behavior {body['idle_behavior']}"
+    elif c == "pool":
+        body = await _json(client.get("/v1/pool", params={"class": args.class_label}))
+        text = fmt.pool_summary(body)
+    elif c == "host":
+        payload = {"force": True} if args.force else {}
+        body = await _json(client.post(f"/v1/hosts/{args.host}/{args.action}", json=payload))
+        text = fmt.host_result(args.action, args.host, body)
     elif c == "events":
         return await _cmd_events(client, args)
     else:  # pragma: no cover - argparse only lets known commands through
@@ -430,9 +564,12 @@ async def run_serve(
     args = build_parser().parse_args(["serve", *argv])
     env = os.environ if env is None else env
     worker, users = serve_settings(args, env)
+    if args.heartbeat_rate < 0 or args.heartbeat_rate != args.heartbeat_rate:
+        raise CliError("--heartbeat-rate: must be a number >= 0 (0: no target)", 2)
     config = StoreConfig(
         heartbeat_interval_s=args.heartbeat_interval,
         poll_wait_s=args.poll_wait,
+        heartbeat_rate=args.heartbeat_rate,
         max_output_bytes=args.max_output_bytes,
     )
     if backend is None:
@@ -532,6 +669,8 @@ async def amain(
         args = build_parser().parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    if args.command == "completion":
+        return completion.print_script(build_parser, args.shell)
     try:
         if args.command == "serve":
             serve_settings(args, env)
@@ -541,7 +680,9 @@ async def amain(
         url = args.url or env.get("RC_URL") or DEFAULT_URL
         token = args.token or env.get("RC_USER_TOKEN", "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        timeout = httpx.Timeout(30.0, read=None)
+        # Connecting is bounded well inside the default reconnect window; reading is not
+        # (a followed job can be silent for hours).
+        timeout = httpx.Timeout(30.0, connect=10.0, read=None)
         async with httpx.AsyncClient(
             base_url=url, headers=headers, transport=transport, timeout=timeout
         ) as client:
@@ -549,11 +690,13 @@ async def amain(
     except CliError as e:
         print(f"rc: {e}", file=sys.stderr)
         return e.status
-    except httpx.HTTPError as e:
+    except httpx.TransportError as e:
         where = args.url or env.get("RC_URL") or DEFAULT_URL
-        print(
-            f"rc: cannot reach the controller at {where}: {e or type(e).__name__}", file=sys.stderr
-        )
+        what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        print(f"rc: cannot reach the controller at {where}: {what}", file=sys.stderr)
+        return EXIT_CONTROLLER_GONE
+    except httpx.HTTPError as e:
+        print(f"rc: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"rc: {e}", file=sys.stderr)

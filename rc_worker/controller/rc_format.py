@@ -8,6 +8,26 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 COMMAND_WIDTH = 48
+NOTE_WIDTH = 72
+REASON_WIDTH = 60
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def one_line(text: str) -> str:
+    """``text`` with every unprintable character escaped, so a table row stays one line."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable():
+            out.append(ch)
+        elif ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return "".join(out)
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -22,6 +42,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _short(text: str, width: int) -> str:
+    text = one_line(text)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -40,18 +61,24 @@ def _state(job: Mapping[str, Any]) -> str:
     return state
 
 
+def _note(job: Mapping[str, Any]) -> str:
+    """Why a queued job waits; why an ended one ended, when that is not its exit code."""
+    return str(job.get("pending_reason") or job.get("reason") or job.get("error") or "-")
+
+
 def jobs_table(jobs: Sequence[Mapping[str, Any]]) -> str:
     rows = [
         [
-            str(j["job_id"]),
+            _short(str(j["job_id"]), COMMAND_WIDTH),
             _state(j),
             str(j["attempt"]),
             _placement(j),
             _short(shlex.join(j["spec"]["command"]), COMMAND_WIDTH),
+            _short(_note(j), NOTE_WIDTH),
         ]
         for j in jobs
     ]
-    return table(["JOB", "STATE", "ATTEMPT", "DEVICE", "COMMAND"], rows)
+    return table(["JOB", "STATE", "ATTEMPT", "DEVICE", "COMMAND", "NOTE"], rows)
 
 
 def _when(ts: object) -> str:
@@ -65,7 +92,7 @@ def job_details(job: Mapping[str, Any]) -> str:
     lines = [
         ("job", job["job_id"]),
         ("state", _state(job)),
-        ("command", shlex.join(spec["command"])),
+        ("command", one_line(shlex.join(spec["command"]))),
         ("select", spec.get("select") or "-"),
         ("pinned to", spec.get("device") or "-"),
         ("attempt", str(job["attempt"])),
@@ -74,17 +101,20 @@ def job_details(job: Mapping[str, Any]) -> str:
         ("started", _when(job.get("started_at"))),
         ("finished", _when(job.get("finished_at"))),
         ("exit code", "-" if job.get("exit_code") is None else str(job["exit_code"])),
-        ("reason", job.get("reason") or "-"),
-        ("error", job.get("error") or "-"),
+        ("reason", one_line(job.get("reason") or "-")),
+        ("error", one_line(job.get("error") or "-")),
         ("output", f"{job.get('committed_bytes', 0)} bytes"),
     ]
+    if job.get("pending_reason"):
+        lines.insert(2, ("waiting", one_line(str(job["pending_reason"]))))
     if job.get("cancel_requested"):
-        lines.append(("cancel", str(job["cancel_requested"])))
+        lines.append(("cancel", one_line(str(job["cancel_requested"]))))
     if job.get("fault_id"):
         lines.append(("fault", str(job["fault_id"])))
     for a in job.get("attempts", []):
         note = f" ({a['note']})" if a.get("note") else ""
-        lines.append((f"attempt {a['attempt']}", f"{a['host']}/{a['device']} {a['status']}{note}"))
+        placed = f"{a['host']}/{a['device']} {a['status']}{note}"
+        lines.append((f"attempt {a['attempt']}", one_line(placed)))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 
@@ -95,16 +125,27 @@ def cancel_result(job: Mapping[str, Any]) -> str:
     return f"{job['job_id']}: {_state(job)}" + (f" ({job['reason']})" if job.get("reason") else "")
 
 
+def _fault_reason(device: Mapping[str, Any]) -> str:
+    """The first fault's kind and detail (``verify_failed: 10-ecc.sh ...``), not just ``fault``."""
+    faults = device.get("faults") or []
+    if not faults:
+        return str(device.get("reason") or "-")
+    first = faults[0]
+    kind = str(first.get("kind") or first.get("reason") or "fault")
+    detail = str(first.get("detail") or "")
+    return f"{kind}: {detail}" if detail else kind
+
+
 def devices_table(devices: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for d in devices:
         faults = ",".join(f["fault_id"] for f in d.get("faults", []))
         rows.append(
             [
-                str(d["address"]),
+                _short(str(d["address"]), COMMAND_WIDTH),
                 str(d["state"]),
-                d.get("reason") or "-",
-                faults or "-",
+                _short(_fault_reason(d), REASON_WIDTH),
+                _short(faults, COMMAND_WIDTH) or "-",
                 str(d["idle_behavior"]),
                 d.get("job_id") or "-",
                 str(d["host_state"]),
@@ -132,6 +173,46 @@ def clear_result(body: Mapping[str, Any]) -> str:
 def event_line(event: Mapping[str, Any]) -> str:
     skip = {"seq", "type", "time"}
     details = " ".join(
-        f"{k}={v}" for k, v in event.items() if k not in skip and v not in (None, "")
+        f"{k}={one_line(str(v))}" for k, v in event.items() if k not in skip and v not in (None, "")
     )
     return f"{event['seq']:>6}  {_when(event.get('time'))}  {event['type']:<18}  {details}"
+
+
+def pool_summary(body: Mapping[str, Any]) -> str:
+    """``rc pool``: counts per state, free devices per class, running attempts."""
+
+    def counts(title: str, values: Mapping[str, int]) -> str:
+        return f"{title:<14}" + "  ".join(f"{k} {v}" for k, v in values.items())
+
+    lines = [
+        counts("hosts", body.get("hosts", {})),
+        counts("devices", body.get("devices", {})),
+        counts("idle behavior", body.get("idle_behavior", {})),
+    ]
+    free = body.get("free_by_class", {})
+    label = body.get("class_label", "product")
+    if free:
+        lines.append(f"free by {label}:")
+        lines += [f"  {v:>5}  {one_line(k) or '(no ' + label + ')'}" for k, v in free.items()]
+    running = body.get("running", [])
+    rows = [
+        [
+            str(r["job_id"]),
+            f"{r.get('host')}/{r.get('device')}",
+            str(r.get("state")),
+            "-" if r.get("ended_at") is None else _when(r.get("ended_at")),
+        ]
+        for r in running
+    ]
+    if rows:
+        lines.append(table(["JOB", "DEVICE", "STATE", "ENDED"], rows))
+    return "\n".join(lines)
+
+
+def host_result(action: str, host: str, body: Mapping[str, Any]) -> str:
+    if action == "retire":
+        lost = body.get("jobs_lost") or []
+        return f"{host}: retired" + (f"; jobs ended lost: {', '.join(lost)}" if lost else "")
+    devices = body.get("devices") or []
+    state = "draining: no new work" if action == "drain" else "resumed: taking work"
+    return f"{host}: {state} ({len(devices)} device(s))"

@@ -33,6 +33,10 @@ class Fault:
     boot_id: str | None = None
     """For ``interrupted``: the host's boot id when the job started, if known."""
 
+    def describe(self) -> str:
+        """``kind: detail``, for the one-line reasons people read."""
+        return f"{self.kind}: {self.detail}" if self.detail else self.kind
+
     def info(self) -> FaultInfo:
         return FaultInfo(
             fault_id=self.fault_id,
@@ -221,6 +225,8 @@ class Host:
     lost: bool = False
     pid: int | None = None
     instance_id: str | None = None
+    heartbeat_interval_s: float | None = None
+    """The interval this host's worker was told at its last registration."""
     worker_version: str = ""
     require_manual_clear: bool = False
     facts: dict[str, str] = attrs.Factory(dict)

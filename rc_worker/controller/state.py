@@ -11,6 +11,7 @@ adds the public operations on top. Sans-IO: no Trio, no anyio; time comes in as
 from __future__ import annotations
 
 import bisect
+import random
 import secrets
 import time
 from collections import deque
@@ -46,6 +47,10 @@ class StoreConfig:
     report_timeout_s: float = 60.0
     """An unstarted assignment, or a job carried over a registration in ``recovery``, that the
     host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
+    heartbeat_rate: float = 0.0
+    """Heartbeats per second the controller aims at across the fleet (0: no target). With
+    many hosts each is told a longer interval, ``max(heartbeat_interval_s, hosts / rate)``,
+    as Nomad scales its heartbeats, so a large fleet does not cost a core in heartbeats."""
     max_refusals: int = 10
     max_stale_refusals: int = 1000
     max_events: int = 100_000
@@ -73,8 +78,11 @@ class StoreState:
         *,
         instance: str | None = None,
         wall_clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config or StoreConfig()
+        # Session tokens: unguessable by default; a simulation seeds them to replay.
+        self._rng = rng
         self.instance = instance or secrets.token_hex(3)
         self._wall = wall_clock
         self._hosts: dict[str, Host] = {}
@@ -105,6 +113,12 @@ class StoreState:
         self.version += 1
         for callback in list(self._subscribers):
             callback()
+
+    def _token(self) -> str:
+        """Eight hex digits nobody can guess (or, seeded, the same in every replay)."""
+        if self._rng is None:
+            return secrets.token_hex(4)
+        return f"{self._rng.getrandbits(32):08x}"
 
     def _next_id(self, prefix: str) -> str:
         n = self._counters[prefix] = self._counters.get(prefix, 0) + 1
@@ -170,7 +184,7 @@ class StoreState:
         """Apply every time-based rule due at ``now``: lost hosts, unanswered assignments."""
         changed = False
         for h in list(self._hosts.values()):
-            if h.session is not None and now >= h.last_seen + self.config.lost_after_s:
+            if h.session is not None and now >= h.last_seen + self._lost_after(h):
                 self._lose_host(h, now)
                 changed = True
             elif h.recovering_until is not None and now >= h.recovering_until:
@@ -192,12 +206,24 @@ class StoreState:
         if changed:
             self._changed()
 
+    def _lost_after(self, h: Host) -> float:
+        """Silence after which a host is lost: missed heartbeats of the interval it was told."""
+        interval = h.heartbeat_interval_s or self.config.heartbeat_interval_s
+        return interval * self.config.missed_heartbeats
+
+    def heartbeat_interval_now(self) -> float:
+        """The interval a host registering now is told (see ``StoreConfig.heartbeat_rate``)."""
+        base = self.config.heartbeat_interval_s
+        rate = self.config.heartbeat_rate
+        if rate <= 0:
+            return base
+        live = sum(1 for h in self._hosts.values() if h.session is not None or not h.lost)
+        return max(base, live / rate)
+
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do, on the controller clock."""
         deadlines = [
-            h.last_seen + self.config.lost_after_s
-            for h in self._hosts.values()
-            if h.session is not None
+            h.last_seen + self._lost_after(h) for h in self._hosts.values() if h.session is not None
         ]
         deadlines += [h.recovering_until for h in self._hosts.values() if h.recovering_until]
         for job in self._live.values():

@@ -16,8 +16,9 @@ The rules implemented here are written down in docs/protocol.md.
 from __future__ import annotations
 
 import bisect
-import secrets
 from collections.abc import Mapping, Sequence
+
+import attrs
 
 from rc_worker.controller.claims import adopt_attempt, apply_register_claims
 from rc_worker.controller.errors import (
@@ -48,6 +49,8 @@ from rc_worker.controller.messages import (
     SheetsUpdate,
     StartRequest,
 )
+from rc_worker.controller.pending import Candidate, Pending, explain
+from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
@@ -147,12 +150,53 @@ class Store(StoreState):
         return job_id
 
     def job(self, job_id: str) -> JobInfo:
-        return self._job(job_id).info()
+        return self._view(self._job(job_id))
 
     def jobs(self, state: str | None = None) -> list[JobInfo]:
         if state is not None and state not in JOB_STATES:
             raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
-        return [j.info() for j in self._jobs.values() if state is None or j.state == state]
+        candidates: list[Candidate] | None = None  # computed once, and only if a job is queued
+        out = []
+        for j in self._jobs.values():
+            if state is None or j.state == state:
+                if j.state == "queued" and candidates is None:
+                    candidates = self._candidates()
+                out.append(self._view(j, candidates))
+        return out
+
+    def pending(self, select: str = "", device: str | None = None) -> Pending:
+        """Why a job with this selector and pin would wait now (``no_match``: it never runs)."""
+        try:
+            selector = parse_selector(select)
+        except SelectorError as e:
+            raise BadRequest(f"select: {e}") from None
+        return explain(selector, device, self._candidates())
+
+    def _view(self, job: Job, candidates: list[Candidate] | None = None) -> JobInfo:
+        # Computed on every read, so a queued job's reason is always the current one.
+        info = job.info()
+        if job.state != "queued":
+            return info
+        why = explain(
+            job.selector, job.spec.device, self._candidates() if candidates is None else candidates
+        )
+        return attrs.evolve(info, pending_reason=why.reason, pending_code=why.code)
+
+    def _candidates(self) -> list[Candidate]:
+        return [
+            Candidate(
+                address=f"{h.name}/{d.name}",
+                labels=d.labels(h),
+                present=d.present,
+                host_lost=h.lost,
+                fault=None if (f := d.first_fault()) is None else f.describe(),
+                idle_behavior=d.idle_behavior,
+                job_id=None if d.job is None else d.job.job_id,
+                worker_state=d.worker_state,
+            )
+            for h in self._hosts.values()
+            for d in h.devices.values()
+        ]
 
     def output(self, job_id: str, offset: int = 0, limit: int | None = None) -> bytes:
         """The job's committed output from ``offset`` (at most ``limit`` bytes).
@@ -223,6 +267,77 @@ class Store(StoreState):
             self._changed()
         return d.info(h)
 
+    # --- user side: hosts (the pool's KillInstance for a static fleet) ----------------------
+
+    def pool(
+        self, *, class_label: str = DEFAULT_CLASS_LABEL, recent_s: float = RECENT_S
+    ) -> dict[str, object]:
+        """The worker pool's view: counts per state, free devices per class, running
+        attempts (:mod:`rc_worker.controller.pool`)."""
+        return pool_view(
+            self.devices(),
+            self._jobs_for_pool(),
+            now=self._wall(),
+            class_label=class_label,
+            recent_s=recent_s,
+        )
+
+    def _jobs_for_pool(self) -> list[JobInfo]:
+        return [self.job(job_id) for job_id in self._live] + [
+            info for info in self.jobs() if info.terminal and info.finished_at is not None
+        ]
+
+    def set_host_idle_behavior(self, host: str, behavior: str) -> list[DeviceInfo]:
+        """``drain`` (no new work on any device of the host) or ``run`` (resume)."""
+        if behavior not in IDLE_BEHAVIORS:
+            raise BadRequest(f"idle_behavior: {behavior!r} is not one of drain, hold, run")
+        h = self._hosts.get(host)
+        if h is None:
+            raise NotFound(f"no host {host}", code="unknown_host")
+        self.journal.host(host)
+        changed = False
+        for d in h.devices.values():
+            if d.idle_behavior != behavior:
+                d.idle_behavior = behavior
+                changed = True
+        if changed:
+            self._emit("host_idle_behavior", host=host, idle_behavior=behavior)
+            self._changed()
+        return [d.info(h) for d in h.devices.values()]
+
+    def retire_host(self, host: str, *, force: bool = False) -> list[str]:
+        """Forget a host gone for good: its devices leave the device list; its jobs'
+        records stay. Refused (409) while it runs jobs, unless ``force``, which ends
+        them ``lost``. Returns the ids of the jobs so ended. A retired host that
+        registers again is a new host."""
+        h = self._hosts.get(host)
+        if h is None:
+            raise NotFound(f"no host {host}", code="unknown_host")
+        busy = [job for job in self._live.values() if job.current and job.current.host == host]
+        if busy and not force:
+            raise Conflict(
+                f"host {host} has {len(busy)} job(s) assigned or running "
+                f"({', '.join(j.job_id for j in busy)}); wait for them, or retire with --force",
+                code="host_busy",
+            )
+        ended = []
+        for job in busy:
+            cur = job.current
+            if cur is not None and cur.status == "assigned":
+                self._requeue(job, f"host {host} retired before it started")
+            else:
+                self._terminate(job, "lost", by="controller", reason=f"host {host} retired")
+                ended.append(job.job_id)
+        if h.session is not None:
+            self._sessions.pop(h.session, None)
+        for key in [k for k in self._poll_gen if k[0] == host]:
+            del self._poll_gen[key]
+        del self._hosts[host]
+        self.journal.host(host)  # gone from the store beneath too
+        self._emit("host_retired", host=host, forced=bool(busy), jobs=ended)
+        self._changed()
+        return ended
+
     def events(self, after: int = 0, limit: int | None = None) -> list[Event]:
         """Events with ``seq > after``, oldest first (the oldest may have been dropped)."""
         out: list[Event] = []
@@ -259,7 +374,7 @@ class Store(StoreState):
         h.recovering_until = None
         if h.session is not None:
             del self._sessions[h.session]
-        h.session = f"{self._next_id('s')}-{secrets.token_hex(4)}"
+        h.session = f"{self._next_id('s')}-{self._token()}"
         self._sessions[h.session] = h
         h.lost = False
         h.last_seen = now
@@ -284,10 +399,11 @@ class Store(StoreState):
         apply_register_claims(self, h, req, now)
         h.boot_id = req.boot_id
         self._changed()
+        h.heartbeat_interval_s = self.heartbeat_interval_now()
         return RegisterReply(
             protocol=PROTOCOL_VERSION,
             session=h.session,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_interval_s=h.heartbeat_interval_s,
             poll_wait_s=self.config.poll_wait_s,
             devices={name: self._status(h.devices[name]) for name in wanted},
         )

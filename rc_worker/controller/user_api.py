@@ -11,7 +11,8 @@ from starlette.routing import Route
 
 from rc_worker.controller import wire
 from rc_worker.controller.context import Controller, controller_of, json_body, query_int
-from rc_worker.controller.errors import ApiError, BadRequest
+from rc_worker.controller.errors import ApiError, BadRequest, Conflict
+from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
@@ -28,9 +29,20 @@ def _user(request: Request) -> Controller:
 
 async def submit(request: Request) -> Response:
     ctl = _user(request)
-    kwargs = wire.submit(await json_body(request))
+    body = await json_body(request)
+    kwargs = wire.submit(body)
+    if body.flag("strict"):
+        # Checked and submitted with no await in between: the devices cannot change meanwhile.
+        why = ctl.store.pending(kwargs["select"], kwargs["device"])
+        if why.code == "no_match":
+            raise Conflict(
+                f"no registered device could ever run this job: {why.reason}", code="no_match"
+            )
     job_id = ctl.store.submit(**kwargs)
-    return JSONResponse({"job_id": job_id})
+    job = ctl.store.job(job_id)
+    return JSONResponse(
+        {"job_id": job_id, "pending_reason": job.pending_reason, "pending_code": job.pending_code}
+    )
 
 
 async def list_jobs(request: Request) -> Response:
@@ -150,6 +162,32 @@ async def idle_behavior(request: Request) -> Response:
     return JSONResponse(ctl.store.set_idle_behavior(*_address(request), behavior).to_json())
 
 
+async def pool(request: Request) -> Response:
+    ctl = _user(request)
+    label = request.query_params.get("class") or DEFAULT_CLASS_LABEL
+    return JSONResponse(ctl.store.pool(class_label=label))
+
+
+async def host_drain(request: Request) -> Response:
+    ctl = _user(request)
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain")
+    return JSONResponse({"devices": [d.to_json() for d in devices]})
+
+
+async def host_resume(request: Request) -> Response:
+    ctl = _user(request)
+    devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run")
+    return JSONResponse({"devices": [d.to_json() for d in devices]})
+
+
+async def host_retire(request: Request) -> Response:
+    ctl = _user(request)
+    body = await json_body(request)
+    host = request.path_params["host"]
+    ended = ctl.store.retire_host(host, force=body.flag("force"))
+    return JSONResponse({"host": host, "retired": True, "jobs_lost": ended})
+
+
 async def events(request: Request) -> Response:
     ctl = _user(request)
     after = query_int(request, "after", 0)
@@ -179,4 +217,8 @@ def routes() -> list[Route]:
         Route("/v1/devices/{host}/{device}/clear", clear, methods=["POST"]),
         Route("/v1/devices/{host}/{device}/idle-behavior", idle_behavior, methods=["POST"]),
         Route("/v1/events", events, methods=["GET"]),
+        Route("/v1/pool", pool, methods=["GET"]),
+        Route("/v1/hosts/{host}/drain", host_drain, methods=["POST"]),
+        Route("/v1/hosts/{host}/resume", host_resume, methods=["POST"]),
+        Route("/v1/hosts/{host}/retire", host_retire, methods=["POST"]),
     ]

@@ -39,6 +39,7 @@ import enum
 import functools
 import json
 import math
+import random
 import re
 import tempfile
 import time
@@ -306,6 +307,8 @@ class Fleet:
         """What the harness did and saw, with virtual times, for reading a failure."""
         self.violations: list[str] = []
         """Invariant violations seen as they happened (see also :meth:`check`)."""
+        self.seed: int | None = None
+        """The seed of :func:`open_fleet`, if any."""
         self.worker_environ: Mapping[str, str] = WORKER_ENVIRON
         """The environment every worker process starts with (``PATH`` is the fleet's bin)."""
         self._bin: Path | None = None
@@ -444,7 +447,14 @@ class Fleet:
         node.incarnations += 1
         # Built here, not in the task, so that node.worker is never the dead one.
         http = httpx.AsyncClient(transport=node.transport, base_url="http://controller")
-        node.worker = Worker(node.config, http=http, host=node.host, environ=self.worker_environ)
+        # Each process its own generator: a restarted worker is a new process with
+        # new ids, and with a seed, the same ones in every replay.
+        rng = (
+            None if self.seed is None else random.Random(f"{self.seed}/{name}/{node.incarnations}")
+        )
+        node.worker = Worker(
+            node.config, http=http, host=node.host, environ=self.worker_environ, rng=rng
+        )
         self._nursery.start_soon(self._serve, node, node.worker, http)
 
     def inject(self, endpoint: str, *faults: Fault, hosts: Iterable[str] | None = None) -> None:
@@ -838,6 +848,7 @@ async def open_fleet(
     poll_wait: float = 30.0,
     store_config: StoreConfig | None = None,
     nvidia_smi: Script | None = None,
+    seed: int | None = None,
     **config_fields: Any,
 ) -> AsyncIterator[Fleet]:
     """A controller and a worker per host, each on its own SimHost and state directory.
@@ -845,6 +856,8 @@ async def open_fleet(
     ``nvidia_smi``: a script that stands for ``nvidia-smi`` on every host from the
     start (its output is what the real one prints for the worker's query); change
     it later with :meth:`Fleet.program_nvidia_smi`. Without it the hosts have no GPU tools.
+    ``seed``: the controller's session tokens and every worker's ids and retry
+    jitter come from generators seeded with it (see :func:`simulate`).
 
     ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``devices``: names,
     or :class:`~rc_worker.config.DeviceConfig` with hooks, whose paths are
@@ -861,6 +874,7 @@ async def open_fleet(
         store_config or StoreConfig(heartbeat_interval_s=heartbeat_interval, poll_wait_s=poll_wait),
         instance="sim",
         wall_clock=trio.current_time,
+        rng=None if seed is None else random.Random(f"{seed}/controller"),
     )
     tokens = {f"rc-sim-{name}": name for name in names}
     app = create_app(store=store, worker_tokens=tokens, user_tokens=[USER_TOKEN])
@@ -870,6 +884,7 @@ async def open_fleet(
             # As `rc serve` does: hosts are lost on time even when nobody calls.
             await nursery.start(housekeeping, app)
             fleet = Fleet(store, {}, nursery)
+            fleet.seed = seed
             fleet._bin = base / "sim-bin"
             fleet._bin.mkdir(parents=True, exist_ok=True)
             fleet.worker_environ = {**WORKER_ENVIRON, "PATH": str(fleet._bin)}
@@ -967,6 +982,7 @@ def simulate(
     time_limit: float = 3600.0,
     stall_steps: int = STALL_STEPS,
     wall_limit: float | None = WALL_LIMIT,
+    seed: int | None = None,
     **fleet_args: Any,
 ) -> T:
     """Run ``scenario(fleet)`` in a fresh Trio run in virtual time, and return its result.
@@ -979,8 +995,20 @@ def simulate(
     going after ``wall_limit`` real seconds raises :class:`SimulationTimedOut`
     (``None``: no limit), kept under pytest-timeout's so that the failure,
     and the hypothesis plan behind it, are reported rather than the process killed.
+
+    ``seed``: replay exactly. The same seed and scenario give the same run: the
+    controller's event log (:meth:`Fleet.events`), every job's output and the
+    harness's log are identical between two runs. Without it, ids and jitter
+    are random as in production (hypothesis still makes Trio's scheduling
+    deterministic for its own examples).
     """
     guard = _StallGuard(stall_steps, wall_limit)
+    if seed is not None:
+        # Trio breaks ties between tasks ready at once with this generator (the
+        # hook its hypothesis plugin seeds); with it and the fleet's generators
+        # seeded, one seed and one scenario give one run, byte for byte.
+        trio._core._run._r.seed(seed)
+        fleet_args["seed"] = seed
 
     async def main() -> T:
         with trio.CancelScope() as scope:

@@ -528,3 +528,21 @@ def test_host_documents_round_trip() -> None:
     loaded = load_host(json.loads(json.dumps(host_doc(h))), 5.0)
     assert (loaded.instance_id, loaded.pid, loaded.boot_id) == ("i-1", 9, "b")
     assert loaded.devices["gpu0"].info(loaded) == h.devices["gpu0"].info(h)
+
+
+async def test_host_drain_and_retire_survive_a_restart(store_place: StorePlace) -> None:
+    with trio.fail_after(GUARD):
+        opened = open_controller(store_place.open())
+        async with clients(opened.app) as (bare, user):
+            await FakeWorker(bare, "box1").register()
+            await FakeWorker(bare, "box2").register()
+            r = await user.post("/v1/hosts/box1/drain")
+            assert r.status_code == 200, r.text
+            r = await user.post("/v1/hosts/box2/retire", json={})
+            assert r.status_code == 200, r.text
+        opened.backend.close()
+        reopened = open_controller(store_place.open())
+        assert [(d.address, d.idle_behavior) for d in reopened.store.devices()] == [
+            ("box1/gpu0", "drain")
+        ]
+        reopened.backend.close()

@@ -71,7 +71,14 @@ async def test_rc_against_a_served_controller(
 
             assert await rc("ps", url=served) == 0
             table = capsys.readouterr().out
-            assert table.splitlines()[0].split() == ["JOB", "STATE", "ATTEMPT", "DEVICE", "COMMAND"]
+            assert table.splitlines()[0].split() == [
+                "JOB",
+                "STATE",
+                "ATTEMPT",
+                "DEVICE",
+                "COMMAND",
+                "NOTE",
+            ]
             assert a["job_id"] in table
             assert "failed (3)" in table
 
@@ -108,11 +115,11 @@ def test_worker_tokens_from_args_and_env() -> None:
     assert rc_cli.parse_worker_token("padded==") == ("padded==", "*")
 
 
-async def test_unreachable_controller_is_one_line_and_exit_1(
+async def test_unreachable_controller_is_one_line_and_exit_3(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with trio.fail_after(30):
-        assert await rc("ps", url="http://127.0.0.1:9") == 1
+        assert await rc("ps", url="http://127.0.0.1:9") == rc_cli.EXIT_CONTROLLER_GONE == 3
     err = capsys.readouterr().err
     assert err.startswith("rc: cannot reach the controller at http://127.0.0.1:9")
     assert "Traceback" not in err
@@ -257,3 +264,57 @@ async def test_rc_serve_exits_on_sigterm(tmp_path: Path) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_tables_stay_one_row_per_job_and_devices_show_the_fault(
+    transport: httpx.ASGITransport,
+    client: httpx.AsyncClient,
+    store: Store,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    w = FakeWorker(client)
+    with trio.fail_after(10):
+        await w.register()
+        store.submit(["sh", "-c", "echo one\necho two\r\n\techo three\x1b[31m"])
+        store.submit(["python", "-c", "x" * 500])
+        store.submit(["true"], env={"A": "1"})
+        assert await rc("ps", token=USER_TOKEN, transport=transport) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 4  # a header and one row per job
+        assert "sh -c 'echo one\\necho two\\r\\n\\techo three\\x1b[3…" in lines[1]
+        assert all(len(line) < 250 for line in lines)
+        assert "…" in lines[2]
+        await w.post(
+            "/v1/hosts/box1/devices/gpu0/fault",
+            {
+                "session": w.session,
+                "fault_id": "f-1",
+                "kind": "verify_failed",
+                "reason": "10-ecc.sh: 3 uncorrectable\nECC errors",
+            },
+        )
+        assert await rc("devices", token=USER_TOKEN, transport=transport) == 0
+        [header, row] = capsys.readouterr().out.splitlines()
+        assert header.split()[:3] == ["DEVICE", "STATE", "REASON"]
+        assert "verify_failed: 10-ecc.sh: 3 uncorrectable\\nECC errors" in row
+        assert await rc("show", store.jobs()[0].job_id, token=USER_TOKEN, transport=transport) == 0
+        show = capsys.readouterr().out
+        assert "waiting    the pinned" not in show
+        assert "waiting    no matching device is available: box1/gpu0 quarantined" in show
+
+
+def test_one_line_escapes_what_would_break_a_row() -> None:
+    from rc_worker.controller.rc_format import one_line
+
+    assert one_line("plain é ✓") == "plain é ✓"
+    assert one_line("a\nb\tc\x00d\u2028") == "a\\nb\\tc\\x00d\\u2028"
+
+
+def test_errors_from_rc_runs_nursery_become_one_error() -> None:
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [httpx.ReadError("boom")])])
+    error = rc_cli._translate(nested)
+    assert (error.status, str(error)) == (3, "cannot reach the controller: ReadError: boom")
+    refused = rc_cli._translate(ExceptionGroup("g", [rc_cli.CliError("nope", 1)]))
+    assert (refused.status, str(refused)) == (1, "nope")
+    other = rc_cli._translate(ExceptionGroup("g", [httpx.DecodingError("bad gzip")]))
+    assert (other.status, str(other)) == (1, "DecodingError: bad gzip")

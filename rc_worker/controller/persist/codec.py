@@ -45,6 +45,8 @@ class Batch:
     events: tuple[tuple[int, str, float, str], ...] = ()
     output: tuple[tuple[str, int, bytes], ...] = ()
     meta: tuple[tuple[str, str], ...] = ()
+    deleted_hosts: tuple[str, ...] = ()
+    """Hosts marked but no longer in the store (retired)."""
 
 
 @attrs.frozen
@@ -168,17 +170,22 @@ def batch_of(store: StoreState, marks: Marks, generation: int) -> Batch:
                 JobRow(job.job_id, job.seq, job.state, job.finished_at, _dumps(job_doc(job)))
             )
     hosts = []
+    deleted = []
     for name in sorted(marks.hosts):
         h = store.known_host(name)
         if h is not None:
             hosts.append((name, _dumps(host_doc(h))))
+        else:
+            deleted.append(name)
     events = tuple((e.seq, e.type, e.time, _dumps(dict(e.data))) for e in marks.events)
     meta = (
         ("instance", store.instance),
         ("counters", _dumps(store.counters())),
         ("event_seq", str(store.last_event_seq_value())),
     )
-    return Batch(generation, tuple(jobs), tuple(hosts), events, tuple(marks.output), meta)
+    return Batch(
+        generation, tuple(jobs), tuple(hosts), events, tuple(marks.output), meta, tuple(deleted)
+    )
 
 
 # --- documents to records -------------------------------------------------------------------

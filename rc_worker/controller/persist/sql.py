@@ -137,6 +137,8 @@ class SqlBackend:
                             " ON CONFLICT (name) DO UPDATE SET data = excluded.data",
                             (name, data),
                         )
+                    for name in b.deleted_hosts:
+                        cur.execute(f"DELETE FROM hosts WHERE name = {p}", (name,))
                     for ev in b.events:
                         cur.execute(
                             "INSERT INTO events (seq, type, time, data)"

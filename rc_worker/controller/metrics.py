@@ -1,0 +1,89 @@
+"""``GET /metrics`` on the reference controller: the pool's view for Prometheus.
+
+Gauges read from the store at scrape time (a custom collector on a registry of
+the app's own, so two controllers in one process never share series):
+
+- ``rc_controller_hosts{state}``, ``rc_controller_devices{state,idle_behavior}``:
+  the pool's counts (:mod:`rc_worker.controller.pool`);
+- ``rc_controller_free_devices{class}``: free devices per ``product`` label;
+- ``rc_controller_jobs{state}``: jobs per state, queued / assigned / running
+  and each terminal outcome;
+- ``rc_controller_device_faults{kind}``: faults not yet cleared, by kind;
+- ``rc_controller_last_event_seq``: the event log's newest sequence number.
+
+Counts only: no job ids, no host names, so the endpoint needs no token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rc_worker.controller.pool import DEVICE_STATES, HOST_STATES, device_state, host_states
+from rc_worker.controller.store import Store
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class StoreCollector(Collector):
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        devices = self._store.devices()
+        hosts = GaugeMetricFamily("rc_controller_hosts", "Hosts per state.", labels=["state"])
+        counted = Counter(host_states(devices).values())
+        for state in sorted({*HOST_STATES, *counted}):
+            hosts.add_metric([state], counted.get(state, 0))
+        yield hosts
+        per_device = GaugeMetricFamily(
+            "rc_controller_devices",
+            "Devices per state and idle behaviour.",
+            labels=["state", "idle_behavior"],
+        )
+        pairs = Counter((device_state(d), d.idle_behavior) for d in devices)
+        for state in DEVICE_STATES:
+            for idle in ("run", "hold", "drain"):
+                per_device.add_metric([state, idle], pairs.get((state, idle), 0))
+        yield per_device
+        free = GaugeMetricFamily(
+            "rc_controller_free_devices", "Free devices per product label.", labels=["class"]
+        )
+        for cls, n in sorted(
+            Counter(
+                d.labels.get("product", "") for d in devices if device_state(d) == "free"
+            ).items()
+        ):
+            free.add_metric([cls], n)
+        yield free
+        jobs = GaugeMetricFamily("rc_controller_jobs", "Jobs per state.", labels=["state"])
+        for state, n in sorted(Counter(j.state for j in self._store.jobs()).items()):
+            jobs.add_metric([state], n)
+        yield jobs
+        faults = GaugeMetricFamily(
+            "rc_controller_device_faults", "Faults not yet cleared, by kind.", labels=["kind"]
+        )
+        for kind, n in sorted(Counter(f.kind for d in devices for f in d.faults).items()):
+            faults.add_metric([kind], n)
+        yield faults
+        seq = GaugeMetricFamily(
+            "rc_controller_last_event_seq", "The newest event's sequence number."
+        )
+        seq.add_metric([], self._store.last_event_seq)
+        yield seq
+
+
+def metrics_endpoint(store: Store) -> Callable[[Request], Awaitable[Response]]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(store))
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+
+    return metrics

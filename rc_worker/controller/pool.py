@@ -1,0 +1,105 @@
+"""The worker pool's view of the fleet (after the second seed's dispatcher pool).
+
+Sans-IO: built from the store's snapshots (devices and jobs), so it can be
+tested without a controller and never changes what it reads.
+
+- ``hosts``: hosts per state (``up``, ``draining``, ``lost``; the controller's
+  own ``unknown`` and ``retired`` where it keeps them);
+- ``devices``: devices per state: ``free``, ``busy``, ``held`` (free, but its
+  idle behaviour keeps work off it: ``hold`` or ``drain``), ``quarantined``,
+  ``absent``; and per idle behaviour (the seed's ``CountWorkers``);
+- ``free_by_class``: free devices per value of a label (``product`` by default:
+  "how many free H100s"), for capacity planning;
+- ``running``: the seed's ``Running()``: every attempt assigned or running,
+  with ``ended_at`` null, and those that ended within ``recent_s`` with the
+  time they ended (the "exited at T" placeholder, which tells a job that
+  ended without its state reaching a cache yet from one still running).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rc_worker.controller.messages import DeviceInfo, JobInfo
+
+DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
+HOST_STATES = ("unknown", "up", "draining", "lost", "retired")
+IDLE_BEHAVIORS = ("run", "hold", "drain")
+DEFAULT_CLASS_LABEL = "product"
+RECENT_S = 300.0
+
+
+def device_state(d: DeviceInfo) -> str:
+    """The pool's state of one device (``held`` is free, but not offered work)."""
+    if d.state == "free" and d.idle_behavior != "run":
+        return "held"
+    return d.state
+
+
+def host_states(devices: Iterable[DeviceInfo]) -> dict[str, str]:
+    """Each host's state: its controller state, ``draining`` when every present
+    device of an up host has idle behaviour ``drain``."""
+    by_host: dict[str, list[DeviceInfo]] = {}
+    for d in devices:
+        by_host.setdefault(d.host, []).append(d)
+    out: dict[str, str] = {}
+    for host, ds in by_host.items():
+        state = ds[0].host_state
+        present = [d for d in ds if d.present]
+        if state == "up" and present and all(d.idle_behavior == "drain" for d in present):
+            state = "draining"
+        out[host] = state
+    return out
+
+
+def pool_view(
+    devices: Iterable[DeviceInfo],
+    jobs: Iterable[JobInfo],
+    *,
+    now: float,
+    class_label: str = DEFAULT_CLASS_LABEL,
+    recent_s: float = RECENT_S,
+) -> dict[str, Any]:
+    """The pool's counts and running attempts (see the module docstring)."""
+    devices = list(devices)
+    hosts = host_states(devices)
+    host_counts = Counter(hosts.values())
+    states = Counter(device_state(d) for d in devices)
+    idle = Counter(d.idle_behavior for d in devices if d.present)
+    free_by_class: Counter[str] = Counter(
+        d.labels.get(class_label, "") for d in devices if device_state(d) == "free"
+    )
+    running: list[dict[str, Any]] = []
+    for j in jobs:
+        if j.state in ("assigned", "running"):
+            running.append(_attempt(j, None))
+        elif j.terminal and j.finished_at is not None and now - j.finished_at <= recent_s:
+            running.append(_attempt(j, j.finished_at))
+    return {
+        "hosts": _counts(host_counts, HOST_STATES),
+        "devices": _counts(states, DEVICE_STATES),
+        "idle_behavior": _counts(idle, IDLE_BEHAVIORS),
+        "class_label": class_label,
+        "free_by_class": dict(sorted(free_by_class.items())),
+        "running": running,
+    }
+
+
+def _counts(counter: Mapping[str, int], keys: Iterable[str]) -> dict[str, int]:
+    out = {k: int(counter.get(k, 0)) for k in keys}
+    out.update({k: int(v) for k, v in counter.items() if k not in out})
+    return out
+
+
+def _attempt(j: JobInfo, ended_at: float | None) -> dict[str, Any]:
+    return {
+        "job_id": j.job_id,
+        "attempt": j.attempt,
+        "host": j.host,
+        "device": j.device,
+        "state": j.state,
+        "started_at": j.started_at,
+        "ended_at": ended_at,
+    }

@@ -1,0 +1,168 @@
+"""Following a job's output from ``rc``, through a controller that may go away.
+
+``rc run`` and ``rc logs -f`` read ``GET /v1/jobs/{id}/output?follow=true``. When the
+connection drops (the controller was killed, restarted, or a proxy cut it), they
+reconnect and resume at the offset they already have, for up to ``--reconnect D``
+counted from the last time the controller answered. Past that, or if a restarted
+controller no longer knows the job (its store is in memory), they give up with
+:class:`ControllerGone`: one line on stderr and exit status 3.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import trio
+
+from rc_worker.controller.messages import TERMINAL_STATES
+from rc_worker.durations import format_duration
+
+EXIT_CONTROLLER_GONE = 3
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 2.0
+LOG_CHUNK = 64 * 1024
+
+Sink = Callable[[int, bytes], None]
+"""Takes ``(offset, data)`` for each chunk of output, in order."""
+
+
+class CliError(Exception):
+    """A failure to report on stderr with an exit status (1 refused, 2 usage, 3 unreachable)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ControllerGone(CliError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_CONTROLLER_GONE)
+
+
+def raise_for(r: httpx.Response) -> None:
+    if r.is_success:
+        return
+    try:
+        body = r.json()
+        message = f"{body['error']}: {body['message']}"
+    except (ValueError, KeyError, TypeError):
+        message = f"HTTP {r.status_code}"
+    raise CliError(f"the controller answered {r.status_code}: {message}")
+
+
+class Reconnect:
+    """How long ``rc`` keeps trying while the controller does not answer.
+
+    ``window`` is counted from the first failure since the controller last answered;
+    tries back off from 0.25 s to 2 s. :meth:`failed` sleeps before the next try, or
+    raises :class:`ControllerGone` once the window is spent.
+    """
+
+    def __init__(self, window: float, url: str, job_id: str) -> None:
+        self.window = window
+        self.url = url
+        self.job_id = job_id
+        self.since: float | None = None
+        self.failures = 0
+        self.reconnected = False
+        """True once a connection has been lost: a later 404 means the controller forgot it."""
+
+    def answered(self) -> None:
+        self.since = None
+        self.failures = 0
+
+    async def failed(self, error: httpx.TransportError) -> None:
+        self.reconnected = True
+        now = trio.current_time()
+        if self.since is None:
+            self.since = now
+        self.failures += 1
+        left = self.since + self.window - now
+        if left <= 0:
+            what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            raise ControllerGone(
+                f"lost the controller at {self.url} while following job {self.job_id} "
+                f"(no answer for {format_duration(self.window)}; {what}); "
+                f"the job may still run: rc logs -f {self.job_id}"
+            )
+        await trio.sleep(min(RETRY_FIRST_S * 2 ** (self.failures - 1), RETRY_MAX_S, left))
+
+    def forgotten(self, r: httpx.Response) -> None:
+        """A 404 for the job after a reconnect: the controller restarted without it."""
+        if r.status_code == 404 and self.reconnected:
+            raise ControllerGone(
+                f"the controller at {self.url} no longer knows job {self.job_id} "
+                "(it restarted, and keeps jobs in memory only)"
+            )
+
+
+async def get_job(client: httpx.AsyncClient, job_id: str, reconnect: Reconnect) -> Any:
+    while True:
+        try:
+            r = await client.get(f"/v1/jobs/{job_id}")
+        except httpx.TransportError as e:
+            await reconnect.failed(e)
+            continue
+        reconnect.answered()
+        reconnect.forgotten(r)
+        raise_for(r)
+        return r.json()
+
+
+async def follow_output(
+    client: httpx.AsyncClient, job_id: str, offset: int, sink: Sink, reconnect: Reconnect
+) -> Any:
+    """Give ``sink`` the job's output from ``offset`` until the job ends; returns its record."""
+    while True:
+        try:
+            async with client.stream(
+                "GET", f"/v1/jobs/{job_id}/output", params={"offset": offset, "follow": "true"}
+            ) as r:
+                if not r.is_success:
+                    await r.aread()
+                    reconnect.forgotten(r)
+                    raise_for(r)
+                reconnect.answered()
+                async for chunk in r.aiter_raw():
+                    sink(offset, chunk)
+                    offset += len(chunk)
+        except httpx.TransportError as e:
+            await reconnect.failed(e)
+            continue
+        # The stream ends when the job has ended; check, in case a proxy ended it early.
+        job = await get_job(client, job_id, reconnect)
+        if job["state"] in TERMINAL_STATES and offset >= int(job.get("committed_bytes") or 0):
+            return job
+
+
+# --- sinks ----------------------------------------------------------------------------------
+
+
+def to_stream(stream: Any) -> Sink:
+    def sink(offset: int, data: bytes) -> None:
+        stream.buffer.write(data)
+        stream.flush()
+
+    return sink
+
+
+def discard(offset: int, data: bytes) -> None:
+    pass
+
+
+def json_lines(offset: int, data: bytes) -> None:
+    """``rc logs --json``: one object per chunk; ``data`` is always base64 (output is bytes)."""
+    for i in range(0, len(data), LOG_CHUNK):
+        piece = data[i : i + LOG_CHUNK]
+        line = {
+            "offset": offset + i,
+            "length": len(piece),
+            "data": base64.b64encode(piece).decode("ascii"),
+        }
+        sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()

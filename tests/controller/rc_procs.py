@@ -1,0 +1,160 @@
+"""Real ``rc`` processes for tests: ``rc serve``, client commands, a connection-dropping proxy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import trio
+
+RC = str(Path(sys.executable).parent / "rc")
+USER = "ut"
+WORKER = "wt"
+
+
+def rc_env(url: str) -> dict[str, str]:
+    return {**os.environ, "RC_URL": url, "RC_USER_TOKEN": USER}
+
+
+@attrs.define
+class Served:
+    proc: trio.Process
+    url: str
+    port: int
+
+
+@asynccontextmanager
+async def rc_serve(listen: str = "127.0.0.1:0") -> AsyncIterator[Served]:
+    """A real ``rc serve`` process (worker token ``wt`` for box1, user token ``ut``)."""
+    proc = await trio.lowlevel.open_process(
+        [RC, "serve", "--listen", listen, "--user-token", USER, "--worker-token", f"{WORKER}=box1"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        said = b""
+        with trio.fail_after(30):
+            while b"listening on " not in said or not said.endswith(b"\n"):
+                chunk = await proc.stderr.receive_some(4096)
+                assert chunk, f"rc serve ended before listening: {said!r}"
+                said += chunk
+        url = said.split(b"listening on ", 1)[1].split()[0].decode().rstrip(",")
+        yield Served(proc, url, int(url.rsplit(":", 1)[1]))
+    finally:
+        await stop(proc)
+
+
+async def stop(proc: trio.Process) -> None:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGKILL)
+    with trio.move_on_after(10, shield=True):
+        await proc.wait()
+
+
+class Reader:
+    """Collects a process's pipe in the background; ``until`` waits for some bytes."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.data = b""
+        self._changed = trio.Event()
+
+    async def run(self) -> None:
+        while chunk := await self.stream.receive_some(65536):
+            self.data += chunk
+            self._changed.set()
+            self._changed = trio.Event()
+        self._changed.set()
+
+    async def until(self, needle: bytes) -> None:
+        while needle not in self.data:
+            event = self._changed
+            await event.wait()
+
+
+@asynccontextmanager
+async def rc_client(
+    argv: Sequence[str], url: str
+) -> AsyncIterator[tuple[trio.Process, Reader, Reader]]:
+    """A real ``rc`` client process with its stdout and stderr collected as it runs."""
+    proc = await trio.lowlevel.open_process(
+        [RC, *argv],
+        env=rc_env(url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    out, err = Reader(proc.stdout), Reader(proc.stderr)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(out.run)
+            nursery.start_soon(err.run)
+            yield proc, out, err
+            with trio.fail_after(60):
+                await proc.wait()
+    finally:
+        await stop(proc)
+
+
+class DroppingProxy:
+    """A TCP proxy to ``target`` that can cut every connection and refuse new ones."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.down = False
+        self.accepted = 0
+        self.retried = trio.Event()
+        """Set once two connections were refused while down (a client retried twice)."""
+        self._refused = 0
+        self._scopes: set[trio.CancelScope] = set()
+
+    async def serve(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        task_status.started(f"http://127.0.0.1:{port}")
+        await trio.serve_listeners(self._handle, listeners)
+
+    def drop(self) -> None:
+        """Cut every open connection, and close each new one at once until :meth:`restore`."""
+        self.down = True
+        for scope in self._scopes:
+            scope.cancel()
+
+    def restore(self) -> None:
+        self.down = False
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        async with client:
+            self.accepted += 1
+            if self.down:
+                self._refused += 1
+                if self._refused >= 2:
+                    self.retried.set()
+                return
+            upstream = await trio.open_tcp_stream("127.0.0.1", self.target_port)
+            async with upstream:
+                with trio.CancelScope() as scope:
+                    self._scopes.add(scope)
+                    try:
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(_pipe, client, upstream)
+                            nursery.start_soon(_pipe, upstream, client)
+                    finally:
+                        self._scopes.discard(scope)
+
+
+async def _pipe(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+    try:
+        while data := await src.receive_some(65536):
+            await dst.send_all(data)
+        await dst.send_eof()
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass

@@ -1,0 +1,245 @@
+"""The worker pool's view (second seed): counts per state, free devices per class,
+running attempts with their end times; host drain, resume and retire; /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+
+from rc_worker.controller.errors import Conflict, NotFound
+from rc_worker.controller.messages import (
+    DeviceDecl,
+    DeviceInfo,
+    JobInfo,
+    JobSpec,
+    RegisterRequest,
+)
+from rc_worker.controller.pool import DEVICE_STATES, device_state, host_states, pool_view
+from rc_worker.controller.store import Store, StoreConfig
+
+from .helpers import USER_TOKEN, FakeWorker
+from .storekit import assign, register, start
+from .test_rc_cli import rc
+
+
+@pytest.fixture
+def transport(app: Starlette) -> httpx.ASGITransport:
+    return httpx.ASGITransport(app=app)
+
+
+def dev(
+    host: str = "h",
+    name: str = "gpu0",
+    state: str = "free",
+    idle: str = "run",
+    product: str | None = "H100",
+    host_state: str = "up",
+    present: bool = True,
+) -> DeviceInfo:
+    labels = {} if product is None else {"product": product}
+    return DeviceInfo(
+        host=host,
+        name=name,
+        state=state,
+        reason=None,
+        fault_id=None,
+        faults=(),
+        labels=labels,
+        facts={},
+        declared_labels={},
+        idle_behavior=idle,
+        present=present,
+        host_state=host_state,
+    )
+
+
+def job(job_id: str, state: str, finished_at: float | None = None) -> JobInfo:
+    return JobInfo(
+        job_id=job_id,
+        state=state,
+        attempt=1,
+        spec=JobSpec(command=("x",)),
+        host="h",
+        device="gpu0",
+        finished_at=finished_at,
+        outcome=state if finished_at is not None else None,
+    )
+
+
+def test_counts_held_devices_draining_hosts_and_free_classes() -> None:
+    devices = [
+        dev("a", "gpu0"),
+        dev("a", "gpu1", product="A100"),
+        dev("a", "gpu2", idle="hold"),
+        dev("b", "gpu0", idle="drain"),
+        dev("b", "gpu1", state="busy", idle="drain"),
+        dev("c", "gpu0", state="quarantined", host_state="lost"),
+        dev("c", "gpu1", state="absent", present=False, host_state="lost"),
+    ]
+    view = pool_view(devices, [], now=0.0)
+    assert view["hosts"] == {"unknown": 0, "up": 1, "draining": 1, "lost": 1, "retired": 0}
+    assert view["devices"] == {"free": 2, "busy": 1, "held": 2, "quarantined": 1, "absent": 1}
+    assert view["idle_behavior"] == {"run": 3, "hold": 1, "drain": 2}
+    assert view["free_by_class"] == {"A100": 1, "H100": 1}
+
+
+def test_running_attempts_carry_an_ended_placeholder_for_recent_ends() -> None:
+    jobs = [
+        job("j-1", "running"),
+        job("j-2", "assigned"),
+        job("j-3", "succeeded", finished_at=950.0),
+        job("j-4", "failed", finished_at=100.0),  # long ago: forgotten
+        job("j-5", "queued"),
+    ]
+    view = pool_view([], jobs, now=1000.0, recent_s=300.0)
+    assert [(r["job_id"], r["ended_at"]) for r in view["running"]] == [
+        ("j-1", None),
+        ("j-2", None),
+        ("j-3", 950.0),
+    ]
+
+
+DEVICES = st.builds(
+    dev,
+    host=st.sampled_from(["a", "b", "c"]),
+    name=st.sampled_from(["gpu0", "gpu1"]),
+    state=st.sampled_from(["free", "busy", "quarantined", "absent"]),
+    idle=st.sampled_from(["run", "hold", "drain"]),
+    product=st.sampled_from(["H100", "A100", None]),
+)
+
+
+@given(st.lists(DEVICES, max_size=30))
+def test_every_device_is_counted_once_and_free_ones_by_class(devices: list[DeviceInfo]) -> None:
+    view = pool_view(devices, [], now=0.0)
+    assert sum(view["devices"].values()) == len(devices)
+    assert set(view["devices"]) == set(DEVICE_STATES)
+    assert sum(view["free_by_class"].values()) == view["devices"]["free"]
+    assert sum(view["hosts"].values()) == len(host_states(devices))
+    held = [d for d in devices if device_state(d) == "held"]
+    assert all(d.state == "free" and d.idle_behavior != "run" for d in held)
+
+
+# -- the store: drain, resume, retire ------------------------------------------------
+
+
+def test_a_drained_host_gets_no_work_until_resumed() -> None:
+    store = Store(instance="t")
+    session = register(store, devices=("gpu0", "gpu1"))
+    store.set_host_idle_behavior("box1", "drain")
+    store.submit(["x"])
+    assert store.poll("box1", session, ["gpu0", "gpu1"], now=0) == []
+    assert store.pool()["hosts"]["draining"] == 1
+    assert store.pool()["devices"]["held"] == 2
+    store.set_host_idle_behavior("box1", "run")
+    [a] = store.poll("box1", session, ["gpu0", "gpu1"], now=0)
+    assert a.device == "gpu0"
+    assert [e.type for e in store.events()].count("host_idle_behavior") == 2
+
+
+def test_retire_refuses_a_busy_host_unless_forced_and_keeps_the_jobs_records() -> None:
+    store = Store(instance="t")
+    session = register(store, devices=("gpu0",))
+    job_id = store.submit(["x"])
+    start(store, session, assign(store, session))
+    with pytest.raises(Conflict, match="--force"):
+        store.retire_host("box1")
+    assert store.retire_host("box1", force=True) == [job_id]
+    assert store.devices() == []
+    assert store.job(job_id).state == "lost"
+    assert "retired" in store.job(job_id).reason
+    with pytest.raises(NotFound):
+        store.retire_host("box1")
+    # Back again: a new host, registered afresh.
+    register(store, devices=("gpu0",))
+    assert [d.address for d in store.devices()] == ["box1/gpu0"]
+
+
+# -- end to end through rc --------------------------------------------------------------
+
+
+async def test_rc_pool_and_rc_host_in_process(
+    transport: httpx.ASGITransport,
+    client: httpx.AsyncClient,
+    store: Store,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    w = FakeWorker(client, labels={"host": {}, "devices": {"gpu0": {"product": "H100"}}})
+    with trio.fail_after(10):
+        await w.register()
+        assert await rc("pool", "--json", token=USER_TOKEN, transport=transport) == 0
+        view = json.loads(capsys.readouterr().out)
+        assert view["devices"]["free"] == 1
+        assert view["free_by_class"] == {"H100": 1}
+        assert await rc("pool", token=USER_TOKEN, transport=transport) == 0
+        text = capsys.readouterr().out
+        assert "free 1" in text
+        assert "H100" in text
+        assert await rc("host", "drain", "box1", token=USER_TOKEN, transport=transport) == 0
+        assert "draining" in capsys.readouterr().out
+        assert store.device("box1", "gpu0").idle_behavior == "drain"
+        assert await rc("host", "resume", "box1", token=USER_TOKEN, transport=transport) == 0
+        assert store.device("box1", "gpu0").idle_behavior == "run"
+        job_id = store.submit(["x"])
+        [a] = await w.poll(wait_s=0)
+        await w.start(a)
+        assert await rc("host", "retire", "box1", token=USER_TOKEN, transport=transport) == 1
+        assert "--force" in capsys.readouterr().err
+        assert (
+            await rc("host", "retire", "box1", "--force", token=USER_TOKEN, transport=transport)
+            == 0
+        )
+        assert job_id in capsys.readouterr().out
+        assert store.devices() == []
+
+
+async def test_metrics_count_the_pool(client: httpx.AsyncClient, store: Store) -> None:
+    w = FakeWorker(client, labels={"host": {}, "devices": {"gpu0": {"product": "H100"}}})
+    with trio.fail_after(10):
+        await w.register()
+        store.submit(["x"])
+        r = await client.get("/metrics")
+    assert r.status_code == 200
+    text = r.text
+    assert 'rc_controller_hosts{state="up"} 1.0' in text
+    assert 'rc_controller_devices{idle_behavior="run",state="free"} 1.0' in text
+    assert 'rc_controller_free_devices{class="H100"} 1.0' in text
+    assert 'rc_controller_jobs{state="queued"} 1.0' in text
+
+
+# -- heartbeats scale with the fleet ------------------------------------------------------
+
+
+def test_with_a_heartbeat_rate_a_large_fleet_is_told_a_longer_interval() -> None:
+    store = Store(StoreConfig(heartbeat_interval_s=1.0, heartbeat_rate=10.0), instance="t")
+    told = []
+    for i in range(50):
+        reply = store.register(
+            f"h{i}", RegisterRequest(boot_id="b", devices=(DeviceDecl("gpu0"),)), now=0
+        )
+        told.append(reply.heartbeat_interval_s)
+    # Ten hosts at 1 s are ten a second; past that each new host is told hosts / rate.
+    assert told[:10] == [1.0] * 10
+    assert told[-1] == pytest.approx(5.0)
+    assert told == sorted(told)
+    # A host is lost after missed heartbeats of the interval it was told.
+    store.tick(3.5)  # the first host (1 s, 3 missed) is lost; the last (5 s) is not
+    assert store.device("h0", "gpu0").host_state == "lost"
+    assert store.device("h49", "gpu0").host_state == "up"
+    store.tick(15.5)
+    assert store.device("h49", "gpu0").host_state == "lost"
+
+
+def test_without_a_rate_every_host_is_told_the_configured_interval() -> None:
+    store = Store(StoreConfig(heartbeat_interval_s=2.0), instance="t")
+    for i in range(30):
+        reply = store.register(
+            f"h{i}", RegisterRequest(boot_id="b", devices=(DeviceDecl("gpu0"),)), now=0
+        )
+        assert reply.heartbeat_interval_s == 2.0

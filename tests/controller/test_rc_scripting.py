@@ -1,0 +1,203 @@
+"""``rc`` as scripts use it, as real processes: --json, exit 3, reconnecting, pending reasons."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import trio
+
+from rc_worker.controller import rc_cli
+
+from .helpers import FakeWorker
+from .rc_procs import RC, USER, WORKER, DroppingProxy, rc_client, rc_env, rc_serve
+
+H100 = {"host": {}, "devices": {"gpu0": {"product": "H100"}}}
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[str]:
+    """The controller served in-process on a free port (the clients are real processes)."""
+    argv = ["--listen", "127.0.0.1:0", "--worker-token", f"{WORKER}=box1", "--user-token", USER]
+    async with trio.open_nursery() as nursery:
+        [url] = await nursery.start(
+            lambda task_status: rc_cli.run_serve(argv, env={}, task_status=task_status)
+        )
+        yield url
+        nursery.cancel_scope.cancel()
+
+
+async def rc_run(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    return await trio.run_process(
+        [RC, *argv], env=rc_env(url), capture_stdout=True, capture_stderr=True, check=False
+    )
+
+
+async def test_run_json_prints_only_the_final_record(served: str) -> None:
+    async with httpx.AsyncClient(base_url=served) as http:
+        w = FakeWorker(http, token=WORKER)
+        with trio.fail_after(60):
+            await w.register()
+            async with rc_client(["run", "--json", "--", "sh", "-c", "echo out"], served) as (
+                proc,
+                out,
+                err,
+            ):
+                await w.run_one(output=b"out\n{not json\n", exit_code=4)
+        assert proc.returncode == 4
+        job = json.loads(out.data)  # the whole of stdout is one JSON object
+        assert job["state"] == "failed"
+        assert job["exit_code"] == 4
+        assert job["committed_bytes"] == len(b"out\n{not json\n")
+        assert b"out\n{not json\n" in err.data  # the job's output went to stderr
+
+        with trio.fail_after(60):
+            async with rc_client(["run", "--json", "--quiet", "--", "true"], served) as (
+                proc,
+                out,
+                err,
+            ):
+                a = await w.run_one(output=b"secret output\n")
+        assert proc.returncode == 0
+        assert json.loads(out.data)["job_id"] == a["job_id"]
+        assert b"secret output" not in err.data + out.data
+
+
+async def test_logs_json_is_one_object_per_chunk(served: str) -> None:
+    async with httpx.AsyncClient(base_url=served) as http:
+        w = FakeWorker(http, token=WORKER)
+        with trio.fail_after(60):
+            await w.register()
+            submitted = await rc_run(served, "submit", "--", "x")
+            job = submitted.stdout.decode().strip()
+            [a] = await w.poll(wait_s=5)
+            await w.start(a)
+            await w.output(a, 0, b"first \xff\n")
+            async with rc_client(["logs", "-f", "--json", job], served) as (proc, out, _):
+                await out.until(b"\n")
+                await w.output(a, 8, b"second\n")
+                await w.finish(a, output_bytes=15)
+            assert proc.returncode == 0
+            chunks = [json.loads(line) for line in out.data.splitlines()]
+            assert len(chunks) >= 2
+            data = b""
+            for chunk in chunks:
+                assert chunk["offset"] == len(data)
+                piece = base64.b64decode(chunk["data"])
+                assert chunk["length"] == len(piece)
+                data += piece
+            assert data == b"first \xff\nsecond\n"
+            whole = await rc_run(served, "logs", "--json", "--offset", "8", job)
+            [line] = whole.stdout.splitlines()
+            assert json.loads(line)["offset"] == 8
+            assert base64.b64decode(json.loads(line)["data"]) == b"second\n"
+
+
+async def test_controller_killed_under_rc_run_and_logs_is_exit_3() -> None:
+    with trio.fail_after(90):
+        async with rc_serve() as served, httpx.AsyncClient(base_url=served.url) as http:
+            w = FakeWorker(http, token=WORKER)
+            await w.register()
+            async with rc_client(
+                ["run", "--reconnect", "1s", "--", "sleep", "1000"], served.url
+            ) as run:
+                [a] = await w.poll(wait_s=10)
+                await w.start(a)
+                await w.output(a, 0, b"hello\n")
+                await run[1].until(b"hello\n")
+                async with rc_client(
+                    ["logs", "-f", "--reconnect", "1s", a["job_id"]], served.url
+                ) as logs:
+                    await logs[1].until(b"hello\n")
+                    served.proc.kill()
+        for proc, out, err in (run, logs):
+            assert proc.returncode == rc_cli.EXIT_CONTROLLER_GONE, err.data
+            assert out.data == b"hello\n"
+            text = err.data.decode()
+            assert "Traceback" not in text
+            last = text.splitlines()[-1]
+            assert last.startswith(f"rc: lost the controller at {served.url} while following")
+            assert "no answer for 1s" in last
+        # Nothing else on stderr but the job id rc run announced.
+        assert run[2].data.decode().splitlines()[:-1] == [f"rc: job {a['job_id']}"]
+        assert logs[2].data.decode().count("\n") == 1
+
+
+async def test_a_restarted_controller_that_forgot_the_job_is_exit_3() -> None:
+    with trio.fail_after(90):
+        async with rc_serve() as first, httpx.AsyncClient(base_url=first.url) as http:
+            w = FakeWorker(http, token=WORKER)
+            await w.register()
+            async with rc_client(["run", "--", "sleep", "1000"], first.url) as (proc, out, err):
+                [a] = await w.poll(wait_s=10)
+                await w.start(a)
+                await w.output(a, 0, b"hello\n")
+                await out.until(b"hello\n")
+                first.proc.kill()
+                await first.proc.wait()
+                async with rc_serve(f"127.0.0.1:{first.port}"):
+                    await err.until(b"no longer knows")
+                    await proc.wait()
+    assert proc.returncode == 3
+    last = err.data.decode().splitlines()[-1]
+    assert last == (
+        f"rc: the controller at {first.url} no longer knows job {a['job_id']} "
+        "(it restarted, and keeps jobs in memory only)"
+    )
+
+
+async def test_rc_run_resumes_through_dropped_connections(served: str) -> None:
+    proxy = DroppingProxy(int(served.rsplit(":", 1)[1]))
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(base_url=served) as http:
+        proxied = await nursery.start(proxy.serve)
+        w = FakeWorker(http, token=WORKER)
+        with trio.fail_after(60):
+            await w.register()
+            async with rc_client(["run", "--", "x"], proxied) as (proc, out, err):
+                [a] = await w.poll(wait_s=10)
+                await w.start(a)
+                await w.output(a, 0, b"part one\n")
+                await out.until(b"part one\n")
+                proxy.drop()  # cut rc run's stream, and refuse it for a while
+                await w.output(a, 9, b"part two\n")
+                await proxy.retried.wait()  # rc run tried twice while it was down
+                proxy.restore()
+                await out.until(b"part two\n")
+                await w.finish(a, output_bytes=18)
+        nursery.cancel_scope.cancel()
+    assert proc.returncode == 0
+    assert out.data == b"part one\npart two\n"  # resumed at its offset: nothing twice
+    assert b"Traceback" not in err.data
+
+
+async def test_pending_reasons_end_to_end(served: str) -> None:
+    async with httpx.AsyncClient(base_url=served) as http:
+        w = FakeWorker(http, token=WORKER, labels=H100)
+        with trio.fail_after(60):
+            await w.register()
+            never = await rc_run(served, "submit", "--select", "product=V100", "--", "x")
+            assert never.returncode == 0
+            job = never.stdout.decode().strip()
+            assert never.stderr.decode() == (
+                f"rc: warning: no registered device could ever run job {job}: no registered "
+                "device satisfies 'product=V100'; it waits in the queue (--strict refuses such "
+                "jobs)\n"
+            )
+            strict = await rc_run(served, "run", "--strict", "--select", "product=V100", "--", "x")
+            assert strict.returncode == 1
+            assert strict.stdout == b""
+            assert "no_match" in strict.stderr.decode()
+            await rc_run(served, "idle", "box1/gpu0", "hold")
+            held = (await rc_run(served, "submit", "--device", "box1/gpu0", "--", "y")).stdout
+            ps = (await rc_run(served, "ps")).stdout.decode().splitlines()
+            assert len(ps) == 3  # the header and one row per job (the strict one was refused)
+            assert "no registered device satisfies 'product=V100'" in ps[1]
+            assert "the pinned device box1/gpu0 is held (rc idle box1/gpu0 run)" in ps[2]
+            show = (await rc_run(served, "show", held.decode().strip())).stdout.decode()
+            assert "waiting    the pinned device box1/gpu0 is held" in show
+            shown = json.loads((await rc_run(served, "show", "--json", job)).stdout)
+            assert shown["pending_code"] == "no_match"
