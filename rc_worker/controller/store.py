@@ -164,6 +164,16 @@ class Store(StoreState):
                 out.append(self._view(j, candidates))
         return out
 
+    def jobs_page_info(
+        self, state: str | None, *, after: int | None, limit: int, newest_first: bool
+    ) -> tuple[list[JobInfo], int | None]:
+        """One page of :meth:`jobs` (see :meth:`StoreState.jobs_page`), as views."""
+        if state is not None and state not in JOB_STATES:
+            self.jobs(state)  # the 400 naming the valid states
+        page, nxt = self.jobs_page(state, after=after, limit=limit, newest_first=newest_first)
+        candidates = self._candidates() if any(j.state == "queued" for j in page) else None
+        return [self._view(j, candidates) for j in page], nxt
+
     def pending(self, select: str = "", device: str | None = None) -> Pending:
         """Why a job with this selector and pin would wait now (``no_match``: it never runs)."""
         try:

@@ -59,10 +59,10 @@ async def list_jobs(request: Request) -> Response:
     if order not in ("asc", "desc"):
         raise BadRequest(f"order: {order!r} is not asc or desc")
     after = query_int(request, "after") if "after" in q else None
-    if state is not None:
-        ctl.store.jobs(state)  # validates the state name
-    page, nxt = ctl.store.jobs_page(state, after=after, limit=limit, newest_first=order == "desc")
-    return JSONResponse({"jobs": [j.info().to_json() for j in page], "next": nxt})
+    page, nxt = ctl.store.jobs_page_info(
+        state, after=after, limit=limit, newest_first=order == "desc"
+    )
+    return JSONResponse({"jobs": [j.to_json() for j in page], "next": nxt})
 
 
 async def get_job(request: Request) -> Response:

@@ -350,9 +350,10 @@ def test_job_documents_round_trip() -> None:
 
     store = Store(instance="t")
     job_id = store.submit(["a", "b"], select="mem>=1", env={"K": "V"}, max_runtime_s=5.0)
-    before = store.job(job_id)
-    doc = json.loads(json.dumps(job_doc(store.known_job(job_id))))  # type: ignore[arg-type]
-    assert load_job(doc, 0.0).info() == before
+    record = store.known_job(job_id)
+    assert record is not None
+    doc = json.loads(json.dumps(job_doc(record)))
+    assert load_job(doc, 0.0).info() == record.info()
 
 
 async def test_retention_deletes_old_finished_jobs_and_their_output(

@@ -22,7 +22,10 @@ H100 = {"host": {}, "devices": {"gpu0": {"product": "H100"}}}
 @pytest.fixture
 async def served() -> AsyncIterator[str]:
     """The controller served in-process on a free port (the clients are real processes)."""
-    argv = ["--listen", "127.0.0.1:0", "--worker-token", f"{WORKER}=box1", "--user-token", USER]
+    argv = [
+        *("--listen", "127.0.0.1:0", "--worker-token", f"{WORKER}=box1", "--user-token", USER),
+        "--memory",
+    ]
     async with trio.open_nursery() as nursery:
         [url] = await nursery.start(
             lambda task_status: rc_cli.run_serve(argv, env={}, task_status=task_status)
@@ -146,7 +149,7 @@ async def test_a_restarted_controller_that_forgot_the_job_is_exit_3() -> None:
     last = err.data.decode().splitlines()[-1]
     assert last == (
         f"rc: the controller at {first.url} no longer knows job {a['job_id']} "
-        "(it restarted, and keeps jobs in memory only)"
+        "(it restarted without its stored state)"
     )
 
 
