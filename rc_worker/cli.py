@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from rc_worker._version import __version__
-from rc_worker.config import load_config, resolved_json
+from rc_worker.config import Config, load_config, resolved_json
 from rc_worker.errors import ConfigError
+from rc_worker.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -25,12 +25,25 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"rc-worker: {e}", file=sys.stderr)
         return 2
+    problem = _cgroup_preflight(config)
+    if problem is not None:
+        print(f"rc-worker: {problem}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(resolved_json(config), indent=2, sort_keys=True))
     else:
         names = ", ".join(config.device_names)
         print(f"config OK: host {config.host}, devices {names}")
     return 0
+
+
+def _cgroup_preflight(config: Config) -> str | None:
+    # What the worker would refuse at start for cgroups, found now (read-only).
+    from rc_worker.cgroup import preflight
+    from rc_worker.config import cgroup_needs
+    from rc_worker.host import LinuxHost
+
+    return preflight(LinuxHost(), config.cgroup, cgroup_needs(config))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -52,12 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and runs the jobs it assigns.",
     )
     parser.add_argument("--version", action="version", version=f"rc-worker {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity (default: info)",
-    )
+    _log_options(parser, default=None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     check = sub.add_parser("check-config", help="validate a config file")
@@ -69,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the worker until SIGTERM")
     run.add_argument("--config", dest="path", help="config file")
+    # Also here, after `run`, where operators put them; the command line wins
+    # over the config's log_level / log_format.
+    _log_options(run, default=argparse.SUPPRESS)
     run.set_defaults(func=_run)
 
     demo = sub.add_parser(
@@ -83,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_options(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=LOG_LEVELS,
+        help="log verbosity (default: the config's log_level, else info); debug also "
+        "shows tracebacks and the HTTP libraries' own logs",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=default,
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (default: the config's log_format, "
+        "else text)",
+    )
+
+
 def _optional_subcommands() -> list[Any]:
     from rc_worker import cli_exec, cli_probe, completion, status
 
@@ -95,13 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if args.log_level != "debug":
-        # One line per HTTP request drowns the worker's own account of itself.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    # `run` sets it up again once it has read the config's log_level/log_format.
+    setup_logging(args.log_level or "info", args.log_format or "text")
     try:
         code: int = args.func(args)
     except BrokenPipeError:

@@ -170,6 +170,8 @@ def result_json(result: Result) -> dict[str, Any]:
             "found": list(sweep.found),
             "remaining": list(sweep.remaining),
             "blind": sweep.blind,
+            "blind_pids": list(sweep.blind_pids),
+            "method": sweep.method,
             "clean": sweep.clean,
         },
     }

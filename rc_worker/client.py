@@ -19,11 +19,13 @@ import httpx
 import trio
 
 from rc_worker.errors import ControllerError, UnknownSession
-from rc_worker.retry import Backoff, is_transient_status, parse_retry_after
+from rc_worker.retry import Backoff, RetryLog, is_transient_status, parse_retry_after
 
 log = logging.getLogger("rc_worker.client")
 
 RegisterFn = Callable[["ControllerClient"], Awaitable[None]]
+# Told of every answer: the endpoint's name and the status ("error" when none came).
+AnswerFn = Callable[[str, str], None]
 # A request body, or a function giving it afresh at every try.
 Payload = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 
@@ -54,8 +56,11 @@ class ControllerClient:
         token: str | None,
         on_unknown_session: RegisterFn | None = None,
         rng: random.Random | None = None,
+        on_answer: AnswerFn | None = None,
     ) -> None:
         self._http = http
+        self._on_answer = on_answer or (lambda endpoint, status: None)
+        self._retry_logs: dict[str, RetryLog] = {}
         self.host = host
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._on_unknown_session = on_unknown_session
@@ -108,6 +113,30 @@ class ControllerClient:
         )
         assignments = body.get("assignments", [])
         return assignments if isinstance(assignments, list) else []
+
+    async def watch_cancels(
+        self, known: list[tuple[str, int]], wait_s: float
+    ) -> list[Mapping[str, Any]]:
+        """A long poll for no device that answers as soon as a cancel not in ``known``
+        exists for this host's jobs (``watch_cancels``, docs/protocol.md): a cancel
+        reaches a running job without waiting for the next heartbeat."""
+        body = await self._call(
+            "POST",
+            f"/v1/hosts/{self.host}/poll",
+            {
+                "ready": [],
+                "wait_s": wait_s,
+                "watch_cancels": True,
+                "known_cancels": [{"job_id": j, "attempt": n} for j, n in known],
+            },
+            read_timeout=wait_s + POLL_SLACK_S,
+        )
+        cancels = body.get("cancel", [])
+        return [c for c in cancels if isinstance(c, Mapping)] if isinstance(cancels, list) else []
+
+    async def deregister(self) -> None:
+        """Tell the controller this worker is leaving on purpose (after a drain)."""
+        await self._call("POST", f"/v1/hosts/{self.host}/deregister", {})
 
     async def start(self, job_id: str, attempt: int, device: str, boot_id: str) -> None:
         await self._call(
@@ -188,12 +217,20 @@ class ControllerClient:
     ) -> dict[str, Any]:
         backoff = Backoff(base=RETRY_BASE_S, cap=RETRY_CAP_S, rng=self._rng)
         reregistered = False
+        endpoint = endpoint_of(path)
+        retry_log = self._retry_logs.setdefault(endpoint, RetryLog())
         while True:
             generation = self._generation
             try:
-                return await self._once(
-                    method, path, payload, content, params, session, read_timeout
-                )
+                try:
+                    answer = await self._once(
+                        method, path, payload, content, params, session, read_timeout
+                    )
+                except (ControllerError, _Transient) as e:
+                    self._note_answer(endpoint, retry_log, e.status)
+                    raise
+                self._note_answer(endpoint, retry_log, 200)
+                return answer
             except UnknownSession:
                 if not session or self._on_unknown_session is None:
                     raise
@@ -205,6 +242,9 @@ class ControllerClient:
                         await trio.sleep(backoff.next_delay())
                     await self._reregister(generation)
                     reregistered = True
+                    again = self._retry_logs.get("register again")
+                    if again is not None and again.succeeded(trio.current_time()):
+                        log.info("registered again after the controller refused it for a while")
                     continue
                 except ControllerError as e:
                     # The register was refused, not this request: raising
@@ -212,7 +252,9 @@ class ControllerClient:
                     # and the caller would drop a report the controller never
                     # saw. Keep it, and try registering again later.
                     delay = backoff.next_delay()
-                    log.error(
+                    again = self._retry_logs.setdefault("register again", RetryLog())
+                    log.log(
+                        logging.ERROR if again.failed(trio.current_time()) else logging.DEBUG,
                         "%s %s: registering again was refused (%s); retrying in %.1fs",
                         method,
                         path,
@@ -221,15 +263,39 @@ class ControllerClient:
                     )
             except _Transient as e:
                 delay = backoff.next_delay(e.retry_after)
-                log.info(
-                    "%s %s: %s; retrying in %.1fs (try %d)",
-                    method,
-                    path,
-                    e,
-                    delay,
-                    backoff.attempts,
-                )
+                if retry_log.failed(trio.current_time()):
+                    log.warning(
+                        "%s: %s; retrying (next in %.1fs, %d failed so far)",
+                        endpoint,
+                        self._explain(e),
+                        delay,
+                        retry_log.failures,
+                    )
+                else:
+                    log.debug("%s %s: %s; retrying in %.1fs", method, path, e, delay)
             await trio.sleep(delay)
+
+    def _explain(self, e: _Transient) -> str:
+        if e.status is None:
+            return (
+                f"controller unreachable at {self._http.base_url} ({e}); check that it is "
+                "running and that controller_url is right"
+            )
+        return f"the controller at {self._http.base_url} answered {e}"
+
+    def _note_answer(self, endpoint: str, retry_log: RetryLog, status: int | None) -> None:
+        # Any final answer, refusals included, ends an outage.
+        self._on_answer(endpoint, "error" if status is None else str(status))
+        if status is None or is_transient_status(status):
+            return
+        outage = retry_log.succeeded(trio.current_time())
+        if outage is not None:
+            log.info(
+                "%s: the controller answers again (after %d failed tries over %.0fs)",
+                endpoint,
+                outage[0],
+                outage[1],
+            )
 
     async def _once(
         self,
@@ -277,10 +343,18 @@ class ControllerClient:
             await self._on_unknown_session(self)
 
 
+def endpoint_of(path: str) -> str:
+    """The endpoint's name for logs and metrics: the path's last segment (``heartbeat``)."""
+    return path.rstrip("/").rsplit("/", 1)[-1] or path
+
+
 class _Transient(Exception):
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, retry_after: float | None = None, status: int | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.status = status
 
 
 def _decode(response: httpx.Response) -> dict[str, Any]:
@@ -295,7 +369,7 @@ def _decode(response: httpx.Response) -> dict[str, Any]:
         return body
     retry_after = parse_retry_after(response.headers.get("Retry-After"))
     if is_transient_status(status):
-        raise _Transient(f"status {status}", retry_after)
+        raise _Transient(f"status {status}", retry_after, status)
     code = str(body.get("error", "")) or f"http_{status}"
     message = str(body.get("message", "")) or response.reason_phrase
     if status == 409 and code == "unknown_session":

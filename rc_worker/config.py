@@ -36,6 +36,8 @@ DEFAULT_VERIFY_PASS_BUDGET = 300.0
 DEFAULT_SHEET_DIR = "/etc/rc/sheets"
 DEFAULT_STATE_DIR = "/var/lib/rc-worker"
 DEFAULT_SHUTDOWN_GRACE = 300.0
+# The longest grace ceiling a job may ask for; longer is cut to it.
+DEFAULT_MAX_GRACE = 300.0
 DEFAULT_SPOOL_MAX_BYTES = 10 * 2**30
 
 # Variables of the worker's own configuration. None of them ever reaches a
@@ -76,6 +78,10 @@ class DeviceConfig:
     timeout: float = DEFAULT_HOOK_TIMEOUT
     release_linger: float = DEFAULT_RELEASE_LINGER
     labels: Mapping[str, str] = attrs.field(factory=dict)
+    memory_max: int | None = None
+    """Bytes: the ``memory.max`` of each job's cgroup on this device (needs ``memory``)."""
+    cpu_max: str | None = None
+    """CPUs, as written (``1.5``): the ``cpu.max`` of each job's cgroup (needs ``cpu``)."""
 
 
 @attrs.frozen
@@ -107,6 +113,13 @@ class Config:
     status_listen: str | None = None
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    max_grace: float = DEFAULT_MAX_GRACE
+    log_format: str = "text"
+    log_level: str = "info"
+    cgroup: str = "auto"
+    """``auto``, ``required`` or ``off``: a cgroup v2 per job (see docs/operations.md)."""
+    cgroup_io: bool = False
+    """Report each job's I/O (``io.stat``) in its finish; needs the ``io`` controller."""
 
     def device(self, name: str) -> DeviceConfig:
         for dev in self.devices:
@@ -194,6 +207,19 @@ def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
     if not config.host:
         config = attrs.evolve(config, host=socket.gethostname())
     return config
+
+
+def cgroup_needs(config: Config) -> dict[str, str]:
+    """Each device limit, by its config location, and the controller it needs."""
+    needs: dict[str, str] = {}
+    for i, dev in enumerate(config.devices):
+        if dev.memory_max is not None:
+            needs[f"devices[{i}].memory_max"] = "memory"
+        if dev.cpu_max is not None:
+            needs[f"devices[{i}].cpu_max"] = "cpu"
+    if config.cgroup_io:
+        needs["cgroup_io"] = "io"
+    return needs
 
 
 def child_environ(environ: Mapping[str, str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ for its line and column.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Iterator, Mapping
@@ -28,8 +29,10 @@ from ruamel.yaml.error import MarkedYAMLError, ReusedAnchorWarning
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.scalarbool import ScalarBoolean
 
+from rc_worker.cgroup_parse import CGROUP_MODES
 from rc_worker.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
 from rc_worker.errors import ConfigError
+from rc_worker.logs import LOG_FORMATS, LOG_LEVELS
 from rc_worker.names import DEVICE_NAME_HELP, is_device_name, split_label_key
 
 if TYPE_CHECKING:
@@ -46,6 +49,7 @@ _DURATION_FIELDS = {
     "verify_timeout": True,
     "verify_pass_budget": True,
     "shutdown_grace": False,
+    "max_grace": False,
     "timeout": True,
     "release_linger": False,
     "max_runtime": True,
@@ -245,6 +249,10 @@ def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) ->
             continue
         dev.setdefault("timeout", hooks.timeout)
         dev.setdefault("release_linger", hooks.release_linger)
+        cpus = dev.get("cpu_max")
+        if isinstance(cpus, int | float) and not isinstance(cpus, bool):
+            # A number of CPUs, kept as written and checked in _check.
+            dev["cpu_max"] = loc.source_text(("devices", i, "cpu_max")) or str(cpus)
         labels = dev.get("labels")
         if isinstance(labels, dict):
             for key, value in labels.items():
@@ -295,6 +303,24 @@ def _check(loc: _Locator, config: Config) -> None:
                 f"max_runtime must be more than zero; expected {_POSITIVE}, "
                 "or leave it out for no limit",
             )
+        if dev.memory_max is not None and dev.memory_max <= 0:
+            loc.fail_at(
+                ("devices", i, "memory_max"),
+                "memory_max must be more than zero; expected a size such as 16Gi",
+            )
+        if dev.cpu_max is not None and cpu_count(dev.cpu_max) is None:
+            loc.fail_at(
+                ("devices", i, "cpu_max"),
+                f"{dev.cpu_max!r} is not a number of CPUs; expected a number above zero "
+                "such as 2 or 1.5",
+            )
+        for key in ("memory_max", "cpu_max"):
+            if getattr(dev, key) is not None and config.cgroup == "off":
+                loc.fail_at(
+                    ("devices", i, key),
+                    f"{key} is applied through the job's cgroup, and cgroup is off; "
+                    "expected cgroup: auto or required, or leave it out",
+                )
         for key in ("on_acquire", "on_release"):
             if getattr(dev, key) == "":
                 loc.fail_at(
@@ -321,10 +347,35 @@ def _check(loc: _Locator, config: Config) -> None:
         problem = host_problem(config.host)
         if problem:
             loc.fail_at(("host",), problem)
+    for key, choices in (("log_format", LOG_FORMATS), ("log_level", LOG_LEVELS)):
+        if getattr(config, key) not in choices:
+            loc.fail_at(
+                (key,), f"{getattr(config, key)!r} is not one of {', '.join(choices)}; pick one"
+            )
+    if config.cgroup_io and config.cgroup == "off":
+        loc.fail_at(
+            ("cgroup_io",),
+            "I/O is accounted through the job's cgroup, and cgroup is off; "
+            "expected cgroup: auto or required, or cgroup_io: false",
+        )
+    if config.cgroup not in CGROUP_MODES:
+        loc.fail_at(
+            ("cgroup",),
+            f"{config.cgroup!r} is not a cgroup mode; expected one of {', '.join(CGROUP_MODES)}",
+        )
     if config.status_listen is not None:
         problem = listen_problem(config.status_listen)
         if problem:
             loc.fail_at(("status_listen",), problem)
+
+
+def cpu_count(text: str) -> float | None:
+    """A device's ``cpu_max`` as a number of CPUs, or ``None`` when it is not one."""
+    try:
+        cpus = float(text)
+    except ValueError:
+        return None
+    return cpus if math.isfinite(cpus) and cpus >= 0.01 else None
 
 
 def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:

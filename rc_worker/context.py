@@ -11,8 +11,10 @@ from typing import Any
 
 import attrs
 
+from rc_worker.cgroup import limits_for
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config, child_environ
+from rc_worker.config import Config, DeviceConfig, child_environ
+from rc_worker.config_parse import cpu_count
 from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.model import Assignment, job_key
@@ -40,13 +42,17 @@ class WorkerContext:
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)
 
-    def journal(self, job_dir: JobDir, a: Assignment) -> None:
-        """Record, durably, that this job is about to be spawned here.
+    def journal(self, job_dir: JobDir, a: Assignment) -> str | None:
+        """Record, durably, that this job is about to be spawned here; its cgroup.
 
         Written and fsynced before the process exists, so a worker that dies
         at any later moment finds the entry at its next start and can prove,
-        or refuse to claim, that the job left nothing behind.
+        or refuse to claim, that the job left nothing behind. Returns the
+        cgroup the job is to run in (journalled: recovery reads it), or
+        ``None`` without cgroups.
         """
+        containment = self.host.containment
+        cgroup = None if containment is None else containment.leaf(job_key(a.job_id, a.attempt))
         job_dir.create()
         write_json_durably(
             job_dir.journal,
@@ -57,9 +63,22 @@ class WorkerContext:
                 "boot_id": self.boot_id,
                 # A reported timestamp, never used for a timeout.
                 "started_at": time.time(),
+                # A lower bound of the job's start time in the process
+                # table's clock: recovery's sweep skips older processes.
+                "since_ticks": self.host.boot_ticks(),
                 "spawned": True,
+                "cgroup": cgroup,
             },
         )
+        return cgroup
+
+    def cgroup_limits(self, device: DeviceConfig) -> dict[str, str]:
+        """The files a job's cgroup on ``device`` gets written: its limits."""
+        containment = self.host.containment
+        if containment is None:
+            return {}
+        cpus = None if device.cpu_max is None else cpu_count(device.cpu_max)
+        return limits_for(device.memory_max, cpus, containment.controllers)
 
     def report(self, ident: Assignment | tuple[str, int, str], report: Mapping[str, Any]) -> None:
         """Durably record and deliver the finish of an attempt that never ran."""

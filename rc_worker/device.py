@@ -24,6 +24,7 @@ from rc_worker.config import DeviceConfig
 from rc_worker.errors import ControllerError
 from rc_worker.hooks import run_hook
 from rc_worker.lease import Lease
+from rc_worker.logs import log_context, set_log_context
 from rc_worker.model import (
     Assignment,
     DeviceState,
@@ -35,6 +36,7 @@ from rc_worker.model import (
 from rc_worker.reports import finish_report, not_run_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
+from rc_worker.sweep import unproven
 from rc_worker.verify import run_verify
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ class DeviceSupervisor:
         self._pending: tuple[Assignment, bool] | None = None
         self._changed = trio.Event()
         self._acquire_scope: trio.CancelScope | None = None
+        self._delivery_scope: trio.CancelScope | None = None
         self._cancel_text: str | None = None
         self._handle: JobHandle | None = None
         self._linger_until = math.inf
@@ -117,6 +120,8 @@ class DeviceSupervisor:
     def stop_for_shutdown(self) -> None:
         """The worker's second signal: stop what runs now, report, and go."""
         self.cancel(*(self.lease.job or ("", -1)), "the worker is shutting down")
+        if self._delivery_scope is not None:
+            self._delivery_scope.cancel()
         self._poke()
 
     def set_idle_behavior(self, behavior: IdleBehavior) -> None:
@@ -129,7 +134,13 @@ class DeviceSupervisor:
         """Hold a fault raised elsewhere: by the controller (at register), or
         by an earlier worker process (a report still on disk)."""
         if fault_id not in self.lease.faults:
-            log.warning("device %s: quarantined (%s, fault %s)", self.name, why, fault_id)
+            log.warning(
+                "device %s: quarantined (%s, fault %s)",
+                self.name,
+                why,
+                fault_id,
+                extra={"device": self.name, "fault_id": fault_id},
+            )
         self.fault_notes.setdefault(fault_id, ("fault", why))
         self.lease.add_fault(fault_id)
         self._poke()
@@ -140,7 +151,14 @@ class DeviceSupervisor:
         """Raise a fault of this worker's own; ``report`` sends it with ``fault``
         (a fault outside a finish), else the caller puts it in the finish."""
         fault_id = new_fault_id(self.ctx.rng)
-        log.warning("device %s: quarantined (%s: %s, fault %s)", self.name, kind, reason, fault_id)
+        log.warning(
+            "device %s: quarantined (%s: %s, fault %s)",
+            self.name,
+            kind,
+            reason,
+            fault_id,
+            extra={"device": self.name, "fault_id": fault_id},
+        )
         self.fault_notes[fault_id] = (kind, reason)
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
@@ -228,6 +246,7 @@ class DeviceSupervisor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The device's own task. Its cancel scope is the device: cancelling
         it abandons this device alone (its job is killed, shielded and bounded)."""
+        set_log_context(device=self.name)
         with trio.CancelScope() as self.scope:
             task_status.started()
             await self._loop()
@@ -238,7 +257,8 @@ class DeviceSupervisor:
             if self._pending is not None:
                 assignment, needs_acquire = self._pending
                 self._pending = None
-                await self._isolated(self._serve(assignment, needs_acquire), assignment)
+                with log_context(job_id=assignment.job_id, attempt=assignment.attempt):
+                    await self._isolated(self._serve(assignment, needs_acquire), assignment)
             elif state is S.RELEASING:
                 await self._isolated(self._release(), None)
             elif state is S.LINGERING and self._linger_over():
@@ -341,7 +361,13 @@ class DeviceSupervisor:
         # outcome, so it never sees a device ready while a job it assigned
         # there still looks running.
         self._finished = key
-        await self.ctx.outbox.delivered(key)
+        # Stopping (a second SIGTERM) does not wait for the controller: the
+        # finish is on disk and goes out after the next start.
+        with trio.CancelScope() as self._delivery_scope:
+            if self.ctx.stopping:
+                self._delivery_scope.cancel()
+            await self.ctx.outbox.delivered(key)
+        self._delivery_scope = None
         self._settle()
 
     async def _acquire(self, a: Assignment) -> bool:
@@ -395,7 +421,7 @@ class DeviceSupervisor:
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
-        self.ctx.journal(job_dir, a)
+        cgroup = self.ctx.journal(job_dir, a)
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
         self.lease.to(S.RUNNING)
@@ -408,12 +434,14 @@ class DeviceSupervisor:
             command=list(a.command),
             cwd=a.cwd,
             env=self.ctx.job_env(self.name, a),
-            grace_ceiling=a.grace_s,
+            grace_ceiling=self._grace(a),
             max_runtime=effective_limit(self.config.max_runtime, a.max_runtime_s),
             idle_timeout=a.idle_timeout_s,
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
+            cgroup=cgroup,
+            cgroup_limits=self.ctx.cgroup_limits(self.config),
         )
         began = trio.current_time()
         try:
@@ -421,6 +449,8 @@ class DeviceSupervisor:
         finally:
             self._handle = None
             spool.close()
+            if spool.truncated:
+                self.ctx.metrics.output_truncated.inc()
         self.ctx.metrics.job_seconds.observe(trio.current_time() - began)
         self.ctx.metrics.swept.inc(len(result.sweep.found))
         self.lease.to(S.VERIFYING)
@@ -439,12 +469,24 @@ class DeviceSupervisor:
         fault_id = None
         if not verify.ok:
             fault_id = self._quarantine("verify_failed", verify.reason, report=False)
-        elif result.sweep.remaining:
-            survivors = list(result.sweep.remaining)
-            fault_id = self._quarantine(
-                "dirty", f"processes {survivors} survived SIGKILL", report=False
-            )
+        elif (doubt := unproven(result.sweep)) is not None:
+            # The one rule recovery decides by too: not proven clean is dirty.
+            fault_id = self._quarantine("dirty", doubt, report=False)
         return result, verify, fault_id, spool.size
+
+    def _grace(self, a: Assignment) -> float:
+        # max_grace lets shutdown_grace and a service manager's stop timeout
+        # be sized whatever grace a user asks for.
+        if a.grace_s > self.ctx.config.max_grace:
+            log.info(
+                "device %s: job %s asked for a %gs grace; cut to max_grace (%gs)",
+                self.name,
+                a.job_id,
+                a.grace_s,
+                self.ctx.config.max_grace,
+            )
+            return self.ctx.config.max_grace
+        return a.grace_s
 
     def _settle(self) -> None:
         nxt = self.lease.settle(draining=self.ctx.draining)

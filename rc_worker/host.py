@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import platform
 import socket
@@ -25,10 +26,21 @@ import subprocess
 import termios
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
+
+from rc_worker.cgroup_parse import parse_mountinfo, parse_proc_cgroup
+from rc_worker.procfs import PidfdPin, StatPin, boot_ticks, parse_environ, read_proc_stat
+from rc_worker.procfs import ProcessInfo as ProcessInfo
+from rc_worker.procfs import ProcessPin as ProcessPin
+from rc_worker.procfs import parse_proc_stat as parse_proc_stat
+
+if TYPE_CHECKING:
+    from rc_worker.cgroup import Containment
+
+log = logging.getLogger("rc_worker.host")
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 PROC = Path("/proc")
@@ -40,25 +52,6 @@ PTY_ROWS, PTY_COLS = 24, 80
 # 1 MiB is the unprivileged ceiling (/proc/sys/fs/pipe-max-size) by default;
 # past it the kernel refuses and the pipe keeps its 64 KiB.
 OUTPUT_PIPE_BYTES = 1 << 20
-
-# /proc/<pid>/stat states that mean "exited, not yet (or being) reaped".
-_DEAD_STATES = frozenset({"Z", "X", "x"})
-
-
-@attrs.frozen
-class ProcessInfo:
-    """One row of the process table (from ``/proc/<pid>/stat``)."""
-
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    state: str  # the one-letter state: R, S, D, T, Z, ...
-
-    @property
-    def alive(self) -> bool:
-        """Whether it still runs; a zombie has exited and holds nothing but its pid."""
-        return self.state not in _DEAD_STATES
 
 
 class HostProcess(Protocol):
@@ -118,8 +111,13 @@ class Host(Protocol):
         stdin: bool,
         separate_stderr: bool,
         pty: bool,
+        cgroup: str | None = None,
     ) -> HostProcess:
         """Start ``argv`` as the leader of a new session (so of its own process group).
+
+        ``cgroup``: an existing v2 cgroup (a path in the hierarchy, such as
+        ``/rc-worker-x/job``) the process is born in, so that nothing it
+        forks is ever outside it; ``None`` leaves it in the worker's.
 
         ``env`` is the whole environment; ``argv[0]`` is looked up on its PATH.
         ``stdin`` asks for a pipe (else ``/dev/null``); ``separate_stderr``
@@ -158,9 +156,54 @@ class Host(Protocol):
 
     def own_pid(self) -> int: ...
 
+    def boot_ticks(self) -> int:
+        """Now, in the clock of :attr:`ProcessInfo.start_time`."""
+        ...
+
+    def pin(self, pid: int, start_time: int) -> ProcessPin | None:
+        """Hold ``pid`` for signalling, if it is still the process that started at
+        ``start_time``; ``None`` when it has gone (or its pid now names another)."""
+        ...
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        """One row of the process table; ``None`` when ``pid`` is not there."""
+        ...
+
+    # -- cgroup v2 (paths are inside the unified hierarchy: "/", "/a/b") --
+
+    containment: Containment | None
+    """The worker's cgroup tree once set up (see ``cgroup.set_up``); ``None``: none."""
+
+    def own_cgroup(self) -> str:
+        """The worker's v2 cgroup. Raises ``OSError`` saying why when there is none."""
+        ...
+
+    def cgroup_read(self, path: str, name: str) -> str:
+        """The file ``name`` of cgroup ``path``; ``FileNotFoundError`` if either is missing."""
+        ...
+
+    def cgroup_write(self, path: str, name: str, value: str) -> None: ...
+
+    def cgroup_mkdir(self, path: str) -> None:
+        """Create cgroup ``path`` (its parent must exist); one that exists is fine."""
+        ...
+
+    def cgroup_rmdir(self, path: str) -> None:
+        """Remove the empty cgroup ``path``; ``OSError`` (EBUSY) while it is populated."""
+        ...
+
+    def cgroup_children(self, path: str) -> list[str]:
+        """The names of the cgroups directly below ``path``."""
+        ...
+
 
 class LinuxHost:
-    """The real host: /proc, os and signals."""
+    """The real host: /proc, os, signals and the cgroup v2 filesystem."""
+
+    # Class-level defaults, so subclasses need not call __init__.
+    containment: Containment | None = None
+    _cgroup_mount: str | None = None
+    _spawn_lock: trio.Lock | None = None
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -196,6 +239,42 @@ class LinuxHost:
         self,
         argv: Sequence[str],
         *,
+        cwd: str | None,
+        env: Mapping[str, str],
+        stdin: bool,
+        separate_stderr: bool,
+        pty: bool,
+        cgroup: str | None = None,
+    ) -> HostProcess:
+        if cgroup is None:
+            return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty)
+        # Born in the cgroup: the worker moves itself into it for the fork
+        # and straight back, so the child is in it from its first
+        # instruction, before it could fork or exec anything. (What
+        # clone3(CLONE_INTO_CGROUP) does, which Python's subprocess cannot
+        # ask for; a child that moves itself before exec would need a shell,
+        # which rewrites the environment, or an interpreter, ~20 ms a spawn.)
+        if self._spawn_lock is None:
+            # Spawning into a cgroup moves the worker there for the fork:
+            # one at a time, or a child could be born in another's cgroup.
+            self._spawn_lock = trio.Lock()
+        async with self._spawn_lock:
+            home = self.own_cgroup()
+            self.cgroup_write(cgroup, "cgroup.procs", str(os.getpid()))
+            try:
+                return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty)
+            finally:
+                try:
+                    self.cgroup_write(home, "cgroup.procs", str(os.getpid()))
+                except OSError as e:
+                    # Not raised: that would strand the child just started.
+                    # It cannot fail where the move in succeeded (same
+                    # delegation), but if it ever does, say so loudly.
+                    log.error("could not move the worker back to cgroup %s: %s", home, e)
+
+    async def _spawn(
+        self,
+        argv: Sequence[str],
         cwd: str | None,
         env: Mapping[str, str],
         stdin: bool,
@@ -243,17 +322,83 @@ class LinuxHost:
         for name in os.listdir(PROC):
             if not name.isdigit():
                 continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    raw = f.read()
-            except OSError:
-                # Gone between listdir and open (ENOENT/ESRCH), or hidden
-                # from us by hidepid: either way not a row we can report.
-                continue
-            info = parse_proc_stat(raw)
+            info = read_proc_stat(int(name))
             if info is not None:
                 table.append(info)
         return table
+
+    def boot_ticks(self) -> int:
+        return boot_ticks()
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        return read_proc_stat(pid)
+
+    # -- cgroup v2 ---------------------------------------------------------
+
+    def _mount(self) -> str:
+        if self._cgroup_mount is None:
+            with open("/proc/self/mountinfo") as f:
+                mount = parse_mountinfo(f.read())
+            if mount is None:
+                # Not ENOENT: "no such cgroup" would read as "empty, so gone".
+                raise OSError(errno.ENODEV, "no cgroup2 filesystem in /proc/self/mountinfo")
+            self._cgroup_mount = mount
+        return self._cgroup_mount
+
+    def _path(self, path: str, name: str = "") -> str:
+        if not path.startswith("/") or "/../" in f"{path}/" or "\0" in path:
+            raise ValueError(f"not a cgroup path: {path!r}")
+        return os.path.join(self._mount() + path.rstrip("/"), name)
+
+    def own_cgroup(self) -> str:
+        self._mount()
+        with open("/proc/self/cgroup") as f:
+            own = parse_proc_cgroup(f.read())
+        if own is None:
+            raise OSError(errno.ENODEV, "no '0::' line in /proc/self/cgroup")
+        return own
+
+    def cgroup_read(self, path: str, name: str) -> str:
+        with open(self._path(path, name)) as f:
+            return f.read()
+
+    def cgroup_write(self, path: str, name: str, value: str) -> None:
+        fd = os.open(self._path(path, name), os.O_WRONLY)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+
+    def cgroup_mkdir(self, path: str) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self._path(path))
+
+    def cgroup_rmdir(self, path: str) -> None:
+        os.rmdir(self._path(path))
+
+    def cgroup_children(self, path: str) -> list[str]:
+        with os.scandir(self._path(path)) as entries:
+            return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+
+    def pin(self, pid: int, start_time: int) -> ProcessPin | None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None
+        except OSError as e:
+            if e.errno != errno.ENOSYS:
+                return None
+            # A kernel before 5.3: no pidfd. Re-check the start time right
+            # before each signal instead; the window shrinks to microseconds.
+            return StatPin(pid, start_time)
+        # Read after opening: if the pid was recycled before the open, the
+        # pidfd names the newcomer and its start time gives it away; after
+        # the open, the pidfd can only ever reach the process it names.
+        now = read_proc_stat(pid)
+        if now is None or now.start_time != start_time:
+            os.close(fd)
+            return None
+        return PidfdPin(fd)
 
     def environ(self, pid: int) -> Mapping[str, str]:
         try:
@@ -275,38 +420,6 @@ def _widen_pipe(fd: int) -> None:
     # buffer is kernel memory, bounded per pipe; our reads stay CHUNK_SIZE.
     with contextlib.suppress(OSError):
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, OUTPUT_PIPE_BYTES)
-
-
-def parse_proc_stat(raw: bytes) -> ProcessInfo | None:
-    """Parse ``/proc/<pid>/stat``; ``None`` when it is not in the expected shape."""
-    # The command name sits in parentheses and may itself contain spaces
-    # and ")", so split at the last ")".
-    head, sep, tail = raw.rpartition(b")")
-    if not sep:
-        return None
-    fields = tail.split()
-    try:
-        pid = int(head.split(b"(", 1)[0])
-        return ProcessInfo(
-            pid=pid,
-            ppid=int(fields[1]),
-            pgid=int(fields[2]),
-            sid=int(fields[3]),
-            state=fields[0].decode("ascii", "replace"),
-        )
-    except (ValueError, IndexError):
-        return None
-
-
-def parse_environ(raw: bytes) -> dict[str, str]:
-    """Parse ``/proc/<pid>/environ`` (NUL-separated ``KEY=VALUE``)."""
-    env: dict[str, str] = {}
-    for entry in raw.split(b"\0"):
-        key, sep, value = entry.partition(b"=")
-        if sep and key:
-            # With duplicate keys getenv(3) answers with the first one.
-            env.setdefault(os.fsdecode(key), os.fsdecode(value))
-    return env
 
 
 @attrs.define

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from rc_worker._version import __version__
 from rc_worker.model import DeviceState, IdleBehavior
 
 _JOB_BUCKETS = (1, 10, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 72 * 3600)
@@ -66,6 +67,26 @@ class WorkerMetrics:
             ["source"],
             registry=r,
         )
+        self.output_truncated = Counter(
+            "rc_worker_output_truncated",
+            "Job attempts whose output was cut at spool_max_bytes.",
+            registry=r,
+        )
+        self.controller_requests = Counter(
+            "rc_worker_controller_requests",
+            "Requests to the controller, by endpoint and answer (a status code, or 'error' "
+            "when none came).",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.controller_last_success = Gauge(
+            "rc_worker_controller_last_success_timestamp_seconds",
+            "Unix time of the controller's last successful answer.",
+            registry=r,
+        )
+        Info("rc_worker_build", "The worker's version.", registry=r).info({"version": __version__})
+        # The standard process_* metrics (CPU, memory, open fds); a no-op off Linux.
+        ProcessCollector(registry=r)
         self.swept = Counter(
             "rc_worker_swept_processes",
             "Processes the RC_JOB_ID sweep found after a job's group was torn down.",
@@ -85,10 +106,14 @@ class StateSnapshot:
         devices: Mapping[str, tuple[DeviceState, IdleBehavior]],
         reports_pending: int,
         registered: bool,
+        draining: bool = False,
+        spool_bytes: int = 0,
     ) -> None:
         self.devices = devices
         self.reports_pending = reports_pending
         self.registered = registered
+        self.draining = draining
+        self.spool_bytes = spool_bytes
 
 
 class _StateCollector(Collector):
@@ -119,4 +144,14 @@ class _StateCollector(Collector):
         )
         yield GaugeMetricFamily(
             "rc_worker_registered", "1 once the worker has registered.", value=int(snap.registered)
+        )
+        yield GaugeMetricFamily(
+            "rc_worker_draining",
+            "1 while the worker drains or stops (takes no new work).",
+            value=int(snap.draining),
+        )
+        yield GaugeMetricFamily(
+            "rc_worker_spool_bytes",
+            "Bytes of job output and reports held in state_dir's spool.",
+            value=snap.spool_bytes,
         )

@@ -21,6 +21,7 @@ import trio
 from rc_worker import client as client_module
 from rc_worker.client import ControllerClient
 from rc_worker.errors import ControllerError
+from rc_worker.logs import set_log_context
 from rc_worker.retry import Backoff
 from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json, write_json_durably
 
@@ -157,6 +158,8 @@ class Outbox:
             self._on_change()
 
     async def _deliver_job(self, d: _Delivery) -> None:
+        # Every line this delivery logs (client retries included) names the job.
+        set_log_context(job_id=d.job_id, attempt=d.attempt)
         try:
             committed = await self._ship_output(d)
             await d.finish_ready.wait()

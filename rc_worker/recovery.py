@@ -26,11 +26,13 @@ from typing import Any
 
 import attrs
 
+from rc_worker.cgroup import remove as remove_cgroup
+from rc_worker.cgroup import sweep_cgroup
 from rc_worker.host import Host
 from rc_worker.model import Claim
 from rc_worker.reports import lost_report, sweep_json
 from rc_worker.spool import JobDir, job_dirs, read_json, write_json_durably
-from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
+from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors, unproven
 
 log = logging.getLogger("rc_worker.recovery")
 
@@ -63,7 +65,8 @@ def decide_claim(sweep: SweepReport, *, reboot: bool, require_manual_clear: bool
     """The claim for one interrupted job (sans-IO)."""
     if require_manual_clear:
         return Claim.UNKNOWN
-    if reboot or sweep.clean:
+    # The rule a job's end decides by too (sweep.unproven): gone only when proven.
+    if reboot or unproven(sweep) is None:
         return Claim.GONE
     if sweep.remaining:
         return Claim.ALIVE
@@ -109,7 +112,7 @@ async def recover(
         if reboot:
             sweep = NOT_SWEPT
         else:
-            sweep = await sweep_job_survivors(job_id, grace=RECOVERY_GRACE, host=host)
+            sweep = await _sweep(journal, job_id, host)
         claim = decide_claim(sweep, reboot=reboot, require_manual_clear=require_manual_clear)
         log.warning(
             "job %s attempt %d on %s %s: %s, claim %s%s",
@@ -138,6 +141,33 @@ async def recover(
     return found
 
 
+async def _sweep(journal: dict[str, Any], job_id: str, host: Host | None) -> SweepReport:
+    """End what is left of an interrupted job: through its cgroup when it had one.
+
+    The cgroup is proof either way, for a worker that is not root too: still
+    populated after the kill is alive (``remaining``); empty, or removed
+    (the worker removes only empty ones), is gone. Where the hierarchy cannot
+    be read at all, the RC_JOB_ID sweep decides instead.
+    """
+    cgroup = journal.get("cgroup")
+    if isinstance(cgroup, str) and cgroup.startswith("/") and host is not None:
+        try:
+            report = await sweep_cgroup(host, cgroup, grace=RECOVERY_GRACE)
+        except ValueError:  # not a cgroup path (a damaged journal): no proof from it
+            report = NOT_SWEPT
+        if report.scanned:
+            if report.clean:
+                remove_cgroup(host, cgroup)
+            return report
+    since = journal.get("since_ticks")
+    return await sweep_job_survivors(
+        job_id,
+        grace=RECOVERY_GRACE,
+        host=host,
+        since=since if isinstance(since, int) and not isinstance(since, bool) else None,
+    )
+
+
 def _write_lost(job_dir: JobDir, entry: Recovered) -> None:
     write_json_durably(
         job_dir.finish,
@@ -164,6 +194,8 @@ def _from_json(data: dict[str, Any]) -> Recovered:
             found=tuple(sweep.get("found", ())),
             remaining=tuple(sweep.get("remaining", ())),
             blind=bool(sweep.get("blind")),
+            blind_pids=tuple(sweep.get("blind_pids", ())),
+            method=str(sweep.get("method", "environ")),
         ),
         reboot=bool(data.get("reboot")),
     )

@@ -17,6 +17,8 @@ def sweep_json(sweep: SweepReport | None) -> dict[str, Any] | None:
         "found": list(sweep.found),
         "remaining": list(sweep.remaining),
         "blind": sweep.blind,
+        "blind_pids": list(sweep.blind_pids),
+        "method": sweep.method,
     }
 
 
@@ -55,6 +57,8 @@ def finish_report(
         "sweep": sweep_json(result.sweep),
         "verify": {"ok": verify.ok, "reason": verify.reason},
         "fault_id": fault_id,
+        # The job's cgroup accounting; only with a cgroup (see docs/operations.md).
+        **({"usage": dict(result.usage)} if result.usage else {}),
     }
 
 

@@ -55,3 +55,43 @@ class Backoff:
         if retry_after is not None:
             delay = max(delay, min(retry_after, self.retry_after_cap))
         return delay
+
+
+# How often an endpoint that keeps failing is logged again.
+RETRY_LOG_EVERY_S = 60.0
+
+
+@attrs.define
+class RetryLog:
+    """When to log retries of one failing endpoint (sans-IO; the caller gives the time).
+
+    Once at WARNING when failures start, then at most once every
+    ``every`` seconds while they go on, then once at INFO when it answers
+    again: an outage is three lines a minute at most, not one per try.
+    """
+
+    every: float = RETRY_LOG_EVERY_S
+    failing_since: float | None = None
+    failures: int = 0
+    _last_logged: float = 0.0
+
+    def failed(self, now: float) -> bool:
+        """Record a failed try; True when this one should be logged."""
+        self.failures += 1
+        if self.failing_since is None:
+            self.failing_since = now
+            self._last_logged = now
+            return True
+        if now - self._last_logged >= self.every:
+            self._last_logged = now
+            return True
+        return False
+
+    def succeeded(self, now: float) -> tuple[int, float] | None:
+        """Record a success; ``(failures, seconds failing)`` when it ends an outage."""
+        if self.failing_since is None:
+            return None
+        outage = (self.failures, now - self.failing_since)
+        self.failing_since = None
+        self.failures = 0
+        return outage

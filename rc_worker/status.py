@@ -2,8 +2,11 @@
 
 ``GET /status`` is the worker's own account of itself as JSON (devices,
 their states, jobs and faults, pending reports, the last probe pass);
-``GET /metrics`` is Prometheus text; ``GET /healthz`` answers 200 once the
-worker is registered. Served with hypercorn on Trio, on the address the
+``GET /metrics`` is Prometheus text. ``GET /healthz`` is liveness: 200
+whenever the event loop answers. ``GET /readyz`` is readiness: 200 when the
+worker is registered, the controller answered within the last three
+heartbeat intervals, and it is not draining; otherwise 503 with the reason.
+Served with hypercorn on Trio, on the address the
 operator chose; it is read-only and never touches the controller.
 """
 
@@ -36,8 +39,16 @@ def status_app(snapshot: Callable[[], dict[str, Any]], metrics: WorkerMetrics) -
         return JSONResponse(snapshot())
 
     async def healthz(_: Request) -> Response:
-        ok = bool(snapshot().get("registered"))
-        return PlainTextResponse("ok\n" if ok else "not registered\n", 200 if ok else 503)
+        # Liveness only: answering at all proves the event loop runs. A
+        # controller outage is not a reason to restart the worker.
+        return PlainTextResponse("ok\n")
+
+    async def readyz(_: Request) -> Response:
+        snap = snapshot()
+        if snap.get("ready"):
+            return PlainTextResponse("ready\n")
+        reason = snap.get("not_ready_reason") or "not ready"
+        return PlainTextResponse(f"not ready: {reason}\n", 503)
 
     async def prometheus(_: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -46,6 +57,7 @@ def status_app(snapshot: Callable[[], dict[str, Any]], metrics: WorkerMetrics) -
         routes=[
             Route("/status", status),
             Route("/healthz", healthz),
+            Route("/readyz", readyz),
             Route("/metrics", prometheus),
         ]
     )
@@ -136,6 +148,7 @@ def format_status(data: dict[str, Any]) -> str:
         f"host {data.get('host')}  session {data.get('session') or '-'}"
         + (f"  ({', '.join(flags)})" if flags else ""),
         f"reports pending: {data.get('reports_pending', 0)}",
+        "ready" if data.get("ready") else f"not ready: {data.get('not_ready_reason') or '-'}",
         f"{'DEVICE':<12} {'STATE':<12} {'IDLE':<6} {'JOB':<24} FAULTS",
     ]
     for name, dev in sorted(data.get("devices", {}).items()):

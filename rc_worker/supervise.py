@@ -32,9 +32,11 @@ from types import MappingProxyType
 import attrs
 import trio
 
+from rc_worker import cgroup as cgroups
 from rc_worker.host import Host, HostProcess, LinuxHost
+from rc_worker.spawn_status import describe_spawn_error, exit_status
 from rc_worker.sweep import KILL_WAIT as SWEEP_KILL_WAIT
-from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
+from rc_worker.sweep import NOT_SWEPT, NOTHING_STARTED, SweepReport, sweep_job_survivors
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,13 @@ class JobSpec:
     ``pty``: run on a new pseudo-terminal (stdout and stderr are then one
     stream, so ``stderr`` must be ``None``; with no ``stdin`` the terminal's
     EOF is typed at once, so a reader sees end of file as from /dev/null).
+    ``cgroup``: the v2 cgroup (a path in the hierarchy) to create and run it
+    in; ``None`` gives it a fresh one of its own when the host has a cgroup
+    tree set up (``Host.containment``), else none. With a cgroup, whatever is
+    left in it after the group teardown is ended through it (the exact
+    sweep, ``method`` ``cgroup``), and the cgroup is removed.
+    ``cgroup_limits``: files to write into that cgroup before the job starts
+    (``memory.max``, ``cpu.max``).
     """
 
     command: tuple[str, ...] = attrs.field(converter=_to_command)
@@ -179,6 +188,8 @@ class JobSpec:
     stderr: Sink | None = attrs.field(default=None, validator=_check_stderr)
     sweep_job_id: str | None = attrs.field(default=None, validator=_check_job_id)
     pty: bool = attrs.field(default=False, converter=bool)
+    cgroup: str | None = None
+    cgroup_limits: Mapping[str, str] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self.pty and self.stderr is not None:
@@ -200,7 +211,10 @@ class Result:
     runtime, the idle timeout); a job that ended on its own is never killed,
     whatever teardown or the sweep did afterwards. ``reason``: ``""`` or why
     it was killed (``"max_runtime"``, ``"idle_timeout"``, the stop reason).
-    ``sweep``: what the RC_JOB_ID sweep saw and did: a report, not an outcome.
+    ``sweep``: what the sweep saw and did: a report, not an outcome.
+    ``usage``: the job's cgroup accounting when it had one (``cpu_usec``,
+    ``cpu_user_usec``, ``cpu_system_usec``, and ``memory_peak_bytes`` where
+    the memory controller is enabled); empty without.
     """
 
     exit_code: int | None
@@ -209,6 +223,7 @@ class Result:
     reason: str = ""
     error: str | None = None
     sweep: SweepReport = NOT_SWEPT
+    usage: Mapping[str, int] = attrs.field(factory=dict)
 
 
 # -- the stop handle --------------------------------------------------------
@@ -270,37 +285,6 @@ class JobHandle:
         self._scope = None
 
 
-# -- sans-IO decisions ------------------------------------------------------
-
-
-def exit_status(returncode: int) -> tuple[int, int | None]:
-    """``(exit_code, signal)`` in the shell convention from a Popen-style returncode."""
-    if returncode < 0:
-        return 128 - returncode, -returncode
-    return returncode, None
-
-
-def describe_spawn_error(
-    exc: OSError, command: Sequence[str], cwd: str | None, path: str | None
-) -> str:
-    """A readable sentence for a job that could not be started.
-
-    ``path`` is the PATH of the job's environment, ``None`` when it has none.
-    """
-    why = exc.strerror or str(exc)
-    if cwd is not None and exc.filename == cwd:
-        return f"cannot start {command[0]!r}: working directory {cwd!r}: {why}"
-    if isinstance(exc, FileNotFoundError) and "/" not in command[0]:
-        if path is None:
-            return (
-                f"cannot start {command[0]!r}: command not found; the job's environment "
-                f"has no PATH (JobSpec.env is the whole environment), so {os.defpath} "
-                "was searched"
-            )
-        return f"cannot start {command[0]!r}: command not found on the job's PATH ({path})"
-    return f"cannot start {command[0]!r}: {why}"
-
-
 # -- the Trio shell ---------------------------------------------------------
 
 
@@ -329,8 +313,30 @@ async def run_job(
         handle._settle()
         await trio.lowlevel.checkpoint()
         return Result(
-            exit_code=None, reason=handle.stop_reason, error="stopped before it was started"
+            exit_code=None,
+            reason=handle.stop_reason,
+            error="stopped before it was started",
+            sweep=NOTHING_STARTED if spec.sweep_job_id is not None else NOT_SWEPT,
         )
+    # A lower bound of the job's start time, taken before it exists: the
+    # sweep never inspects a process that started earlier (see sweep.candidate).
+    since = host.boot_ticks() if spec.sweep_job_id is not None else None
+    swept = NOTHING_STARTED if spec.sweep_job_id is not None else NOT_SWEPT
+    path = spec.cgroup
+    if path is None and host.containment is not None:
+        path = host.containment.leaf()
+    if path is not None:
+        try:
+            cgroups.create(host, path, spec.cgroup_limits)
+        except OSError as exc:
+            handle._settle()
+            await trio.lowlevel.checkpoint()
+            why = exc.strerror or str(exc)
+            return Result(
+                exit_code=None,
+                error=f"cannot start {spec.command[0]!r}: cannot create its cgroup {path}: {why}",
+                sweep=swept,
+            )
     try:
         proc = await host.spawn(
             spec.command,
@@ -339,21 +345,34 @@ async def run_job(
             stdin=spec.stdin is not None,
             separate_stderr=spec.stderr is not None,
             pty=spec.pty,
+            cgroup=path,
         )
     except OSError as exc:
         handle._settle()
+        if path is not None:
+            cgroups.remove(host, path)
         why = describe_spawn_error(exc, spec.command, spec.cwd, spec.env.get("PATH"))
-        return Result(exit_code=None, error=why)
+        return Result(exit_code=None, error=why, sweep=swept)
     # No checkpoint between the spawn and the try/finally in run(): a
     # cancellation must not find a started process nobody will kill.
-    return await _Supervisor(spec, sink, host, proc, handle).run()
+    return await _Supervisor(spec, sink, host, proc, handle, since, path).run()
 
 
 class _Supervisor:
     def __init__(
-        self, spec: JobSpec, sink: Sink, host: Host, proc: HostProcess, handle: JobHandle
+        self,
+        spec: JobSpec,
+        sink: Sink,
+        host: Host,
+        proc: HostProcess,
+        handle: JobHandle,
+        since: int | None,
+        cgroup: str | None,
     ) -> None:
         self.spec = spec
+        self.since = since
+        self.cgroup = cgroup
+        self.usage: dict[str, int] = {}
         self.sink = sink
         self.host = host
         self.proc = proc
@@ -491,9 +510,21 @@ class _Supervisor:
                 self.killed = True
                 self.reason = self.reason or REASON_CANCELLED
             await self._teardown()
-            if self.spec.sweep_job_id is not None:
+            if self.cgroup is not None:
+                # Exact: everything the job forked is in its cgroup, whatever
+                # it did with its session, group or environment.
+                self.sweep = await cgroups.sweep_cgroup(
+                    self.host, self.cgroup, grace=self.spec.grace_ceiling
+                )
+                self.usage = cgroups.usage(self.host, self.cgroup)
+                if self.sweep.clean:
+                    cgroups.remove(self.host, self.cgroup)
+            elif self.spec.sweep_job_id is not None:
                 self.sweep = await sweep_job_survivors(
-                    self.spec.sweep_job_id, grace=self.spec.grace_ceiling, host=self.host
+                    self.spec.sweep_job_id,
+                    grace=self.spec.grace_ceiling,
+                    host=self.host,
+                    since=self.since,
                 )
 
     def _signal(self, sig: int) -> bool:
@@ -552,6 +583,7 @@ class _Supervisor:
                 reason=self.reason,
                 error=f"process {self.proc.pid} did not exit after SIGKILL (stuck in the kernel?)",
                 sweep=self.sweep,
+                usage=self.usage,
             )
         exit_code, sig = exit_status(returncode)
         return Result(
@@ -560,4 +592,5 @@ class _Supervisor:
             killed=self.killed,
             reason=self.reason,
             sweep=self.sweep,
+            usage=self.usage,
         )

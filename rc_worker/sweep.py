@@ -6,11 +6,19 @@ the sweep finds it the other way: by the ``RC_JOB_ID=<id>`` it inherited in
 its environment (``/proc/<pid>/environ``), and signals it the same way the
 group was (SIGTERM, the grace window, SIGKILL).
 
+This is the sweep for a job WITHOUT a cgroup; with one, ``cgroup.py`` ends
+what is left through the cgroup instead, exactly. Only processes that started
+at or after the job are inspected (a process older than the job cannot be
+its descendant), so a sweep costs one table walk plus the environments of
+what started since. Every signal goes through a pin (a pidfd) taken at scan
+time, its start time checked, so a pid recycled in between is never signalled.
+
 Residuals, accepted and documented rather than hidden: a process that
 rewrote its own environment block or exec'd with a cleared environment
 carries no id and is invisible here (a session leader found by id has its
-whole group signalled too, which catches its env-less children); a pid can
-in principle be reused between the scan and the signal.
+whole group signalled too, which catches its env-less children); a process
+whose environment cannot be read (a worker that is not root) makes the
+sweep blind, and :func:`unproven` then refuses to call the job's end clean.
 
 REAPING A SURVIVOR MUST NEVER RELABEL A SUCCESSFUL JOB AS KILLED. The sweep
 produces a :class:`SweepReport` and nothing else; it never sees, let alone
@@ -28,7 +36,7 @@ from collections.abc import Mapping
 import attrs
 import trio
 
-from rc_worker.host import Host, LinuxHost, ProcessInfo
+from rc_worker.host import Host, LinuxHost, ProcessInfo, ProcessPin
 
 JOB_ID_VAR = "RC_JOB_ID"
 
@@ -46,37 +54,69 @@ _POLL_MAX = 0.1
 EXEC_SETTLE = 0.005
 
 
+METHOD_ENVIRON = "environ"
+METHOD_CGROUP = "cgroup"
+
+
 @attrs.frozen
 class SweepReport:
-    """What the RC_JOB_ID sweep saw and did. A report, never an outcome.
+    """What the sweep saw and did. A report, never an outcome.
 
-    ``scanned``: the process table could be walked at all ("found nothing"
-    and "could not look" are opposite answers). ``found``: every live process
-    that carried the job's exact RC_JOB_ID after its group was torn down.
-    ``remaining``: what was still alive after SIGTERM, the grace window,
-    SIGKILL and a short wait (non-empty means the host is still dirty).
-    ``blind``: at least one process could not be inspected (EACCES on its
-    environment: a worker not running as root), so the answer is incomplete.
+    ``scanned``: the job's processes could be looked for at all ("found
+    nothing" and "could not look" are opposite answers). ``found``: every
+    live process of the job seen after its group was torn down. ``remaining``:
+    what was still alive after SIGTERM, the grace window, SIGKILL and a short
+    wait (non-empty means the host is still dirty). ``blind``: the answer is
+    incomplete: some process could not be inspected (EACCES on its
+    environment: a worker not running as root), listed in ``blind_pids``, or
+    the table stopped being readable half-way. ``method``: ``cgroup`` (the
+    job's own cgroup was read: exact, never blind) or ``environ`` (the
+    process table was searched for the job's RC_JOB_ID).
     """
 
     scanned: bool
     found: tuple[int, ...] = ()
     remaining: tuple[int, ...] = ()
     blind: bool = False
+    blind_pids: tuple[int, ...] = ()
+    method: str = METHOD_ENVIRON
 
     @property
     def clean(self) -> bool:
-        """Whether the sweep *proved* nothing of the job is left running.
+        """Whether the sweep *proved* nothing of the job is left running (see :func:`unproven`)."""
+        return unproven(self) is None
 
-        It looked, it could see everything it looked at, and it either found
-        nothing or removed everything it found. An empty ``found`` alone is
-        not this claim.
-        """
-        return self.scanned and not self.blind and not self.remaining
+
+def unproven(report: SweepReport) -> str | None:
+    """THE rule (invariant 1): why ``report`` does not prove the job left nothing, or ``None``.
+
+    Proven clean means: it looked, it could see everything it looked at, and
+    it either found nothing or removed everything it found. An empty
+    ``found`` alone is not this claim. The device supervisor (at a job's end:
+    not proven means the device is quarantined ``dirty``) and recovery (not
+    proven means the claim is not ``gone``) both decide with this function,
+    so a sweep the worker could not see through never offers a device at
+    one moment and refuses to at another.
+    """
+    if not report.scanned:
+        return "the job's processes could not be looked for (the process table was unreadable)"
+    if report.remaining:
+        return f"processes {list(report.remaining)} survived SIGKILL"
+    if report.blind:
+        which = f"processes {list(report.blind_pids)}" if report.blind_pids else "some processes"
+        return (
+            f"the sweep could not inspect {which} (environment unreadable: a worker that is not "
+            "root); a process of the job may still be alive. Run the worker as root or give "
+            "it a delegated cgroup (cgroup: auto)"
+        )
+    return None
 
 
 NOT_SWEPT = SweepReport(scanned=False)
 """The report of a job that asked for no sweep: nothing looked, nothing proved."""
+
+NOTHING_STARTED = SweepReport(scanned=True)
+"""The report of a job whose process was never created: nothing can be left of it."""
 
 
 @attrs.frozen
@@ -84,7 +124,23 @@ class ScanResult:
     """One pass over the process table, decided without I/O from what the host returned."""
 
     matches: tuple[ProcessInfo, ...]  # live processes carrying exactly the job's id
-    blind: bool  # some process that might have been one could not be inspected
+    blind_pids: tuple[int, ...] = ()  # live candidates that could not be inspected
+
+    @property
+    def blind(self) -> bool:
+        return bool(self.blind_pids)
+
+
+def candidate(p: ProcessInfo, since: int | None) -> bool:
+    """Whether ``p`` could be one of a job whose first process started at ``since``.
+
+    A process that started before the job's first process cannot descend
+    from it, so it is never inspected: an unreadable daemon older than the
+    job does not make the sweep blind, and its environment is never read.
+    Zombies have exited and hold nothing but a pid. ``since`` ``None``: no
+    bound known, every live process is a candidate.
+    """
+    return p.alive and (since is None or p.start_time >= since)
 
 
 def never_survivors(table: list[ProcessInfo], own_pid: int) -> set[int]:
@@ -111,28 +167,35 @@ def classify(
     job_ids: dict[int, str | None],
     unreadable: set[int],
     job_id: str,
+    since: int | None = None,
 ) -> ScanResult:
     """Decide which processes of ``table`` belong to ``job_id``.
 
     ``job_ids`` maps a pid to the RC_JOB_ID in its environment (``None``
     when unset); ``unreadable`` holds the pids whose environment could not be
-    read. A pid in neither vanished during the scan or was not a candidate.
-    Zombies are never matches: they have exited and hold nothing but a pid.
+    read. A pid in neither vanished during the scan or was not a candidate
+    (see :func:`candidate`).
     """
-    matches = tuple(p for p in table if p.alive and job_ids.get(p.pid) == job_id)
-    blind = any(p.alive and p.pid in unreadable for p in table)
+    live = [p for p in table if candidate(p, since)]
+    matches = tuple(p for p in live if job_ids.get(p.pid) == job_id)
+    blind = tuple(p.pid for p in live if p.pid in unreadable)
     return ScanResult(matches, blind)
 
 
-async def scan(host: Host, job_id: str) -> ScanResult:
-    """Walk the process table once. Raises ``OSError`` when it cannot be listed."""
+async def scan(host: Host, job_id: str, since: int | None = None) -> ScanResult:
+    """Walk the process table once. Raises ``OSError`` when it cannot be listed.
+
+    Only candidates (see :func:`candidate`) have their environment read: the
+    start time comes with the row, so a sweep after a job reads the
+    environments of the processes started since, not of the whole machine.
+    """
     table = host.processes()
     excluded = never_survivors(table, host.own_pid())
     job_ids: dict[int, str | None] = {}
     unreadable: set[int] = set()
     empty: list[int] = []
     for p in table:
-        if p.pid in excluded or not p.alive:
+        if p.pid in excluded or not candidate(p, since):
             continue
         env = _environ(host, p.pid, unreadable)
         if env is not None:
@@ -150,7 +213,7 @@ async def scan(host: Host, job_id: str) -> ScanResult:
                 job_ids[pid] = env.get(JOB_ID_VAR)
     else:
         await trio.lowlevel.checkpoint()
-    return classify(table, job_ids, unreadable, job_id)
+    return classify(table, job_ids, unreadable, job_id, since)
 
 
 def _environ(host: Host, pid: int, unreadable: set[int]) -> Mapping[str, str] | None:
@@ -166,37 +229,50 @@ def _environ(host: Host, pid: int, unreadable: set[int]) -> Mapping[str, str] | 
 
 
 class _Sweep:
-    def __init__(self, host: Host, job_id: str) -> None:
+    def __init__(self, host: Host, job_id: str, since: int | None) -> None:
         self.host = host
         self.job_id = job_id
+        self.since = since
         self.found: dict[int, None] = {}  # an insertion-ordered set
-        self.signalled: dict[int, set[int]] = {}
-        self.blind = False
+        self.signalled: dict[tuple[int, int], set[int]] = {}
+        self.pins: dict[tuple[int, int], ProcessPin | None] = {}
+        self.blind_pids: dict[int, None] = {}
+        self.broken = False
         self.matches: tuple[ProcessInfo, ...] = ()
         self.live: tuple[int, ...] = ()
 
     async def look(self) -> bool:
         """Scan and remember; whether any carrier of the id is still alive."""
-        result = await scan(self.host, self.job_id)
-        self.blind = self.blind or result.blind
+        result = await scan(self.host, self.job_id, self.since)
+        for pid in result.blind_pids:
+            self.blind_pids.setdefault(pid)
         self.matches = result.matches
         self.live = tuple(p.pid for p in result.matches)
-        for pid in self.live:
-            self.found.setdefault(pid)
+        for p in result.matches:
+            self.found.setdefault(p.pid)
+            key = (p.pid, p.start_time)
+            if key not in self.pins:
+                # Pinned at scan time: whatever happens to the pid later,
+                # a signal through the pin reaches this process or nothing.
+                self.pins[key] = self.host.pin(p.pid, p.start_time)
         return bool(self.matches)
 
     def signal_new(self, sig: int) -> None:
         """Send ``sig`` to every live match that has not had it yet."""
         for p in self.matches:
-            sent = self.signalled.setdefault(p.pid, set())
+            key = (p.pid, p.start_time)
+            sent = self.signalled.setdefault(key, set())
             if sig in sent:
                 continue
             sent.add(sig)
-            self.host.signal_pid(p.pid, sig)
+            pin = self.pins.get(key)
+            if pin is None or not pin.send_signal(sig):
+                continue  # gone since the scan (its pid may be someone else's now)
             if p.sid == p.pid:
                 # A session leader's group holds only its own descendants
                 # (nothing can join a session from outside), so its group
-                # is the job's too, even members that dropped the id.
+                # is the job's too, even members that dropped the id. The
+                # pin just reached the leader, so the group id is still its.
                 self.host.signal_group(p.pid, sig)
 
     async def drive(self, sig: int) -> None:
@@ -207,9 +283,25 @@ class _Sweep:
             await trio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
 
+    def close(self) -> None:
+        for pin in self.pins.values():
+            if pin is not None:
+                pin.close()
+        self.pins.clear()
+
+    def report(self) -> SweepReport:
+        blind = tuple(self.blind_pids)
+        return SweepReport(
+            scanned=True,
+            found=tuple(self.found),
+            remaining=self.live,
+            blind=bool(blind) or self.broken,
+            blind_pids=blind,
+        )
+
 
 async def sweep_job_survivors(
-    job_id: str, *, grace: float, host: Host | None = None
+    job_id: str, *, grace: float, host: Host | None = None, since: int | None = None
 ) -> SweepReport:
     """Signal out of existence every process carrying exactly ``RC_JOB_ID=<job_id>``.
 
@@ -217,35 +309,36 @@ async def sweep_job_survivors(
     seconds, then one last look: what is still alive is ``remaining``. Zombies
     are not survivors (they have exited; only their pid is left), and neither
     are the worker itself, init or the worker's ancestors (see
-    :func:`never_survivors`). Processes forked by a survivor while this runs
-    are picked up by the re-scans. Bounded: it never waits longer than
-    ``grace + KILL_WAIT`` plus the scans themselves.
+    :func:`never_survivors`), nor, when ``since`` is given (the job's first
+    process's start time, in :meth:`Host.boot_ticks`), anything older than
+    the job. Processes forked by a survivor while this runs are picked up by
+    the re-scans. Every signal goes through a pin taken at scan time
+    (:meth:`Host.pin`), so a pid recycled in between is never signalled.
+    Bounded: it never waits longer than ``grace + KILL_WAIT`` plus the scans.
     """
     if not job_id:
         raise ValueError("job_id must be a non-empty string; an empty id would match nothing")
     if not (grace >= 0 and math.isfinite(grace)):
         raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
     host = host if host is not None else LinuxHost()
-    sweep = _Sweep(host, job_id)
+    sweep = _Sweep(host, job_id, since)
     await trio.lowlevel.checkpoint()
     try:
-        if not await sweep.look():
-            return SweepReport(scanned=True, blind=sweep.blind)
-    except OSError:
-        return NOT_SWEPT
-    try:
-        with trio.move_on_after(grace):
-            await sweep.drive(signal.SIGTERM)
-        with trio.move_on_after(KILL_WAIT):
-            await sweep.drive(signal.SIGKILL)
-        await sweep.look()
-    except OSError:
-        # The table could be listed a moment ago and now cannot: what we
-        # last saw alive stays reported, and the answer is incomplete.
-        sweep.blind = True
-    return SweepReport(
-        scanned=True,
-        found=tuple(sweep.found),
-        remaining=sweep.live,
-        blind=sweep.blind,
-    )
+        try:
+            if not await sweep.look():
+                return sweep.report()
+        except OSError:
+            return NOT_SWEPT
+        try:
+            with trio.move_on_after(grace):
+                await sweep.drive(signal.SIGTERM)
+            with trio.move_on_after(KILL_WAIT):
+                await sweep.drive(signal.SIGKILL)
+            await sweep.look()
+        except OSError:
+            # The table could be listed a moment ago and now cannot: what we
+            # last saw alive stays reported, and the answer is incomplete.
+            sweep.broken = True
+        return sweep.report()
+    finally:
+        sweep.close()

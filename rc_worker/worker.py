@@ -5,13 +5,16 @@
     Worker.run()                       root nursery
     ├── heartbeat loop                 device states up; cancels, idle behaviour, clears down
     ├── poll manager                   one long poll per batch of newly ready devices
+    ├── cancel watch                   a long poll the controller answers with a cancel
     ├── probe loop                     a probe pass every probe_interval; labels after each
     ├── outbox                         output, finish and fault reports, from disk
     └── one DeviceSupervisor per device
 
 ``drain()`` stops taking work, lets running jobs finish, releases held
-devices, delivers every report, then returns from ``run``. ``stop()`` does
-the same but stops running jobs first (grace ceilings honoured). Cancelling
+devices, delivers every report, deregisters, then returns from ``run``.
+``stop()`` does the same but stops running jobs first (grace ceilings
+honoured) and does not wait for a controller that does not take the reports:
+they stay on disk for the next start. Cancelling
 the scope around ``run`` abandons everything at once: jobs are killed
 (shielded, bounded) and whatever was not reported stays on disk for the
 next start to recover.
@@ -22,8 +25,10 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +37,15 @@ import httpx
 import trio
 
 from rc_worker._version import __version__
+from rc_worker.cancel_watch import watch_cancels
+from rc_worker.cgroup import clear_strays, start_containment, state_tag
+from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config
+from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
+from rc_worker.health import not_ready_reason, tree_bytes
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
@@ -48,6 +57,7 @@ from rc_worker.model import (
     job_key,
     parse_assignment,
 )
+from rc_worker.operator_errors import register_refused
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Recovered, recover
@@ -58,6 +68,10 @@ from rc_worker.statelock import StateDirLock
 from rc_worker.status import serve_status, status_app
 
 log = logging.getLogger("rc_worker.worker")
+
+# Stopping (a second signal) waits this long at most for reports the
+# controller has not taken, and a drained worker as long for its deregister.
+STOP_REPORT_WINDOW_S = 3.0
 
 
 class Worker:
@@ -103,6 +117,8 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
         self.status_urls: list[str] = []
+        self._last_answer: float | None = None
+        self._register_scope: trio.CancelScope | None = None
         # Who this process is, for the controller's "same process or new" at
         # register; in memory only, so no later process can repeat it.
         # ``rng``: every id and jitter of this worker; a simulation seeds it so that
@@ -123,6 +139,8 @@ class Worker:
             return
         log.info("draining: no new work; running jobs finish, then the worker exits")
         self._ctx.draining = True
+        if self._register_scope is not None:
+            self._register_scope.cancel()
         if self._nursery is not None:
             self._nursery.start_soon(self._drain_deadline)
         self._poke_all()
@@ -175,6 +193,22 @@ class Worker:
         if warning:
             log.warning("%s", warning)
         boot_id = self.host.boot_id()
+        # Before anything is spawned (probes included): a cgroup per process.
+        containment = start_containment(
+            self.host,
+            self.config.cgroup,
+            tag=state_tag(self.config.state_dir),
+            needs=cgroup_needs(self.config),
+        )
+        try:
+            await self._serve(root, boot_id, task_status)
+        finally:
+            if containment is not None:
+                # Empty cgroups only: one a survivor still holds stays, for
+                # the next start's recovery to find.
+                remove_cgroup(self.host, containment.tree)
+
+    async def _serve(self, root: Path, boot_id: str, task_status: trio.TaskStatus[None]) -> None:
         async with AsyncExitStack() as stack:
             http = self._http
             if http is None:
@@ -184,6 +218,7 @@ class Worker:
                 host=self.config.host,
                 token=self.config.token,
                 on_unknown_session=self._register,
+                on_answer=self._on_answer,
                 rng=self._rng,
             )
             outbox = Outbox(root, client, on_change=self._poke_poller, rng=self._rng)
@@ -207,7 +242,7 @@ class Worker:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if self.config.status_listen is not None:
-                    # Up before register, so /healthz can say "not registered"
+                    # Up before register, so /readyz can say "not registered"
                     # through a controller outage.
                     app = status_app(self.status, self.metrics)
                     self.status_urls = await nursery.start(
@@ -221,15 +256,38 @@ class Worker:
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
                 )
-                await self._register(client)
+                if self.host.containment is not None:
+                    kept = {job_key(r.job_id, r.attempt) for r in self.recovered}
+                    await clear_strays(self.host, self.host.containment, keep=kept)
+                with trio.CancelScope() as self._register_scope:
+                    await self._first_register(client, http)
+                self._register_scope = None
+                if not self.registered.is_set():
+                    # Told to stop while the controller was not answering:
+                    # nothing ran, and what the journal holds stays for later.
+                    log.info("stopped before the controller answered a register")
+                    nursery.cancel_scope.cancel()
+                    return
                 await nursery.start(outbox.run)
                 for dev in self.devices.values():
                     await nursery.start(dev.run)
                 nursery.start_soon(self._heartbeat_loop, client)
                 nursery.start_soon(self._poll_manager, client, nursery)
                 nursery.start_soon(self._probe_loop, client)
+                nursery.start_soon(
+                    partial(
+                        watch_cancels,
+                        client,
+                        held=self._held_jobs,
+                        apply=self._apply_cancel,
+                        changed=lambda: self._poll_wake,
+                        wait_s=lambda: self._poll_wait,
+                        pause_s=lambda: self._heartbeat_interval,
+                    )
+                )
                 task_status.started()
                 await self._until_drained(outbox)
+                await self._deregister(client, outbox)
                 nursery.cancel_scope.cancel()
         log.info("worker stopped")
 
@@ -240,17 +298,73 @@ class Worker:
         return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0))
 
     async def _until_drained(self, outbox: Outbox) -> None:
-        """Return once draining, every device is idle and every report delivered."""
+        """Return once draining, every device is idle and every report delivered.
+
+        Stopping (a second signal) does not wait on the controller: once every
+        device is idle, reports it has not taken within ``STOP_REPORT_WINDOW_S``
+        stay on disk and go out after the next start.
+        """
         assert self._ctx is not None
         while True:
             wake = self._poll_wake
-            if (
-                self._ctx.draining
-                and all(dev.idle() for dev in self.devices.values())
-                and outbox.pending() == 0
-            ):
-                return
+            if self._ctx.draining and all(dev.idle() for dev in self.devices.values()):
+                if outbox.pending() == 0:
+                    return
+                if self._ctx.stopping:
+                    break
             await wake.wait()
+        with trio.move_on_after(STOP_REPORT_WINDOW_S):
+            while outbox.pending():
+                await self._poll_wake.wait()
+            return
+        log.warning(
+            "stopping with %d report(s) the controller has not taken; they stay in %s "
+            "and are delivered after the next start",
+            outbox.pending(),
+            self.config.state_dir,
+        )
+
+    async def _deregister(self, client: ControllerClient, outbox: Outbox) -> None:
+        # Only after a complete drain: a worker that still owes reports must
+        # look lost to the controller until it comes back with them.
+        if outbox.pending() or client.session is None:
+            return
+        with trio.move_on_after(STOP_REPORT_WINDOW_S):
+            try:
+                await client.deregister()
+                log.info("told the controller this worker is leaving (deregister)")
+            except ControllerError as e:
+                log.warning("deregister refused: %s", e)
+
+    async def _first_register(self, client: ControllerClient, http: httpx.AsyncClient) -> None:
+        try:
+            await self._register(client)
+        except ControllerError as e:
+            refused = register_refused(e, url=str(http.base_url), host=self.config.host)
+            if refused is None:
+                raise
+            raise refused from None
+
+    def _on_answer(self, endpoint: str, status: str) -> None:
+        self.metrics.controller_requests.labels(endpoint, status).inc()
+        if status.isdigit() and int(status) < 500:
+            self._last_answer = trio.current_time()
+            if status.startswith("2"):
+                self.metrics.controller_last_success.set(time.time())
+
+    def readiness(self) -> str | None:
+        """None when ready for work (``/readyz`` 200), else why not."""
+        try:
+            now = trio.current_time()
+        except RuntimeError:
+            now = self._last_answer or 0.0  # outside Trio: silence cannot be judged
+        return not_ready_reason(
+            registered=self.registered.is_set(),
+            draining=self.draining,
+            last_answer=self._last_answer,
+            now=now,
+            heartbeat_interval=self._heartbeat_interval,
+        )
 
     async def _drain_deadline(self) -> None:
         # shutdown_grace bounds the drain: past it, running jobs are stopped.
@@ -267,11 +381,14 @@ class Worker:
     def status(self) -> dict[str, Any]:
         """The worker's own account of itself (``GET /status``)."""
         ctx = self._ctx
+        not_ready = self.readiness()
         return {
             "version": __version__,
             "host": self.config.host,
             "session": ctx.client.session if ctx is not None else None,
             "registered": self.registered.is_set(),
+            "ready": not_ready is None,
+            "not_ready_reason": not_ready,
             "draining": self.draining,
             "stopping": ctx is not None and ctx.stopping,
             "devices": {name: dev.status() for name, dev in self.devices.items()},
@@ -289,6 +406,8 @@ class Worker:
             },
             reports_pending=self._ctx.outbox.pending() if self._ctx is not None else 0,
             registered=self.registered.is_set(),
+            draining=self.draining,
+            spool_bytes=tree_bytes(Path(self.config.state_dir) / "jobs"),
         )
 
     # -- register -------------------------------------------------------------
@@ -367,15 +486,8 @@ class Worker:
 
     def _apply_heartbeat(self, answer: Mapping[str, Any]) -> None:
         for cancel in answer.get("cancel") or ():
-            if not isinstance(cancel, Mapping):
-                continue
-            job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
-            for dev in self.devices.values():
-                dev.cancel(
-                    str(job_id),
-                    attempt if isinstance(attempt, int) else -1,
-                    str(cancel.get("reason") or ""),
-                )
+            if isinstance(cancel, Mapping):
+                self._apply_cancel(cancel)
         behaviours = answer.get("idle_behavior")
         if isinstance(behaviours, Mapping):
             for name, value in behaviours.items():
@@ -387,6 +499,20 @@ class Worker:
                 if name in self.devices and isinstance(ids, list):
                     self.devices[name].clear_faults({str(i) for i in ids})
         self._poke_poller()
+
+    def _apply_cancel(self, cancel: Mapping[str, Any]) -> None:
+        job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
+        for dev in self.devices.values():
+            # A job that already ended here is not this device's lease job any
+            # more: the cancel is ignored and the job keeps its own outcome.
+            dev.cancel(
+                str(job_id),
+                attempt if isinstance(attempt, int) else -1,
+                str(cancel.get("reason") or ""),
+            )
+
+    def _held_jobs(self) -> set[tuple[str, int]]:
+        return {dev.lease.job for dev in self.devices.values() if dev.lease.job is not None}
 
     def _set_idle(self, dev: DeviceSupervisor, value: Any) -> None:
         try:
@@ -480,6 +606,11 @@ class Worker:
                 assignment.job_id,
                 assignment.attempt,
                 list(assignment.command),
+                extra={
+                    "device": dev.name,
+                    "job_id": assignment.job_id,
+                    "attempt": assignment.attempt,
+                },
             )
             dev.assign(assignment)
 
@@ -497,7 +628,13 @@ class Worker:
         if ident is None:
             log.error("ignoring an assignment with no usable job_id/attempt: %s", reason)
             return
-        log.warning("rejecting job %s attempt %d: %s", ident[0], ident[1], reason)
+        log.warning(
+            "rejecting job %s attempt %d: %s",
+            ident[0],
+            ident[1],
+            reason,
+            extra={"job_id": ident[0], "attempt": ident[1]},
+        )
         self._ctx.report(ident, not_run_report(ident, "rejected", reason))
 
     async def _probe_loop(self, client: ControllerClient) -> None:

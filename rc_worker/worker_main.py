@@ -8,6 +8,11 @@ Signals are received in the root task and turned into drain or cancel:
 - a second SIGTERM or SIGINT, or SIGQUIT: stop running jobs (grace ceilings
   honoured), report, exit 0;
 - SIGHUP: run a probe pass and re-read the sheets now.
+
+A failure is one line naming the cause and the fix (``operator_errors``),
+exit 2 when restarting cannot help, else 1; with ``--log-level debug`` the
+traceback follows it. Under systemd (``$NOTIFY_SOCKET``) it speaks
+``Type=notify`` (``sd_notify``).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import logging
 import secrets
 import signal
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from typing import Any
 
 import attrs
 import httpx
@@ -26,9 +33,15 @@ import trio
 
 from rc_worker.config import Config, load_config
 from rc_worker.errors import ConfigError, RcWorkerError
+from rc_worker.logs import setup_logging
+from rc_worker.operator_errors import EXIT_FAILED, EXIT_RESTART_WONT_HELP, unexpected
+from rc_worker.sd_notify import Notifier, status_line
 from rc_worker.worker import Worker
 
 log = logging.getLogger("rc_worker.main")
+
+# How often the STATUS= line for systemd is brought up to date.
+STATUS_EVERY_S = 1.0
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 
@@ -38,27 +51,59 @@ def run_from_cli(args: argparse.Namespace) -> int:
         config = load_config(args.path)
     except ConfigError as e:
         print(f"rc-worker: {e}", file=sys.stderr)
-        return 2
+        return EXIT_RESTART_WONT_HELP
+    # The command line wins over the file.
+    level = getattr(args, "log_level", None) or config.log_level
+    fmt = getattr(args, "log_format", None) or config.log_format
+    setup_logging(level, fmt, host=config.host)
+    report = _Reporter(json_lines=fmt == "json", debug=level == "debug")
     code = 0
     try:
         trio.run(serve, config)
     except* KeyboardInterrupt:
         code = 130
     except* ConfigError as bad_settings:
-        # Bad settings found only at start (state_dir, status_listen): exit 2,
-        # which a service manager can be told not to restart on.
-        for err in bad_settings.exceptions:
-            print(f"rc-worker: {err}", file=sys.stderr)
-        code = 2
+        # Bad settings found only at start (state_dir, status_listen, a token
+        # the controller refuses): exit 2, which a service manager can be told
+        # not to restart on.
+        for err in _leaves(bad_settings):
+            report(str(err), err)
+        code = EXIT_RESTART_WONT_HELP
     except* RcWorkerError as failures:
-        for failure in failures.exceptions:
-            print(f"rc-worker: {failure}", file=sys.stderr)
-        code = 1
+        for failure in _leaves(failures):
+            report(str(failure), failure)
+        code = code or EXIT_FAILED
+    except* Exception as others:
+        for other in _leaves(others):
+            report(unexpected(other), other)
+        code = code or EXIT_FAILED
     return code
 
 
-async def serve(config: Config) -> None:
+class _Reporter:
+    """Prints a failure as one line: ``rc-worker: ...``, or a JSON log line."""
+
+    def __init__(self, *, json_lines: bool, debug: bool) -> None:
+        self.json_lines = json_lines
+        self.debug = debug
+
+    def __call__(self, message: str, exc: BaseException) -> None:
+        if self.json_lines or self.debug:
+            log.error("%s", message, exc_info=exc if self.debug else None)
+        else:
+            print(f"rc-worker: {message}", file=sys.stderr)
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+async def serve(config: Config, *, notifier: Notifier | None = None) -> None:
     """Run a worker until a signal drains or stops it."""
+    notifier = notifier if notifier is not None else Notifier()
     async with AsyncExitStack() as stack:
         http: httpx.AsyncClient | None = None
         if config.controller_url is None:
@@ -68,12 +113,14 @@ async def serve(config: Config) -> None:
         worker = Worker(config, http=http)
         with trio.open_signal_receiver(*_SIGNALS) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_handle_signals, signals, worker)
+                nursery.start_soon(_handle_signals, signals, worker, notifier)
+                if notifier.enabled:
+                    nursery.start_soon(_tell_service_manager, worker, notifier)
                 await worker.run()
                 nursery.cancel_scope.cancel()
 
 
-async def _handle_signals(signals: AsyncIterator[int], worker: Worker) -> None:
+async def _handle_signals(signals: AsyncIterator[int], worker: Worker, notifier: Notifier) -> None:
     terms = 0
     async for signum in signals:
         name = signal.Signals(signum).name
@@ -82,15 +129,48 @@ async def _handle_signals(signals: AsyncIterator[int], worker: Worker) -> None:
             worker.reprobe()
         elif signum == signal.SIGQUIT:
             log.info("SIGQUIT: stopping running jobs now")
+            notifier.notify("STOPPING=1")
             worker.stop()
         else:
             terms += 1
+            notifier.notify("STOPPING=1")
             if terms == 1:
                 log.info("%s: draining (send it again to stop running jobs)", name)
                 worker.drain()
             else:
                 log.info("%s again: stopping running jobs", name)
                 worker.stop()
+
+
+async def _tell_service_manager(worker: Worker, notifier: Notifier) -> None:
+    """READY=1 after the first register, then STATUS= whenever the device counts change."""
+    async with trio.open_nursery() as nursery:
+        if notifier.watchdog_interval is not None:
+            nursery.start_soon(_watchdog, notifier, notifier.watchdog_interval)
+        notifier.notify(f"STATUS=registering with the controller at {worker.config.controller_url}")
+        await worker.registered.wait()
+        last = _status(worker)
+        notifier.notify("READY=1", last)
+        while True:
+            await trio.sleep(STATUS_EVERY_S)
+            line = _status(worker)
+            if line != last:
+                notifier.notify(line)
+                last = line
+
+
+def _status(worker: Worker) -> str:
+    counts = Counter(str(dev.lease.state) for dev in worker.devices.values())
+    line = status_line(counts)
+    return line + (" (draining)" if worker.draining else "")
+
+
+async def _watchdog(notifier: Notifier, interval: float) -> None:
+    # Sent from the event loop itself: a wedged loop stops the pings, and
+    # systemd restarts the worker (WatchdogSec=).
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await trio.sleep(interval)
 
 
 def embedded_controller(config: Config) -> tuple[Config, httpx.AsyncClient]:

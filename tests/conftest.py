@@ -6,9 +6,14 @@ pick another with ``HYPOTHESIS_PROFILE=dev``.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from rc_worker.logs import THIRD_PARTY
 
 settings.register_profile(
     "ci",
@@ -23,3 +28,21 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Put the logging configuration back after a test that sets it up in-process."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    others = {name: logging.getLogger(name).level for name in THIRD_PARTY}
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+        for name, old in others.items():
+            logging.getLogger(name).setLevel(old)

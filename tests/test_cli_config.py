@@ -12,6 +12,7 @@ import pytest
 
 from rc_worker.cli import main
 from rc_worker.config import WORKER_ENV_VARS
+from rc_worker.host import LinuxHost
 
 GOOD = """\
 devices:
@@ -78,6 +79,8 @@ def test_json_is_the_fully_resolved_config(
         "timeout": 60.0,
         "release_linger": 90.0,
         "labels": {},
+        "memory_max": None,
+        "cpu_max": None,
     }
     assert (gpu1["max_runtime"], gpu1["timeout"], gpu1["release_linger"]) == (7200.0, 90.0, 90.0)
     assert gpu1["labels"] == {"rack": "r7", "slots": "4"}
@@ -209,3 +212,24 @@ def test_console_script_json(tmp_path: Path) -> None:
     assert data["token"] == "***"
     assert data["poll_wait"] == 0.5
     assert "do-not-print-me" not in result.stdout + result.stderr
+
+
+def test_check_config_refuses_a_limit_this_host_does_not_delegate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What the real host offers decides; either way check-config says what start would.
+    host = LinuxHost()
+    try:
+        available = host.cgroup_read(host.own_cgroup(), "cgroup.controllers").split()
+    except OSError:
+        available = []
+    path = tmp_path / "worker.yaml"
+    path.write_text("devices:\n  - name: gpu0\n    memory_max: 1Gi\n")
+    code = main(["check-config", str(path)])
+    _, err = capsys.readouterr()
+    if "memory" in available:
+        assert code == 0
+    else:
+        assert code == 2
+        assert err.startswith("rc-worker: devices[0].memory_max: ")
+        assert err.count("\n") == 1  # one line, no traceback

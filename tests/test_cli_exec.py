@@ -61,7 +61,15 @@ async def test_exit_status_output_and_result(tmp_path: Path) -> None:
         "killed": False,
         "reason": "",
         "error": None,
-        "sweep": {"scanned": False, "found": [], "remaining": [], "blind": False, "clean": False},
+        "sweep": {
+            "scanned": False,
+            "found": [],
+            "remaining": [],
+            "blind": False,
+            "blind_pids": [],
+            "method": "environ",
+            "clean": False,
+        },
     }
 
 

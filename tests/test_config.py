@@ -993,6 +993,8 @@ def test_resolved_json_masks_the_token_and_uses_seconds(tmp_path: Path) -> None:
             "timeout": DEFAULT_HOOK_TIMEOUT,
             "release_linger": DEFAULT_RELEASE_LINGER,
             "labels": {"rack": "r1"},
+            "memory_max": None,
+            "cpu_max": None,
         }
     ]
     assert set(data) == {f.name for f in attrs.fields(Config)}
@@ -1190,3 +1192,53 @@ def test_device_prefixed_label_keys_normalise(
         {"devices": [{"name": name, "labels": written}], "host": "h"}, ensure_ascii=False
     )
     assert load_config_text(text).device(name).labels == labels
+
+
+# --- cgroup -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["auto", "required", "off"])
+def test_cgroup_modes(tmp_path: Path, mode: str) -> None:
+    assert _load(tmp_path, f"devices: [gpu0]\ncgroup: {mode}\n").cgroup == mode
+
+
+def test_cgroup_defaults_to_auto(tmp_path: Path) -> None:
+    assert _load(tmp_path, "devices: [gpu0]\n").cgroup == "auto"
+
+
+def test_an_unknown_cgroup_mode_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "devices: [gpu0]\ncgroup: yes-please\n")
+    with pytest.raises(ConfigError, match=r":2:9: cgroup: 'yes-please' is not a cgroup mode"):
+        load_config(path, environ={})
+
+
+def test_device_limits(tmp_path: Path) -> None:
+    config = _load(tmp_path, "devices:\n  - name: gpu0\n    memory_max: 2Gi\n    cpu_max: 1.50\n")
+    assert config.devices[0].memory_max == 2 * 2**30
+    assert config.devices[0].cpu_max == "1.50"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("    cpu_max: lots\n", "'lots' is not a number of CPUs"),
+        ("    cpu_max: 0\n", "'0' is not a number of CPUs"),
+        ("    memory_max: 0\n", "memory_max must be more than zero"),
+    ],
+)
+def test_bad_device_limits_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = _write(tmp_path, "devices:\n  - name: gpu0\n" + text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, environ={})
+
+
+def test_a_limit_with_cgroups_off_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "cgroup: off\ndevices:\n  - name: gpu0\n    memory_max: 1Gi\n")
+    with pytest.raises(ConfigError, match="memory_max is applied through the job's cgroup"):
+        load_config(path, environ={})
+
+
+def test_io_accounting_with_cgroups_off_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "cgroup: off\ncgroup_io: true\ndevices: [gpu0]\n")
+    with pytest.raises(ConfigError, match="cgroup_io: I/O is accounted through the job's cgroup"):
+        load_config(path, environ={})

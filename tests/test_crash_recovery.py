@@ -269,6 +269,28 @@ async def test_a_sigkilled_workers_leftover_is_removed_and_its_device_freed(
             await stop_cleanly(h, worker)
 
 
+async def test_after_a_sigkill_an_empty_cgroup_proves_the_job_gone(tmp_path: Path) -> None:
+    # The job ends while no worker runs. With a cgroup (root, CI) the journal
+    # names it, and an empty cgroup is proof: gone, the device free.
+    with trio.fail_after(60):
+        async with crash_harness(tmp_path) as h:
+            job_id, leftovers = await crash_mid_job(h)
+            journal = json.loads((h.state / "jobs" / f"{job_id}.1" / "journal.json").read_text())
+            for pid in leftovers:  # the job's own processes, which this test started
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            await poll_until(lambda: job_pids(job_id) == [])
+            worker = await h.start_worker()
+            await wait_store(h.store, lambda: h.store.job(job_id).terminal)
+            info = h.store.job(job_id)
+            assert info.state == "lost"
+            assert info.sweep is not None
+            assert info.sweep["found"] == []
+            assert info.sweep["method"] == ("cgroup" if journal["cgroup"] else "environ")
+            assert device(h).state == "free"
+            await stop_cleanly(h, worker)
+
+
 async def test_with_manual_clear_the_device_stays_quarantined_until_cleared(
     tmp_path: Path,
 ) -> None:

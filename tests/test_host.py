@@ -27,7 +27,9 @@ def test_host_facts() -> None:
 
 def test_parse_proc_stat_with_an_awkward_command_name() -> None:
     raw = b"4242 (a ) b (c) S 1 4200 4100 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 123 0 0\n"
-    assert parse_proc_stat(raw) == ProcessInfo(pid=4242, ppid=1, pgid=4200, sid=4100, state="S")
+    assert parse_proc_stat(raw, 7) == ProcessInfo(
+        pid=4242, ppid=1, pgid=4200, sid=4100, state="S", start_time=123, uid=7
+    )
 
 
 def test_parse_proc_stat_rejects_garbage() -> None:
@@ -170,3 +172,35 @@ def test_signal_group_reaches_the_whole_group() -> None:
     with subprocess.Popen(["sleep", "300"], start_new_session=True) as child:
         assert host.signal_group(child.pid, signal.SIGTERM)
         assert child.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_a_process_row_carries_its_start_time_and_owner() -> None:
+    host = LinuxHost()
+    before = host.boot_ticks()
+    with subprocess.Popen(["sleep", "300"], start_new_session=True) as child:
+        try:
+            [row] = [p for p in host.processes() if p.pid == child.pid]
+            assert before <= row.start_time <= host.boot_ticks()
+            assert row.uid == os.geteuid()
+        finally:
+            child.kill()
+
+
+def test_a_pin_reaches_its_process_and_nothing_after_it_is_gone() -> None:
+    host = LinuxHost()
+    with subprocess.Popen(["sleep", "300"], start_new_session=True) as child:
+        try:
+            [row] = [p for p in host.processes() if p.pid == child.pid]
+            # Another start time is another process that had the same pid.
+            assert host.pin(child.pid, row.start_time + 1) is None
+            pin = host.pin(child.pid, row.start_time)
+            assert pin is not None
+            assert pin.send_signal(0)
+            child.kill()
+            child.wait()
+            assert not pin.send_signal(signal.SIGTERM)  # reaped: the pin reaches nothing
+            pin.close()
+            assert not pin.send_signal(0)
+        finally:
+            child.kill()
+    assert host.pin(child.pid, row.start_time) is None

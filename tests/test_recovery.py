@@ -140,6 +140,13 @@ class ScriptedHost:
     def signal_group(self, pgid: int, sig: int) -> bool:
         return self.signal_pid(pgid, sig)
 
+    def boot_ticks(self) -> int:
+        return 0
+
+    def pin(self, pid: int, start_time: int) -> PidPin:
+        # No pid is recycled here: a pin is the pid itself.
+        return PidPin(self, pid)
+
 
 def journal(
     root: Path, *, boot_id: str = BOOT, spawned: bool = True, output: bytes = b""
@@ -415,3 +422,15 @@ async def test_re_registering_later_does_not_resend_settled_recovery_claims(
 
 def _register_bodies(t: FaultyTransport) -> list[str]:
     return [e.body for e in t.exchanges("register")]
+
+
+@attrs.define
+class PidPin:
+    host: ScriptedHost
+    pid: int
+
+    def send_signal(self, sig: int) -> bool:
+        return self.host.signal_pid(self.pid, sig)
+
+    def close(self) -> None:
+        pass

@@ -30,7 +30,14 @@ def test_a_swept_survivor_never_relabels_a_successful_job() -> None:
     )
     assert report["outcome"] == "succeeded"
     assert report["killed"] is False
-    assert report["sweep"] == {"scanned": True, "found": [4242], "remaining": [], "blind": False}
+    assert report["sweep"] == {
+        "scanned": True,
+        "found": [4242],
+        "remaining": [],
+        "blind": False,
+        "blind_pids": [],
+        "method": "environ",
+    }
     assert report["output_bytes"] == 12
     assert report["attempt"] == 2
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.retry import Backoff, is_transient_status, parse_retry_after
+from rc_worker.retry import Backoff, RetryLog, is_transient_status, parse_retry_after
 
 
 @given(seed=st.integers(), tries=st.integers(min_value=1, max_value=60))
@@ -39,3 +40,18 @@ def test_parse_retry_after_seconds_and_dates() -> None:
     assert parse_retry_after(None) is None
     assert parse_retry_after("soon") is None
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
+
+
+@given(st.lists(st.floats(min_value=0, max_value=10), min_size=1, max_size=200))
+def test_a_failing_endpoint_logs_at_most_once_a_minute(gaps: list[float]) -> None:
+    retry_log = RetryLog(every=60.0)
+    now, logged = 0.0, []
+    for gap in gaps:
+        now += gap
+        if retry_log.failed(now):
+            logged.append(now)
+    assert logged[0] == gaps[0]  # the first failure always
+    assert all(b - a >= 60.0 for a, b in itertools.pairwise(logged))
+    assert len(logged) <= 1 + (now - gaps[0]) // 60.0
+    assert retry_log.succeeded(now + 1) == (len(gaps), now + 1 - gaps[0])
+    assert retry_log.succeeded(now + 2) is None  # recovery is said once

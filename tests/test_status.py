@@ -51,6 +51,8 @@ def test_status_table_shows_jobs_and_faults() -> None:
             "session": "s-1",
             "draining": True,
             "reports_pending": 2,
+            "ready": False,
+            "not_ready_reason": "draining: taking no new work",
             "devices": {
                 "gpu0": {"state": "running", "idle_behavior": "run", "job_id": "j-1", "attempt": 2},
                 "gpu1": {"state": "quarantined", "idle_behavior": "hold", "faults": ["f-7"]},
@@ -61,6 +63,7 @@ def test_status_table_shows_jobs_and_faults() -> None:
     assert "j-1#2" in text
     assert "f-7" in text
     assert "reports pending: 2" in text
+    assert "not ready: draining: taking no new work" in text
 
 
 def test_status_without_status_listen_names_the_fix(
@@ -128,3 +131,64 @@ async def test_an_unusable_state_dir_is_a_clear_error(tmp_path: Path) -> None:
     ):
         async with local_system(config):
             pass
+
+
+async def test_metrics_for_operations(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from rc_worker._version import __version__
+
+    config = make_config(
+        tmp_path, devices=("gpu0",), status_listen="127.0.0.1:0", spool_max_bytes=100
+    )
+    with trio.fail_after(30):
+        async with local_system(config) as system:
+            [url] = system.worker.status_urls
+            job_id = system.submit(["sh", "-c", "head -c 500 /dev/zero"])
+            assert (await system.wait_job(job_id)).state == "succeeded"
+            async with httpx.AsyncClient(base_url=url) as http:
+                metrics = (await http.get("/metrics")).text
+            system.worker.drain()
+            draining = generate_latest(system.worker.metrics.registry).decode()
+    assert f'rc_worker_build_info{{version="{__version__}"}} 1.0' in metrics
+    assert "process_resident_memory_bytes" in metrics
+    assert "rc_worker_output_truncated_total 1.0" in metrics
+    assert 'rc_worker_controller_requests_total{endpoint="register",status="200"} 1.0' in metrics
+    assert 'rc_worker_controller_requests_total{endpoint="finish",status="200"} 1.0' in metrics
+    [stamp] = [
+        line.split()[-1]
+        for line in metrics.splitlines()
+        if line.startswith("rc_worker_controller_last_success_timestamp_seconds ")
+    ]
+    assert float(stamp) > 1.7e9
+    assert "rc_worker_spool_bytes 0.0" in metrics  # everything delivered, nothing kept
+    assert "rc_worker_draining 0.0" in metrics
+    assert "rc_worker_draining 1.0" in draining
+
+
+async def test_spool_bytes_count_what_the_controller_has_not_taken(tmp_path: Path) -> None:
+    from faults import FaultyTransport
+
+    config = make_config(tmp_path, devices=("gpu0",), status_listen="127.0.0.1:0")
+    transports: list[FaultyTransport] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> FaultyTransport:
+        transports.append(FaultyTransport(inner))
+        transports[0].outage("output")
+        return transports[0]
+
+    with trio.fail_after(30):
+        async with local_system(config, transport_wrapper=wrap) as system:
+            t = transports[0]
+            [url] = system.worker.status_urls
+            system.submit(["sh", "-c", "printf 0123456789"])
+            await t.wait_until(lambda: len(t.exchanges("output")) > 0)
+            async with httpx.AsyncClient(base_url=url) as http:
+                metrics = (await http.get("/metrics")).text
+            t.restore("output")
+    [size] = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("rc_worker_spool_bytes ")
+    ]
+    assert size >= 10  # the output, and the journal beside it

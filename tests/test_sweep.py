@@ -17,13 +17,14 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.host import ProcessInfo
+from rc_worker.host import LinuxHost, ProcessInfo
 from rc_worker.sweep import (
     NOT_SWEPT,
     SweepReport,
     classify,
     never_survivors,
     sweep_job_survivors,
+    unproven,
 )
 
 ENV = {"PATH": os.environ.get("PATH", os.defpath)}
@@ -41,11 +42,47 @@ def test_clean_needs_a_scan_full_sight_and_nothing_left() -> None:
     assert not NOT_SWEPT.clean
 
 
+@given(
+    scanned=st.booleans(),
+    remaining=st.lists(st.integers(2, 99), max_size=3),
+    blind_pids=st.lists(st.integers(2, 99), max_size=3),
+    broken=st.booleans(),
+)
+def test_one_rule_proven_clean_only_when_it_saw_everything_and_nothing_is_left(
+    scanned: bool, remaining: list[int], blind_pids: list[int], broken: bool
+) -> None:
+    report = SweepReport(
+        scanned=scanned,
+        remaining=tuple(remaining),
+        blind=bool(blind_pids) or broken,
+        blind_pids=tuple(blind_pids),
+    )
+    doubt = unproven(report)
+    assert (doubt is None) == (scanned and not remaining and not blind_pids and not broken)
+    assert report.clean == (doubt is None)
+    if doubt is not None and scanned and not remaining:
+        # The reason names what could not be seen, for the operator.
+        assert all(str(pid) in doubt for pid in blind_pids)
+
+
 # -- sans-IO ----------------------------------------------------------------
 
 
-def proc(pid: int, *, ppid: int = 1, state: str = "S", sid: int | None = None) -> ProcessInfo:
-    return ProcessInfo(pid=pid, ppid=ppid, pgid=pid, sid=pid if sid is None else sid, state=state)
+def proc(
+    pid: int, *, ppid: int = 1, state: str = "S", sid: int | None = None, start: int = 0
+) -> ProcessInfo:
+    return ProcessInfo(
+        pid=pid, ppid=ppid, pgid=pid, sid=pid if sid is None else sid, state=state, start_time=start
+    )
+
+
+def test_classify_skips_what_started_before_the_job() -> None:
+    table = [proc(2, start=99), proc(3, start=100), proc(4, start=150)]
+    result = classify(table, {3: "j", 4: "j"}, {2}, "j", since=100)
+    assert [p.pid for p in result.matches] == [3, 4]
+    assert result.blind_pids == ()  # the unreadable one is older than the job
+    assert classify(table, {}, {2, 4}, "j", since=100).blind_pids == (4,)
+    assert classify(table, {}, {2, 4}, "j").blind_pids == (2, 4)  # no bound known
 
 
 def test_never_survivors_are_self_init_and_ancestors() -> None:
@@ -138,6 +175,13 @@ class ScriptedHost:
     def signal_group(self, pgid: int, sig: int) -> bool:
         self.signals.append(("group", pgid, sig))
         return True
+
+    def boot_ticks(self) -> int:
+        return 0
+
+    def pin(self, pid: int, start_time: int) -> PidPin:
+        # No pid is recycled here: a pin is the pid itself.
+        return PidPin(self, pid)
 
     def own_pid(self) -> int:
         return self.own
@@ -275,6 +319,25 @@ def new_id() -> str:
     return f"sweep-{uuid.uuid4()}"
 
 
+async def test_real_processes_older_than_the_job_are_never_inspected(
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    # The same id on a process started before the job (a reused id, another
+    # worker's job): it cannot descend from the job, so the sweep leaves it.
+    job_id = new_id()
+    older = start(children, ["sleep", "300"], job_id, start_new_session=True)
+    host = LinuxHost()
+    await trio.sleep(0.05)  # a few clock ticks
+    since = host.boot_ticks()
+    newer = start(children, ["sleep", "300"], job_id, start_new_session=True)
+    with trio.fail_after(GUARD):
+        report = await sweep_job_survivors(job_id, grace=1, host=host, since=since)
+    assert report.found == (newer.pid,)
+    assert report.clean
+    assert older.poll() is None
+    assert newer.wait(timeout=10) == -signal.SIGTERM
+
+
 async def test_real_escaped_process_is_found_and_removed(
     children: list[subprocess.Popen[bytes]],
 ) -> None:
@@ -333,3 +396,15 @@ async def test_real_zombie_is_never_reported(children: list[subprocess.Popen[byt
     assert report.found == ()
     assert report.clean
     assert zombie.wait(timeout=10) == 0
+
+
+@attrs.define
+class PidPin:
+    host: ScriptedHost
+    pid: int
+
+    def send_signal(self, sig: int) -> bool:
+        return self.host.signal_pid(self.pid, sig)
+
+    def close(self) -> None:
+        pass

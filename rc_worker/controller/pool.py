@@ -33,6 +33,9 @@ RECENT_S = 300.0
 
 def device_state(d: DeviceInfo) -> str:
     """The pool's state of one device (``held`` is free, but not offered work)."""
+    if d.state == "free" and d.host_state == "left":
+        # Its worker deregistered: nothing runs there until it registers again.
+        return "absent"
     if d.state == "free" and d.idle_behavior != "run":
         return "held"
     return d.state

@@ -223,6 +223,8 @@ class Host:
     last_seen: float
     session: str | None = None
     lost: bool = False
+    left: bool = False
+    """Deregistered by a draining worker: gone on purpose, not lost."""
     pid: int | None = None
     instance_id: str | None = None
     heartbeat_interval_s: float | None = None
@@ -240,4 +242,4 @@ class Host:
     def state(self) -> str:
         if self.recovering_until is not None:
             return "unknown"
-        return "lost" if self.lost else "up"
+        return "lost" if self.lost else "left" if self.left else "up"

@@ -387,6 +387,7 @@ class Store(StoreState):
         h.session = f"{self._next_id('s')}-{self._token()}"
         self._sessions[h.session] = h
         h.lost = False
+        h.left = False
         h.last_seen = now
         h.pid = req.pid
         h.instance_id = req.instance_id
@@ -476,6 +477,45 @@ class Store(StoreState):
                 n: tuple(d.cleared_pending) for n, d in h.devices.items() if d.cleared_pending
             },
         )
+
+    def cancels_for(self, host: str, session: str) -> list[CancelOrder]:
+        """Cancels of this host's live jobs, for a long poll to deliver at once."""
+        self._session(session, host)
+        return [
+            CancelOrder(job.job_id, cur.number, job.cancel_reason)
+            for job in self._live.values()
+            if (cur := job.current) is not None
+            and cur.host == host
+            and job.cancel_reason is not None
+        ]
+
+    def deregister(self, host: str, session: str, *, now: float) -> None:
+        """A draining worker leaves: forget its session without losing the host.
+
+        Its devices keep their state (a quarantine stays, a free device is not
+        quarantined: the worker finished and reported everything before it
+        left) and are offered nothing, since only a session polls. An offer it
+        never started is offered again; a job still running in the controller's
+        view (it should be none) ends ``lost`` and its device gets a fault, as
+        at host loss.
+        """
+        h = self._session(session, host)
+        assert h.session is not None
+        del self._sessions[h.session]
+        h.session = None
+        h.left = True
+        for d in h.devices.values():
+            job = d.job
+            cur = None if job is None else job.current
+            if job is not None and cur is not None and cur.status == "assigned":
+                self._requeue(job, "the worker left before starting it")
+            elif job is not None and cur is not None:
+                self.controller_fault(
+                    d, job.job_id, cur.number, cur.start_boot_id, "the worker left while it ran"
+                )
+                self._terminate(job, "lost", reason="the worker left while it ran", by="controller")
+        self._emit("host_left", host=host)
+        self._changed()
 
     def _age_cleared(self, d: Device, reported: Sequence[str]) -> None:
         # Dropped only after several heartbeats in a row stop reporting an id: one stale or
@@ -668,12 +708,17 @@ class Store(StoreState):
 
     def _finish_fault(self, job: Job, d: Device, req: FinishRequest) -> bool:
         verify_failed = req.verify is not None and not req.verify.ok
-        remaining = (req.sweep or {}).get("remaining")
+        sweep = req.sweep or {}
+        remaining = sweep.get("remaining")
         if verify_failed:
             kind = "verify_failed"
             detail = req.verify.reason if req.verify is not None else ""
         elif remaining:
             kind, detail = "dirty", f"processes left after the sweep: {remaining}"
+        elif sweep.get("blind") or sweep.get("scanned") is False:
+            # The worker could not prove the job left nothing (invariant 1).
+            blind = sweep.get("blind_pids") or "some"
+            kind, detail = "dirty", f"the sweep could not inspect processes: {blind}"
         else:
             kind, detail = "fault", req.reason or "reported at finish"
         fault_id = req.fault_id or self._next_id("fc")

@@ -254,6 +254,11 @@ def poll(f: Fields) -> tuple[str, list[str], float | None, list[str]]:
     return f.req_str("session"), f.str_list("ready"), wait_s, f.str_list("withdrawn")
 
 
+def known_cancels(f: Fields) -> set[tuple[str, int]]:
+    """A poll's ``known_cancels``: the cancels the worker already has (an addition)."""
+    return {(c.req_str("job_id"), c.req_int("attempt")) for c in f.objs("known_cancels")}
+
+
 def start(f: Fields) -> StartRequest:
     return StartRequest(
         session=f.req_str("session"),

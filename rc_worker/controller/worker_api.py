@@ -19,7 +19,7 @@ from rc_worker.controller.context import (
     read_body,
 )
 from rc_worker.controller.errors import ApiError, Conflict
-from rc_worker.controller.messages import Assignment
+from rc_worker.controller.messages import Assignment, CancelOrder
 from rc_worker.model import PROTOCOL_VERSION
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
@@ -60,12 +60,16 @@ async def poll(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    session, ready, wait_s, withdrawn = wire.poll(await json_body(request))
+    fields = await json_body(request)
+    session, ready, wait_s, withdrawn = wire.poll(fields)
+    known = wire.known_cancels(fields)
+    watch = fields.flag("watch_cancels")
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
     deadline = ctl.now() + wait
     offers = ctl.store.open_poll(host, ready, withdrawn)
     assignments: list[Assignment] = []
+    cancels: list[CancelOrder] = []
     error: ApiError | None = None
     async with anyio.create_task_group() as tg:
         # A worker that hung up must not be handed work nobody will read.
@@ -75,7 +79,10 @@ async def poll(request: Request) -> Response:
                 seen = ctl.changes.version
                 now = ctl.tick()
                 assignments = ctl.store.poll(host, session, ready, now=now, offers=offers)
-                if assignments or now >= deadline or ctl.store.superseded(host, offers):
+                if watch:
+                    cancels = ctl.store.cancels_for(host, session)
+                fresh = any((c.job_id, c.attempt) not in known for c in cancels)
+                if assignments or fresh or now >= deadline or ctl.store.superseded(host, offers):
                     # Superseded: the worker polled again with an updated ready set
                     # (a device it listed here stopped being offerable): answer now.
                     break
@@ -86,7 +93,22 @@ async def poll(request: Request) -> Response:
         tg.cancel_scope.cancel()
     if error is not None:
         raise error
-    return JSONResponse({"assignments": [a.to_json() for a in assignments]})
+    return JSONResponse(
+        {
+            "assignments": [a.to_json() for a in assignments],
+            "cancel": [c.to_json() for c in cancels],
+        }
+    )
+
+
+async def deregister(request: Request) -> Response:
+    ctl = controller_of(request)
+    host = request.path_params["host"]
+    ctl.require_worker(request, host)
+    session = (await json_body(request)).req_str("session")
+    now = ctl.tick()
+    ctl.store.deregister(host, session, now=now)
+    return _ok()
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
@@ -194,6 +216,7 @@ def routes() -> list[Route]:
         Route("/v1/hosts/{host}/register", register, methods=["POST"]),
         Route("/v1/hosts/{host}/heartbeat", heartbeat, methods=["POST"]),
         Route("/v1/hosts/{host}/poll", poll, methods=["POST"]),
+        Route("/v1/hosts/{host}/deregister", deregister, methods=["POST"]),
         Route("/v1/hosts/{host}/labels", labels, methods=["PUT"]),
         Route("/v1/hosts/{host}/sheets", sheets, methods=["PUT"]),
         Route("/v1/hosts/{host}/devices/{device}/fault", fault, methods=["POST"]),

@@ -99,6 +99,7 @@ ENDPOINTS: Mapping[str, re.Pattern[str]] = {
         "output": r"^/v1/jobs/[^/]+/output$",
         "finish": r"^/v1/jobs/[^/]+/finish$",
         "stdin": r"^/v1/jobs/[^/]+/stdin$",
+        "deregister": r"^/v1/hosts/[^/]+/deregister$",
     }.items()
 }
 """The worker's endpoints by name, as fault plans address them."""
@@ -847,6 +848,7 @@ async def open_fleet(
     heartbeat_interval: float = 5.0,
     poll_wait: float = 30.0,
     store_config: StoreConfig | None = None,
+    cgroups: bool = False,
     nvidia_smi: Script | None = None,
     seed: int | None = None,
     **config_fields: Any,
@@ -866,6 +868,8 @@ async def open_fleet(
     ``shutdown_grace``...). State lives under ``root`` (a temporary directory by
     default, removed afterwards). Workers start at once; leaving the block
     abandons whatever still runs (call :meth:`Fleet.drain` first for a clean end).
+    ``cgroups``: the hosts have a cgroup v2 hierarchy the workers may use, so
+    (with the default ``cgroup: auto``) every job runs in a cgroup of its own.
     """
     from rc_worker.testing import make_config
 
@@ -904,6 +908,7 @@ async def open_fleet(
                     config,
                     FaultyTransport(httpx.ASGITransport(app=app), name=name),
                 )
+                node.host.cgroup_v2 = cgroups
                 node.transport.on_request = _bind(fleet, node)
                 node.transport.on_send = functools.partial(fleet._on_send, node)
                 node.transport.on_answer = functools.partial(fleet._on_answer, node)

@@ -53,7 +53,9 @@ from types import MappingProxyType
 import attrs
 import trio
 
-from rc_worker.host import HostProcess, ProcessInfo
+from rc_worker.cgroup import Containment
+from rc_worker.host import HostProcess, ProcessInfo, ProcessPin
+from rc_worker.testing.sim_cgroup import SimCgroupFs
 
 __all__ = [
     "DEFAULT_PIPE_CAPACITY",
@@ -75,6 +77,9 @@ DEFAULT_PIPE_CAPACITY = 4096
 """Bytes a simulated pipe holds: small, so that backpressure is exercised."""
 
 INIT_PID = 1
+
+CLOCK_TICKS = 100
+"""Clock ticks per virtual second in start times (Linux's USER_HZ)."""
 
 # Signals whose default action is to do nothing; everything else not handled
 # below kills, as the default disposition does.
@@ -165,12 +170,14 @@ class Script:
     hypothesis can build them (``st.builds(Script, ...)``). ``environ_readable``
     False makes the process's environment unreadable to the worker (another
     user's process, for a worker that is not root): sweeps go blind.
+    ``uid`` is the owner the process table shows.
     """
 
     steps: tuple[Step, ...] = attrs.field(default=(), converter=_steps)
     exit_code: int = 0
     on_sigterm: OnSigterm = OnSigterm()
     environ_readable: bool = True
+    uid: int = 0
 
     @classmethod
     def sleeping(cls, seconds: float, *, exit_code: int = 0) -> Script:
@@ -384,6 +391,8 @@ class SimProcess:
     started_at: float
     spawned_by_worker: bool
     readable: bool = True
+    started_ticks: int = 0
+    cgroup: str = "/"
     signalable: bool = True
     state: str = "R"
     returncode: int | None = None
@@ -414,8 +423,21 @@ class SimProcess:
         """Whether any signal reached it before it ended."""
         return bool(self.signals)
 
+    @property
+    def start_time(self) -> int:
+        """When it started, in clock ticks since the (simulated) boot."""
+        return self.started_ticks
+
     def info(self) -> ProcessInfo:
-        return ProcessInfo(self.pid, self.ppid, self.pgid, self.sid, self.state)
+        return ProcessInfo(
+            self.pid,
+            self.ppid,
+            self.pgid,
+            self.sid,
+            self.state,
+            start_time=self.started_ticks,
+            uid=self.script.uid,
+        )
 
     def _outputs(self) -> list[SimPipe]:
         # stderr merged into stdout is one pipe, held once.
@@ -463,10 +485,28 @@ class _SimHandle:
             self._stdin_writer.drop()
 
 
+class _SimPin:
+    """A pidfd: it reaches the one process it was opened on, or nothing."""
+
+    def __init__(self, host: SimHost, proc: SimProcess) -> None:
+        self._host = host
+        self._proc: SimProcess | None = proc
+
+    def send_signal(self, sig: int) -> bool:
+        proc = self._proc
+        if proc is None or not self._host.worker_alive or not proc.alive:
+            return False
+        self._host._deliver(proc, sig)
+        return True
+
+    def close(self) -> None:
+        self._proc = None
+
+
 # -- the host -------------------------------------------------------------------
 
 
-class SimHost:
+class SimHost(SimCgroupFs):
     """A complete :class:`~rc_worker.host.Host` with scripted processes (see the module doc)."""
 
     def __init__(
@@ -492,6 +532,17 @@ class SimHost:
         self._handles: list[_SimHandle] = []
         self.worker_pid = self._allocate_pid()
         self.worker_alive = True
+        self._booted_at = 0.0
+        self.cgroup_v2 = False
+        """True: a unified (v2) hierarchy the worker may use (a root worker, Delegate=yes)."""
+        self.cgroup_controllers: frozenset[str] = frozenset()
+        """The controllers delegated to the worker's cgroup (``memory``, ``cpu``...)."""
+        self.service_cgroup = "/system.slice/rc-worker.service"
+        """Where the service manager starts the worker."""
+        self.worker_cgroup = self.service_cgroup
+        self.containment: Containment | None = None
+        self._cgroups: dict[str, dict[str, str]] = {}
+        self._reset_cgroups()
 
     # -- what simulations drive --
 
@@ -508,13 +559,19 @@ class SimHost:
         environ: Mapping[str, str] | None = None,
         argv: Sequence[str] = ("daemon",),
         signalable: bool = True,
+        pid: int | None = None,
     ) -> SimProcess:
         """Start a process the worker did not spawn (a daemon, another user's job).
 
         It leads a session of its own under init. ``signalable`` False
         answers the worker's signals with EPERM: they arrive nowhere.
+        ``pid`` reuses a pid no live process holds (a recycled pid); by
+        default the next free one.
         """
-        pid = self._allocate_pid()
+        if pid is None:
+            pid = self._allocate_pid()
+        elif pid in self._table or pid in (INIT_PID, self.worker_pid):
+            raise ValueError(f"pid {pid} is in use; only a pid nothing holds can be recycled")
         proc = SimProcess(
             pid=pid,
             ppid=INIT_PID,
@@ -558,6 +615,8 @@ class SimHost:
         self.worker_died()
         self.worker_pid = self._allocate_pid()
         self.worker_alive = True
+        self.worker_cgroup = self.service_cgroup
+        self.containment = None
         return self.worker_pid
 
     def reboot(self, boot_id: str | None = None) -> None:
@@ -572,6 +631,8 @@ class SimHost:
             self._end(proc, -signal.SIGKILL)
             self._reap(proc)
         self.boots += 1
+        self._booted_at = trio.current_time()
+        self._reset_cgroups()
         self.current_boot_id = boot_id if boot_id is not None else f"{self.name}-boot-{self.boots}"
 
     def table(self) -> list[SimProcess]:
@@ -629,12 +690,15 @@ class SimHost:
         stdin: bool,
         separate_stderr: bool,
         pty: bool,
+        cgroup: str | None = None,
     ) -> HostProcess:
         # As trio.lowlevel.open_process: a cancel point before, none after,
         # so a cancellation never strands a started process.
         await trio.lowlevel.checkpoint_if_cancelled()
         if not self.worker_alive:
             raise OSError(errno.ESRCH, "the worker process is gone (simulated crash)")
+        if cgroup is not None:
+            self._cgroup(cgroup)
         script = self._resolve(argv)
         out = SimPipe(self.pipe_capacity)
         err = SimPipe(self.pipe_capacity) if separate_stderr and not pty else None
@@ -654,6 +718,7 @@ class SimHost:
             stdout=out,
             stderr=err if err is not None else out,
             stdin=feed,
+            cgroup=self.worker_cgroup if cgroup is None else cgroup,
         )
         writer = None
         if feed is not None:
@@ -685,8 +750,8 @@ class SimHost:
         if not self.worker_alive:
             raise OSError(errno.ESRCH, "the worker process is gone (simulated crash)")
         rows = [
-            ProcessInfo(INIT_PID, 0, INIT_PID, INIT_PID, "S"),
-            ProcessInfo(self.worker_pid, INIT_PID, self.worker_pid, self.worker_pid, "S"),
+            ProcessInfo(INIT_PID, 0, INIT_PID, INIT_PID, "S", uid=0),
+            ProcessInfo(self.worker_pid, INIT_PID, self.worker_pid, self.worker_pid, "S", uid=0),
         ]
         return rows + [p.info() for p in self._table.values()]
 
@@ -704,6 +769,19 @@ class SimHost:
     def own_pid(self) -> int:
         return self.worker_pid
 
+    def boot_ticks(self) -> int:
+        return int((trio.current_time() - self._booted_at) * CLOCK_TICKS)
+
+    def pin(self, pid: int, start_time: int) -> ProcessPin | None:
+        proc = self._table.get(pid)
+        if not self.worker_alive or proc is None or proc.started_ticks != start_time:
+            return None
+        return _SimPin(self, proc)
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        proc = self._table.get(pid)
+        return None if proc is None or not self.worker_alive else proc.info()
+
     # -- internals --
 
     def _allocate_pid(self) -> int:
@@ -719,6 +797,7 @@ class SimHost:
         return script
 
     def _launch(self, proc: SimProcess) -> None:
+        proc.started_ticks = self.boot_ticks()
         for pipe in proc._outputs():
             pipe.add_writer()
         self._table[proc.pid] = proc
@@ -847,6 +926,7 @@ class SimHost:
             started_at=trio.current_time(),
             spawned_by_worker=False,
             readable=step.child.environ_readable,
+            cgroup=parent.cgroup,
             stdout=parent.stdout if step.holds_output else None,
             stderr=parent.stderr if step.holds_output else None,
             # Its parent is a script (a shell waits for it) or init: reaped at once.

@@ -243,3 +243,18 @@ def test_without_a_rate_every_host_is_told_the_configured_interval() -> None:
             f"h{i}", RegisterRequest(boot_id="b", devices=(DeviceDecl("gpu0"),)), now=0
         )
         assert reply.heartbeat_interval_s == 2.0
+
+
+def test_a_host_that_left_counts_apart_and_its_free_devices_as_absent() -> None:
+    devices = [
+        dev("a", "gpu0"),
+        dev("d", "gpu0", host_state="left"),
+        dev("d", "gpu1", state="quarantined", host_state="left"),
+    ]
+    view = pool_view(devices, [], now=0.0)
+    assert view["hosts"]["left"] == 1
+    assert view["hosts"]["up"] == 1
+    assert view["devices"]["free"] == 1
+    assert view["devices"]["absent"] == 1
+    assert view["devices"]["quarantined"] == 1
+    assert view["free_by_class"] == {"H100": 1}

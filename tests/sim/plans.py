@@ -148,7 +148,8 @@ class FleetPlan:
     hooks: HooksPlan | None = None
     verify: Script | None = None
     require_manual_clear: bool = False
-    foreign_process: bool = False  # another user's daemon: every sweep is blind
+    foreign_process: bool = False  # another user's daemon, unreadable: older than every job
+    cgroups: bool = False  # a cgroup per job (exact sweeps) instead of the RC_JOB_ID sweep
 
     def fleet_args(self) -> dict[str, Any]:
         names = [f"gpu{i}" for i in range(self.devices)]
@@ -168,6 +169,7 @@ class FleetPlan:
             "hosts": self.hosts,
             "devices": tuple(devices),
             "require_manual_clear": self.require_manual_clear,
+            "cgroups": self.cgroups,
             "nvidia_smi": SMI_OK if self.smi else None,
         }
 
@@ -338,6 +340,7 @@ def fleet_plans(
         verify=draw(st.none() | HOOK_SCRIPTS) if extras else None,
         require_manual_clear=draw(st.booleans()),
         foreign_process=draw(st.booleans()),
+        cgroups=draw(st.booleans()),
     )
 
 

@@ -20,7 +20,7 @@ from hypothesis import given, note, settings
 from rc_worker.config import DeviceConfig
 from rc_worker.retry import Backoff
 from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
-from rc_worker.testing.sim import Fork, Hang, Script, Write
+from rc_worker.testing.sim import Fork, Hang, Script, Sleep, Write
 
 from .plans import FleetPlan, describe, fleet_plans, play
 
@@ -242,14 +242,6 @@ def test_a_poll_outage_while_lingering_does_not_spin() -> None:
     scenario(fn, devices=(DeviceConfig("gpu0", on_release="/sim/release", release_linger=5.0),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="device.py _run: a blind sweep (some environment unreadable: a worker that is not "
-    "root) does not keep the device from being offered, so a job's escaped child that the "
-    "worker could not see lives on while the device is ready. Recovery treats the same "
-    "blindness as 'cannot prove' (claim unknown, quarantine); invariant 1 says 'may still be "
-    "alive'. Fix, or decide that blind-at-finish is accepted and document it",
-)
 def test_a_blind_sweep_does_not_offer_a_device_an_unseen_escapee_may_hold() -> None:
     async def fn(fleet: Fleet) -> None:
         fleet.nodes["h0"].host.environ_readable = False  # the worker is not root
@@ -259,8 +251,30 @@ def test_a_blind_sweep_does_not_offer_a_device_an_unseen_escapee_may_hold() -> N
         await fleet.wait_until(lambda: fleet.store.job(job).terminal)
         await trio.sleep(10)
         assert fleet.violations == []
+        [escapee] = fleet.nodes["h0"].host.live()
+        [quarantine] = [e for e in fleet.events() if e.type == "device_quarantined"]
+        assert quarantine.data["kind"] == "dirty"
+        assert str(escapee.pid) in str(quarantine.data["detail"])
 
     scenario(fn)
+
+
+def test_with_a_cgroup_a_worker_that_is_not_root_ends_the_escapee_and_offers_the_device() -> None:
+    async def fn(fleet: Fleet) -> None:
+        host = fleet.nodes["h0"].host
+        host.environ_readable = False  # the worker is not root: no environment is readable
+        hidden = Script((Sleep(300),), environ_readable=False)
+        fleet.program("leaky", Script((Write(b"x"), Fork(hidden, setsid=True))))
+        job = fleet.submit(["leaky"])
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        await trio.sleep(10)
+        assert host.live() == []  # the escapee went with the job's cgroup
+        assert [e for e in fleet.events() if e.type == "device_quarantined"] == []
+        second = fleet.submit(["train"])  # the device is offered again
+        await fleet.wait_until(lambda: fleet.store.job(second).terminal)
+        assert fleet.violations == []
+
+    scenario(fn, cgroups=True)
 
 
 def test_a_reregistration_resending_an_undelivered_recovery_entry_loses_no_running_job() -> None:

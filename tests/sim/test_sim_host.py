@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Mapping
 
 import pytest
 import trio
@@ -16,8 +17,8 @@ import trio.testing
 
 from rc_worker.supervise import KILL_WAIT, JobHandle, JobSpec, Result, run_job
 from rc_worker.sweep import KILL_WAIT as SWEEP_KILL_WAIT
-from rc_worker.sweep import sweep_job_survivors
-from rc_worker.testing.sim import EchoStdin, Fork, Hang, Script, SimHost, Sleep, Write
+from rc_worker.sweep import sweep_job_survivors, unproven
+from rc_worker.testing.sim import EchoStdin, Fork, Hang, Script, SimHost, SimProcess, Sleep, Write
 
 JOB = "j-1"
 ENV = {"RC_JOB_ID": JOB, "PATH": "/usr/bin"}
@@ -315,3 +316,72 @@ async def test_a_reboot_ends_everything_and_changes_the_boot_id(
     assert not host.worker_alive
     host.worker_started()
     assert [p.pid for p in host.processes()] == [1, host.own_pid()]
+
+
+# -- the start-time filter, blindness, recycled pids -------------------------------
+
+
+async def test_an_unreadable_process_older_than_the_job_does_not_blind_the_sweep(
+    autojump_clock: trio.testing.MockClock, host: SimHost
+) -> None:
+    daemon = host.start(Script((Sleep(math.inf),), environ_readable=False, uid=1000))
+    await trio.sleep(1)
+    result, _, _ = await run(host, Script(), sweep_job_id=JOB)
+    assert result.sweep.clean
+    assert result.sweep.blind_pids == ()
+    assert daemon.alive
+    assert [p.uid for p in host.processes() if p.pid == daemon.pid] == [1000]
+
+
+async def test_blind_pids_name_the_processes_the_sweep_could_not_inspect(
+    autojump_clock: trio.testing.MockClock, host: SimHost
+) -> None:
+    await trio.sleep(1)
+    hidden = Script((Sleep(math.inf),), environ_readable=False)
+    result, _, _ = await run(host, Script((Fork(hidden, setsid=True),)), sweep_job_id=JOB)
+    [escapee] = host.live(job_id=JOB)
+    assert result.sweep.blind
+    assert result.sweep.blind_pids == (escapee.pid,)
+    doubt = unproven(result.sweep)
+    assert doubt is not None
+    assert str(escapee.pid) in doubt
+
+
+class RecyclingHost(SimHost):
+    """Between the sweep's scan and its signal, the victim exits and its pid goes
+    to an unrelated newcomer."""
+
+    victim: int | None = None
+    newcomer: SimProcess | None = None
+
+    def environ(self, pid: int) -> Mapping[str, str]:
+        env = super().environ(pid)
+        if pid == self.victim and self.newcomer is None:
+            self.signal_pid(pid, signal.SIGKILL)
+            self.newcomer = self.start(Script((Sleep(math.inf),)), pid=pid)
+        return env
+
+
+async def test_a_pid_recycled_between_scan_and_signal_is_never_signalled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    host = RecyclingHost()
+    host.program("job", Script((Fork(Script.sleeping(100), setsid=True), Sleep(2))))
+    handle = JobHandle()
+
+    async def victim_is_the_escapee() -> None:
+        await trio.sleep(1)
+        [escapee] = [p for p in host.live(job_id=JOB) if p.pid != handle.pid]
+        host.victim = escapee.pid
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(victim_is_the_escapee)
+        result = await run_job(
+            JobSpec(["job"], env=ENV, sweep_job_id=JOB), Sink(), host=host, handle=handle
+        )
+    assert host.newcomer is not None
+    assert host.newcomer.pid == host.victim
+    assert host.newcomer.signals == []  # the old code sent it SIGTERM
+    assert host.newcomer.alive
+    assert result.sweep.found == (host.victim,)
+    assert result.sweep.clean

@@ -145,6 +145,7 @@ def host_doc(h: Host) -> dict[str, object]:
         "name": h.name,
         "boot_id": h.boot_id,
         "lost": h.lost,
+        "left": h.left,
         "pid": h.pid,
         "instance_id": h.instance_id,
         "worker_version": h.worker_version,
@@ -256,6 +257,7 @@ def load_host(doc: Mapping[str, Any], now: float) -> Host:
         boot_id=doc["boot_id"],
         last_seen=now,
         lost=bool(doc.get("lost", False)),
+        left=bool(doc.get("left", False)),
         pid=doc.get("pid"),
         instance_id=doc.get("instance_id"),
         worker_version=doc.get("worker_version", ""),
@@ -306,8 +308,8 @@ def restore(
     store.restore_counters(json.loads(meta.get("counters", "{}")), int(meta.get("event_seq", "0")))
     for text in loaded.hosts:
         h = load_host(json.loads(text), now)
-        if h.lost:
-            h.recovering_until = None
+        if h.lost or h.left:
+            h.recovering_until = None  # gone already: nothing to wait for
         elif recovery_grace_s is not None:
             h.recovering_until = now + recovery_grace_s
         else:

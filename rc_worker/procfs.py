@@ -1,0 +1,161 @@
+"""Reading /proc: the process table's rows, environments, start times, and pins.
+
+Sans-IO parsers (``parse_proc_stat``, ``parse_environ``) and the few reads the
+real host makes of ``/proc``; :mod:`rc_worker.host` builds ``LinuxHost`` on them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Protocol
+
+import attrs
+
+# /proc/<pid>/stat states that mean "exited, not yet (or being) reaped".
+_DEAD_STATES = frozenset({"Z", "X", "x"})
+
+
+@attrs.frozen
+class ProcessInfo:
+    """One row of the process table (from ``/proc/<pid>/stat``).
+
+    ``start_time``: when it started, in clock ticks since boot (field 22 of
+    ``/proc/<pid>/stat``, the clock of :meth:`Host.boot_ticks`). With the pid
+    it names one process for good: a recycled pid has a later start time.
+    ``uid``: its owner (the owner of its ``/proc/<pid>/stat``), or -1 unknown.
+    """
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str  # the one-letter state: R, S, D, T, Z, ...
+    start_time: int = 0
+    uid: int = -1
+
+    @property
+    def alive(self) -> bool:
+        """Whether it still runs; a zombie has exited and holds nothing but its pid."""
+        return self.state not in _DEAD_STATES
+
+
+def read_proc_stat(pid: int) -> ProcessInfo | None:
+    """One row of the process table, or ``None`` when ``pid`` is gone or hidden."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The file belongs to the process's owner: one fstat on the
+            # open descriptor gives its uid without another path walk.
+            uid = os.fstat(f.fileno()).st_uid
+            raw = f.read()
+    except OSError:
+        # Gone between listdir and open (ENOENT/ESRCH), or hidden from us
+        # by hidepid: either way not a row we can report.
+        return None
+    return parse_proc_stat(raw, uid)
+
+
+def boot_ticks() -> int:
+    """Now, in the clock of ``ProcessInfo.start_time`` (clock ticks since boot).
+
+    ``/proc/uptime`` and a process's start time both count CLOCK_BOOTTIME;
+    both are truncated to a tick, so a process started after this call never
+    shows an earlier start time.
+    """
+    with open("/proc/uptime", "rb") as f:
+        seconds = f.read().split()[0]
+    whole, _, frac = seconds.partition(b".")
+    hundredths = int(whole) * 100 + int((frac + b"00")[:2])
+    return hundredths * _CLK_TCK // 100
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class ProcessPin(Protocol):
+    """One process, held by identity (pid *and* start time), to signal later.
+
+    ``send_signal`` returns ``False`` once that process has gone: never does a
+    signal reach another process that got its pid since.
+    """
+
+    def send_signal(self, sig: int) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class PidfdPin:
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def send_signal(self, sig: int) -> bool:
+        if self._fd is None:
+            return False
+        try:
+            signal.pidfd_send_signal(self._fd, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@attrs.define
+class StatPin:
+    pid: int
+    start_time: int
+
+    def send_signal(self, sig: int) -> bool:
+        now = read_proc_stat(self.pid)
+        if now is None or now.start_time != self.start_time:
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def parse_proc_stat(raw: bytes, uid: int = -1) -> ProcessInfo | None:
+    """Parse ``/proc/<pid>/stat``; ``None`` when it is not in the expected shape."""
+    # The command name sits in parentheses and may itself contain spaces
+    # and ")", so split at the last ")".
+    head, sep, tail = raw.rpartition(b")")
+    if not sep:
+        return None
+    fields = tail.split()
+    try:
+        pid = int(head.split(b"(", 1)[0])
+        return ProcessInfo(
+            pid=pid,
+            ppid=int(fields[1]),
+            pgid=int(fields[2]),
+            sid=int(fields[3]),
+            state=fields[0].decode("ascii", "replace"),
+            # Field 22 of the whole line; the tail starts at field 3.
+            start_time=int(fields[19]),
+            uid=uid,
+        )
+    except (ValueError, IndexError):
+        return None
+
+
+def parse_environ(raw: bytes) -> dict[str, str]:
+    """Parse ``/proc/<pid>/environ`` (NUL-separated ``KEY=VALUE``)."""
+    env: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if sep and key:
+            # With duplicate keys getenv(3) answers with the first one.
+            env.setdefault(os.fsdecode(key), os.fsdecode(value))
+    return env
