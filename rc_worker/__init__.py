@@ -8,7 +8,7 @@ pins it.
 from __future__ import annotations
 
 from rc_worker._version import __version__
-from rc_worker.config import Config, DeviceConfig, HooksConfig, load_config
+from rc_worker.config import Config, DeviceConfig, GpuHealthConfig, HooksConfig, load_config
 from rc_worker.errors import (
     AssignmentError,
     ConfigError,
@@ -44,6 +44,7 @@ __all__ = [
     "ControllerError",
     "DeviceConfig",
     "DeviceState",
+    "GpuHealthConfig",
     "HooksConfig",
     "Host",
     "IdleBehavior",

@@ -39,6 +39,10 @@ DEFAULT_SHUTDOWN_GRACE = 300.0
 # The longest grace ceiling a job may ask for; longer is cut to it.
 DEFAULT_MAX_GRACE = 300.0
 DEFAULT_SPOOL_MAX_BYTES = 10 * 2**30
+DEFAULT_GPU_HEALTH_INTERVAL = 60.0
+DEFAULT_KERNEL_LOG = "/dev/kmsg"
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+GPU_HEALTH_ENABLED = ("auto", "true", "false")
 
 # Variables of the worker's own configuration. None of them ever reaches a
 # job, hook, probe or verify script (see child_environ).
@@ -64,6 +68,22 @@ class HooksConfig:
 
 
 @attrs.frozen
+class GpuHealthConfig:
+    """The built-in GPU health checks (docs/configuration.md, ``gpu_health``).
+
+    ``enabled`` is ``auto`` (on once nvidia-smi has been seen on this host),
+    ``true`` or ``false``. ``check_timeout`` None means the probe timeout; it
+    is resolved at load, so after ``load_config`` it is always set.
+    """
+
+    enabled: str = "auto"
+    interval: float = DEFAULT_GPU_HEALTH_INTERVAL
+    kernel_log: str = DEFAULT_KERNEL_LOG
+    ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
+    check_timeout: float | None = None
+
+
+@attrs.frozen
 class DeviceConfig:
     """One device this host offers: a bare name, or a mapping with its lease settings.
 
@@ -78,6 +98,11 @@ class DeviceConfig:
     timeout: float = DEFAULT_HOOK_TIMEOUT
     release_linger: float = DEFAULT_RELEASE_LINGER
     labels: Mapping[str, str] = attrs.field(factory=dict)
+    # A MIG slice: ``mig_of`` names the physical GPU's device (name or NVML
+    # index); ``mig_uuid``, or ``mig_index`` resolved through nvidia-smi -L.
+    mig_of: str | None = None
+    mig_uuid: str | None = None
+    mig_index: int | None = None
     memory_max: int | None = None
     """Bytes: the ``memory.max`` of each job's cgroup on this device (needs ``memory``)."""
     cpu_max: str | None = None
@@ -116,6 +141,7 @@ class Config:
     max_grace: float = DEFAULT_MAX_GRACE
     log_format: str = "text"
     log_level: str = "info"
+    gpu_health: GpuHealthConfig = GpuHealthConfig()
     cgroup: str = "auto"
     """``auto``, ``required`` or ``off``: a cgroup v2 per job (see docs/operations.md)."""
     cgroup_io: bool = False

@@ -54,6 +54,7 @@ _DURATION_FIELDS = {
     "release_linger": False,
     "max_runtime": True,
 }
+_GPU_HEALTH_DURATIONS = ("interval", "check_timeout")
 _PATH_FIELDS = ("probe_dir", "verify_dir", "sheet_dir", "state_dir", "on_acquire", "on_release")
 _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _POSITIVE = "a duration above zero, such as 30s or 5m"
@@ -213,6 +214,7 @@ def parse_text(text: str, *, name: str, base_dir: Path, read_token: bool = True)
     if hooks.timeout <= 0:
         loc.fail_at(("hooks", "timeout"), f"timeout must be more than zero; expected {_POSITIVE}")
     _prepare_devices(loc, data, hooks)
+    _prepare_gpu_health(loc, data)
     try:
         config: Config = _conv().structure(data, Config)
     except Exception as e:
@@ -264,6 +266,50 @@ def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) ->
                 labels[key] = text
 
 
+def _prepare_gpu_health(loc: _Locator, data: dict[str, Any]) -> None:
+    """Check the ``gpu_health`` values cattrs' hooks would read too loosely.
+
+    ``enabled`` takes a boolean or ``auto``; ``ignored_xids`` takes plain
+    non-negative integers (the int hook reads sizes, so "1k" would pass); a
+    missing ``check_timeout`` is the probe timeout.
+    """
+    section = data.get("gpu_health")
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        loc.fail_at(
+            ("gpu_health",),
+            f"{_describe(section)} is not a mapping; expected keys "
+            "such as enabled, interval, kernel_log, ignored_xids, check_timeout",
+        )
+    enabled = section.get("enabled", "auto")
+    if isinstance(enabled, bool):
+        section["enabled"] = "true" if enabled else "false"
+    elif enabled not in ("auto", "true", "false"):
+        loc.fail_at(
+            ("gpu_health", "enabled"),
+            f"{_describe(enabled)} is not valid; expected true, false or auto",
+        )
+    xids = section.get("ignored_xids")
+    if xids is not None:
+        if not isinstance(xids, list):
+            loc.fail_at(
+                ("gpu_health", "ignored_xids"),
+                f"{_describe(xids)} is not a list; expected a list of Xid codes such as [13, 31]",
+            )
+        for i, code in enumerate(xids):
+            if isinstance(code, bool) or not isinstance(code, int) or code < 0:
+                loc.fail_at(
+                    ("gpu_health", "ignored_xids", i),
+                    f"{_describe(code)} is not an Xid code; expected a whole number such as 13",
+                )
+    if section.get("kernel_log") == "":
+        loc.fail_at(
+            ("gpu_health", "kernel_log"),
+            "an empty path; expected a path such as /dev/kmsg, or leave it out",
+        )
+
+
 def _check(loc: _Locator, config: Config) -> None:
     if not config.devices:
         loc.fail_at(("devices",), "no devices; expected at least one device name")
@@ -292,6 +338,11 @@ def _check(loc: _Locator, config: Config) -> None:
         seconds = getattr(config, key, None)
         if positive and isinstance(seconds, float) and seconds <= 0:
             loc.fail_at((key,), f"{key} must be more than zero; expected {_POSITIVE}")
+    for key in _GPU_HEALTH_DURATIONS:
+        seconds = getattr(config.gpu_health, key)
+        if seconds is not None and seconds <= 0:
+            loc.fail_at(("gpu_health", key), f"{key} must be more than zero; expected {_POSITIVE}")
+    _check_mig(loc, config)
     for i, dev in enumerate(config.devices):
         if dev.timeout <= 0:
             loc.fail_at(
@@ -369,6 +420,39 @@ def _check(loc: _Locator, config: Config) -> None:
             loc.fail_at(("status_listen",), problem)
 
 
+def _check_mig(loc: _Locator, config: Config) -> None:
+    names = config.device_names
+    for i, dev in enumerate(config.devices):
+        if dev.mig_of is None:
+            for key in ("mig_uuid", "mig_index"):
+                if getattr(dev, key) is not None:
+                    loc.fail_at(
+                        ("devices", i, key),
+                        f"{key} without mig_of; expected mig_of: the physical GPU's device",
+                    )
+            continue
+        parent = dev.mig_of
+        if parent.isdigit() and parent not in names:
+            parent = f"gpu{int(parent)}"
+        if parent not in names or parent == dev.name:
+            loc.fail_at(
+                ("devices", i, "mig_of"),
+                f"{dev.mig_of!r} is not another device of this host; expected the name "
+                "(or NVML index) of the physical GPU's device, such as gpu0",
+            )
+        if config.device(parent).mig_of is not None:
+            loc.fail_at(
+                ("devices", i, "mig_of"),
+                f"{parent!r} is itself a MIG slice; expected the physical GPU's device",
+            )
+        if (dev.mig_uuid is None) == (dev.mig_index is None):
+            loc.fail_at(
+                ("devices", i, "mig_of"),
+                "a MIG slice needs exactly one of mig_uuid or mig_index; "
+                "expected mig_uuid: MIG-... or mig_index: N (from nvidia-smi -L)",
+            )
+
+
 def cpu_count(text: str) -> float | None:
     """A device's ``cpu_max`` as a number of CPUs, or ``None`` when it is not one."""
     try:
@@ -428,7 +512,11 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token:
         )
         for dev in config.devices
     )
-    return attrs.evolve(config, devices=devices, **changes)
+    health = config.gpu_health
+    if health.check_timeout is None:
+        health = attrs.evolve(health, check_timeout=config.probe_timeout)
+    health = attrs.evolve(health, kernel_log=resolve(health.kernel_log) or health.kernel_log)
+    return attrs.evolve(config, devices=devices, gpu_health=health, **changes)
 
 
 def controller_url_problem(url: str) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,9 @@ class WorkerContext:
     draining: bool = False
     stopping: bool = False
     device_labels: dict[str, Mapping[str, str]] = attrs.field(factory=dict)
+    # The GPU health gate (gpu_health_coord.py): (device, job_id or None,
+    # grace) -> why the device cannot take work, or None. None: no checks.
+    health_gate: Callable[[str, str | None, float], Awaitable[str | None]] | None = None
     rng: random.Random = attrs.field(factory=random.Random)
     """Ids (faults) and jitter come from here: a simulation seeds it to replay exactly."""
 
@@ -119,7 +122,16 @@ class WorkerContext:
         return env
 
     def cuda_visible_devices(self, device: str) -> str | None:
-        """The GPU UUID from the device's probe labels, else N for ``gpu<N>``."""
+        """The MIG UUID of a slice, else the GPU UUID from the device's probe
+        labels, else N for ``gpu<N>``."""
+        mig = self.device_labels.get(device, {}).get("mig_uuid")
+        if mig:
+            return mig
+        slice_config = next((d for d in self.config.devices if d.name == device), None)
+        if slice_config is not None and slice_config.mig_of is not None:
+            # A MIG slice whose UUID is not known yet: no GPU at all rather
+            # than every GPU (an unset variable would show them all).
+            return slice_config.mig_uuid or ""
         uuid = self.device_labels.get(device, {}).get("uuid")
         if uuid:
             return uuid

@@ -15,13 +15,14 @@ import logging
 import math
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from rc_worker.config import DeviceConfig
 from rc_worker.errors import ControllerError
+from rc_worker.gpu_health import Fault, kind_defaults
 from rc_worker.hooks import run_hook
 from rc_worker.lease import Lease
 from rc_worker.logs import log_context, set_log_context
@@ -74,6 +75,10 @@ class DeviceSupervisor:
         # The key of the last attempt whose finish was recorded, so an error
         # after that point does not record a second one.
         self._finished: str | None = None
+        # A physical GPU whose MIG slices are devices is offered through them only.
+        self.carries_slices = False
+        # Health faults raised here and still held, by kind: one is enough.
+        self._health_faults: dict[str, str] = {}
         self.scope = trio.CancelScope()
         # Kind and reason of each fault held, sent with register (protocol 2).
         self.fault_notes: dict[str, tuple[str, str]] = {}
@@ -82,10 +87,10 @@ class DeviceSupervisor:
     # -- inputs from the worker (sync, never block) ------------------------
 
     def ready(self) -> bool:
-        return self.lease.ready(draining=self.ctx.draining)
+        return not self.carries_slices and self.lease.ready(draining=self.ctx.draining)
 
     def can_take(self) -> bool:
-        return self.lease.can_take(draining=self.ctx.draining)
+        return not self.carries_slices and self.lease.can_take(draining=self.ctx.draining)
 
     def not_offerable_reason(self) -> str:
         """Why this device cannot take an assignment now (for a stale offer's refusal)."""
@@ -146,11 +151,19 @@ class DeviceSupervisor:
         self._poke()
 
     def _quarantine(
-        self, kind: str, reason: str, *, job_id: str | None = None, report: bool = True
+        self,
+        kind: str,
+        reason: str,
+        *,
+        job_id: str | None = None,
+        report: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        fault_id: str | None = None,
     ) -> str:
         """Raise a fault of this worker's own; ``report`` sends it with ``fault``
-        (a fault outside a finish), else the caller puts it in the finish."""
-        fault_id = new_fault_id(self.ctx.rng)
+        (a fault outside a finish), else the caller puts it in the finish.
+        ``extra`` carries severity, action, scope, parent_fault (docs/protocol.md)."""
+        fault_id = fault_id or new_fault_id(self.ctx.rng)
         log.warning(
             "device %s: quarantined (%s: %s, fault %s)",
             self.name,
@@ -162,13 +175,70 @@ class DeviceSupervisor:
         self.fault_notes[fault_id] = (kind, reason)
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
-            body: dict[str, Any] = {"fault_id": fault_id, "kind": kind, "reason": reason}
+            severity, action = kind_defaults(kind)
+            body: dict[str, Any] = {
+                "fault_id": fault_id,
+                "kind": kind,
+                "reason": reason,
+                "severity": severity,
+                "action": action,
+                **(extra or {}),
+            }
             if job_id is not None:
                 body["job_id"] = job_id
             self.ctx.outbox.fault(self.name, body)
         self.lease.add_fault(fault_id)
         self._poke()
         return fault_id
+
+    # -- GPU health (issue 15; the checks are in gpu_health*.py) ------------
+
+    def raise_health_fault(
+        self,
+        fault: Fault,
+        *,
+        job_id: str | None = None,
+        fault_id: str | None = None,
+        parent_fault: str | None = None,
+    ) -> str | None:
+        """Quarantine for a health fault, once per kind while it is held.
+
+        Returns the new fault id, or None when one of that kind still holds
+        the device (a condition that persists is not news every interval).
+        """
+        held = self._health_faults.get(fault.kind)
+        if held is not None and held in self.lease.faults:
+            return None
+        extra: dict[str, Any] = fault.body()
+        extra.pop("kind")
+        extra.pop("reason")
+        if parent_fault is not None:
+            extra["parent_fault"] = parent_fault
+        new_id = self._quarantine(
+            fault.kind, fault.reason, job_id=job_id, extra=extra, fault_id=fault_id
+        )
+        self._health_faults[fault.kind] = new_id
+        return new_id
+
+    def set_health_hold(self, held: Mapping[str, str], passed: Collection[str]) -> None:
+        """Hold for the checks that could not run; lift the ones that ran."""
+        hold = self.lease.health_hold
+        before = dict(hold)
+        for check in passed:
+            hold.pop(check, None)
+        hold.update(held)
+        if hold != before:
+            if hold:
+                log.warning("device %s: held for health: %s", self.name, self.health_reason())
+            else:
+                log.info("device %s: health checks pass again; hold lifted", self.name)
+            self._poke()
+
+    def health_reason(self) -> str:
+        return "; ".join(f"{c}: {why}" for c, why in sorted(self.lease.health_hold.items()))
+
+    def health_faulted(self) -> bool:
+        return any(f in self.lease.faults for f in self._health_faults.values())
 
     def raise_fault(self, kind: str, reason: str) -> str:
         """Quarantine this device with a fault found outside a job (a health
@@ -195,6 +265,8 @@ class DeviceSupervisor:
             held=self.lease.held,
             faults=sorted(self.lease.faults),
         )
+        if self.lease.health_hold:
+            entry["held_for_health"] = self.health_reason()
         if self.lease.state is S.LINGERING and self.lease.idle_behavior is IdleBehavior.RUN:
             entry["linger_left_s"] = round(max(0.0, self._linger_until - trio.current_time()), 3)
         return entry
@@ -229,6 +301,8 @@ class DeviceSupervisor:
             entry["job_id"], entry["attempt"] = self.lease.job
         if self.lease.faults:
             entry["faults"] = sorted(self.lease.faults)
+        if self.lease.health_hold:
+            entry["held_for_health"] = self.health_reason()
         return entry
 
     def linger_deadline(self) -> float:
@@ -334,6 +408,11 @@ class DeviceSupervisor:
             report = not_run_report(a, "refused", "stale offer: the worker is shutting down")
             report["stale_offer"] = True
             self.ctx.report(a, report)
+            self._settle()
+            return
+        refusal = await self._health_gate(None)
+        if refusal is not None:
+            self.ctx.report(a, not_run_report(a, "refused", refusal))
             self._settle()
             return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):
@@ -458,6 +537,8 @@ class DeviceSupervisor:
             **self.ctx.child_env(self.name, a.job_id),
             "RC_JOB_EXIT_CODE": "" if result.exit_code is None else str(result.exit_code),
         }
+        # After the sweep, before verify: what is still resident on the GPU.
+        await self._health_gate(a.job_id, grace=a.grace_s)
         with self.ctx.metrics.verify_seconds.time():
             verify = await run_verify(
                 self.ctx.config.verify_dir,
@@ -487,6 +568,17 @@ class DeviceSupervisor:
             )
             return self.ctx.config.max_grace
         return a.grace_s
+
+    async def _health_gate(self, job_id: str | None, *, grace: float = 0.0) -> str | None:
+        """The GPU checks before an assignment (``job_id`` None) or after a job.
+
+        Returns why the device cannot take work, or None. Faults and holds are
+        applied to this device (and its slices) by the gate itself.
+        """
+        gate = self.ctx.health_gate
+        if gate is None:
+            return None
+        return await gate(self.name, job_id, grace)
 
     def _settle(self) -> None:
         nxt = self.lease.settle(draining=self.ctx.draining)

@@ -51,6 +51,10 @@ class Lease:
     faults: set[str] = attrs.field(factory=set)
     held: bool = False
     job: tuple[str, int] | None = None
+    # Held for health: a GPU check that could not run (check -> why). Not a
+    # fault (nothing to clear), but never offered while any is set; each
+    # lifts when its check next succeeds (fail closed, issue 15).
+    health_hold: dict[str, str] = attrs.field(factory=dict)
 
     def to(self, new: DeviceState) -> None:
         if new is self.state:
@@ -70,6 +74,7 @@ class Lease:
         return (
             self.state in (S.FREE, S.LINGERING)
             and not self.faults
+            and not self.health_hold
             and self.idle_behavior is IdleBehavior.RUN
             and not draining
         )
@@ -82,6 +87,9 @@ class Lease:
         the controller just switched from hold back to run must not reject
         the job the controller then gave it.
         """
+        # A health hold is left out too: an assignment made while the poll
+        # was in flight reaches the health gate, which refuses it (requeued)
+        # rather than rejecting it for good.
         return self.state in (S.FREE, S.LINGERING) and not self.faults and not draining
 
     def begin(self, job: tuple[str, int]) -> bool:

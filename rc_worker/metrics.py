@@ -93,6 +93,25 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self.gpu_health_checks = Counter(
+            "rc_worker_gpu_health_checks",
+            "GPU health checks run, by check and result (ok, or error: could not run).",
+            ["check", "result"],
+            registry=r,
+        )
+        self.gpu_xid = Counter(
+            "rc_worker_gpu_xid",
+            "Xid events read from the kernel log, by code.",
+            ["code"],
+            registry=r,
+        )
+        self.gpu_ecc_errors = Gauge(
+            "rc_worker_gpu_ecc_errors",
+            "Volatile ECC error counts summed over this host's GPUs, by kind.",
+            ["kind"],
+            registry=r,
+        )
+
     def watch(self, snapshot: Callable[[], StateSnapshot]) -> None:
         """Export gauges computed from the worker's state at each scrape."""
         self.registry.register(_StateCollector(snapshot))

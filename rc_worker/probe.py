@@ -99,6 +99,10 @@ class _Capture:
         self.data += chunk
 
 
+Capture = _Capture
+"""Public name for the GPU health checks, which run their tools as probes do."""
+
+
 class _Tail:
     """A sink keeping only the last ``limit`` bytes: stderr is logged, never parsed."""
 

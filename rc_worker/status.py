@@ -155,4 +155,6 @@ def format_status(data: dict[str, Any]) -> str:
         job = f"{dev['job_id']}#{dev['attempt']}" if dev.get("job_id") else "-"
         faults = ",".join(dev.get("faults", [])) or "-"
         lines.append(f"{name:<12} {dev['state']:<12} {dev['idle_behavior']:<6} {job:<24} {faults}")
+        if dev.get("held_for_health"):
+            lines.append(f"{'':<12} held for health: {dev['held_for_health']}")
     return "\n".join(lines)

@@ -45,6 +45,8 @@ from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
+from rc_worker.gpu_health_coord import GpuHealthCoordinator
+from rc_worker.gpu_health_run import GpuHealthMonitor
 from rc_worker.health import not_ready_reason, tree_bytes
 from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
@@ -110,6 +112,8 @@ class Worker:
         self.registered = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._labels: dict[str, Any] = {"host": {}, "devices": {}}
+        self._probe_result: ProbeResult | None = None
+        self.health: GpuHealthCoordinator | None = None
         # What the controller has of them (sent at register or by PUT): an
         # unchanged probe pass sends nothing, which at fleet scale is most of them.
         self._labels_sent: dict[str, Any] | None = None
@@ -236,6 +240,7 @@ class Worker:
             )
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
+            self._setup_health(ctx, root)
             for device, fault_id, reason in outbox.faults_on_disk():
                 if device in self.devices:
                     self.devices[device].add_fault(fault_id, f"undelivered fault: {reason}")
@@ -285,11 +290,32 @@ class Worker:
                         pause_s=lambda: self._heartbeat_interval,
                     )
                 )
+                if self.health is not None:
+                    nursery.start_soon(self._health_loop, client, self.health)
                 task_status.started()
                 await self._until_drained(outbox)
                 await self._deregister(client, outbox)
                 nursery.cancel_scope.cancel()
         log.info("worker stopped")
+
+    def _setup_health(self, ctx: WorkerContext, root: Path) -> None:
+        """The GPU health checks (issue 15), when this host declares a GPU device."""
+        monitor = GpuHealthMonitor(
+            self.config, host=self.host, environ=self._environ, metrics=self.metrics, state_dir=root
+        )
+        if not monitor.targets or self.config.gpu_health.enabled == "false":
+            return
+        self.health = GpuHealthCoordinator(self.config, monitor, ctx, self.devices)
+        ctx.health_gate = self.health.gate
+
+    async def _health_loop(self, client: ControllerClient, health: GpuHealthCoordinator) -> None:
+        """Idle devices every ``gpu_health.interval``; labels follow what it found."""
+        while True:
+            if health.monitor.enabled():
+                await health.check_idle()
+                self._rebuild_labels()
+                await self._send_labels(client)  # only when they changed
+            await trio.sleep(self.config.gpu_health.interval)
 
     def _open_http(self) -> httpx.AsyncClient:
         url = self.config.controller_url
@@ -676,10 +702,33 @@ class Worker:
 
     def _apply_probe(self, result: ProbeResult) -> None:
         assert self._ctx is not None
-        self._labels = labels_payload(result)
+        self._probe_result = result
         for name, facts in result.device.items():
             if name not in result.unconfirmed:
                 self._ctx.device_labels[name] = dict(facts)
+        self._rebuild_labels()
+
+    def _rebuild_labels(self) -> None:
+        """The labels payload: the last probe pass, plus the GPU health labels and,
+        for MIG slices, their parent's facts. A device the probe left out (its
+        facts unconfirmed) stays out, so it keeps its previous labels."""
+        if self._probe_result is None:
+            return
+        payload = labels_payload(self._probe_result)
+        health = self.health
+        if health is not None:
+            health.sync_slice_labels()
+            devices = payload["devices"]
+            for parent, names in health.slices.items():
+                for name in names:
+                    if name in devices and parent in devices:
+                        devices[name] = {**self._ctx_labels(name), **devices[name]}
+            for name in list(devices):
+                devices[name] = {**devices[name], **health.health_labels(name)}
+        self._labels = payload
+
+    def _ctx_labels(self, name: str) -> dict[str, str]:
+        return dict(self._ctx.device_labels.get(name, {})) if self._ctx is not None else {}
 
 
 @attrs.define(eq=False)

@@ -79,6 +79,9 @@ def test_json_is_the_fully_resolved_config(
         "timeout": 60.0,
         "release_linger": 90.0,
         "labels": {},
+        "mig_of": None,
+        "mig_uuid": None,
+        "mig_index": None,
         "memory_max": None,
         "cpu_max": None,
     }

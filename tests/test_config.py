@@ -43,6 +43,7 @@ from rc_worker.config import (
     WORKER_ENV_VARS,
     Config,
     DeviceConfig,
+    GpuHealthConfig,
     HooksConfig,
     child_environ,
     config_path,
@@ -588,6 +589,8 @@ def test_minimal_config_resolves_every_default(tmp_path: Path) -> None:
     assert config == Config(
         devices=(DeviceConfig(name="gpu0"),),
         host=socket.gethostname(),
+        # check_timeout's default is the probe timeout, resolved at load.
+        gpu_health=GpuHealthConfig(check_timeout=DEFAULT_PROBE_TIMEOUT),
     )
     assert config.controller_url is None
     assert config.token is None
@@ -993,10 +996,14 @@ def test_resolved_json_masks_the_token_and_uses_seconds(tmp_path: Path) -> None:
             "timeout": DEFAULT_HOOK_TIMEOUT,
             "release_linger": DEFAULT_RELEASE_LINGER,
             "labels": {"rack": "r1"},
+            "mig_of": None,
+            "mig_uuid": None,
+            "mig_index": None,
             "memory_max": None,
             "cpu_max": None,
         }
     ]
+    assert data["gpu_health"]["check_timeout"] == DEFAULT_PROBE_TIMEOUT
     assert set(data) == {f.name for f in attrs.fields(Config)}
     # The config itself still holds the real token.
     assert config.token == "secret"
@@ -1106,6 +1113,14 @@ _configs = st.builds(
     ),
     shutdown_grace=_non_negative,
     spool_max_bytes=st.integers(min_value=0, max_value=2**62),
+    gpu_health=st.builds(
+        GpuHealthConfig,
+        enabled=st.sampled_from(["auto", "true", "false"]),
+        interval=_positive,
+        kernel_log=_abs_paths,
+        ignored_xids=st.lists(st.integers(0, 200), max_size=6).map(tuple),
+        check_timeout=_positive,
+    ),
 )
 
 

@@ -142,3 +142,23 @@ def test_an_assignment_is_taken_whatever_the_stale_idle_behaviour() -> None:
     assert not lease.can_take(draining=True)
     lease.add_fault("f-1")
     assert not lease.can_take(draining=False)
+
+
+# -- held for health (issue 15) -------------------------------------------------
+
+
+@given(
+    state=st.sampled_from([S for S in DeviceState]),
+    checks=st.dictionaries(st.sampled_from(["memory", "resident", "pci"]), st.text(min_size=1)),
+)
+def test_a_health_hold_is_never_ready_and_is_not_a_fault(
+    state: DeviceState, checks: dict[str, str]
+) -> None:
+    lease = Lease(name="gpu0", state=state, health_hold=dict(checks))
+    if checks:
+        assert not lease.ready(draining=False)
+    else:
+        assert lease.ready(draining=False) == (state in (DeviceState.FREE, DeviceState.LINGERING))
+    # Held is not quarantined: nothing to clear, and an idle device stays where it is.
+    assert lease.faults == set()
+    assert lease.state is state

@@ -19,6 +19,7 @@ PUBLIC = {
     "ControllerError",
     "DeviceConfig",
     "DeviceState",
+    "GpuHealthConfig",
     "HooksConfig",
     "Host",
     "IdleBehavior",

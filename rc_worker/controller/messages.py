@@ -141,6 +141,8 @@ class DeviceReport:
     job_id: str | None = None
     attempt: int | None = None
     faults: tuple[str, ...] = ()
+    held_for_health: str | None = None
+    """Why the worker's GPU checks hold the device (not offered, not quarantined)."""
 
 
 @attrs.frozen
@@ -189,6 +191,12 @@ class FaultRequest:
     kind: str
     reason: str = ""
     job_id: str | None = None
+    severity: str | None = None
+    action: str | None = None
+    scope: str | None = None
+    """``host``: a fault of the whole host, raised on each of its GPU devices."""
+    parent_fault: str | None = None
+    """For a MIG slice: the fault id of its physical GPU's fault."""
 
 
 # --- replies --------------------------------------------------------------------------------
@@ -384,6 +392,12 @@ class FaultInfo:
     job_id: str | None
     raised_by: str
     """``worker`` or ``controller``."""
+    severity: str = "error"
+    """``warning``, ``error`` or ``fatal``."""
+    action: str = "clear"
+    """The recommended step: ``clear``, ``reset``, ``reboot`` or ``replace``."""
+    scope: str = "device"
+    parent_fault: str | None = None
 
     def to_json(self) -> JsonObject:
         return {
@@ -393,6 +407,10 @@ class FaultInfo:
             "detail": self.detail,
             "job_id": self.job_id,
             "raised_by": self.raised_by,
+            "severity": self.severity,
+            "action": self.action,
+            "scope": self.scope,
+            "parent_fault": self.parent_fault,
         }
 
 
@@ -421,6 +439,7 @@ class DeviceInfo:
     host_state: str = "up"
     worker_state: str | None = None
     cleared_pending: tuple[str, ...] = ()
+    held_for_health: str | None = None
 
     @property
     def address(self) -> str:
@@ -444,6 +463,7 @@ class DeviceInfo:
             "present": self.present,
             "host_state": self.host_state,
             "worker_state": self.worker_state,
+            "held_for_health": self.held_for_health,
         }
 
 

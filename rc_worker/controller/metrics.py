@@ -9,6 +9,9 @@ the app's own, so two controllers in one process never share series):
 - ``rc_controller_jobs{state}``: jobs per state, queued / assigned / running
   and each terminal outcome;
 - ``rc_controller_device_faults{kind}``: faults not yet cleared, by kind;
+- ``rc_controller_device_faults_by_action{kind,action}``: the same, with each
+  fault's recommended action (clear, reset, reboot, replace);
+- ``rc_controller_faults_total{kind,action}``: faults raised since start;
 - ``rc_controller_last_event_seq``: the event log's newest sequence number.
 
 Counts only: no job ids, no host names, so the endpoint needs no token.
@@ -20,7 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -35,7 +38,7 @@ class StoreCollector(Collector):
     def __init__(self, store: Store) -> None:
         self._store = store
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         devices = self._store.devices()
         hosts = GaugeMetricFamily("rc_controller_hosts", "Hosts per state.", labels=["state"])
         counted = Counter(host_states(devices).values())
@@ -72,6 +75,23 @@ class StoreCollector(Collector):
         for kind, n in sorted(Counter(f.kind for d in devices for f in d.faults).items()):
             faults.add_metric([kind], n)
         yield faults
+        by_action = GaugeMetricFamily(
+            "rc_controller_device_faults_by_action",
+            "Faults not yet cleared, by kind and recommended action.",
+            labels=["kind", "action"],
+        )
+        held = Counter((f.kind, f.action) for d in devices for f in d.faults)
+        for (kind, action), n in sorted(held.items()):
+            by_action.add_metric([kind, action], n)
+        yield by_action
+        raised = CounterMetricFamily(
+            "rc_controller_faults",
+            "Device faults raised since the controller started, by kind and recommended action.",
+            labels=["kind", "action"],
+        )
+        for (kind, action), n in sorted(self._store.faults_raised.items()):
+            raised.add_metric([kind, action], n)
+        yield raised
         seq = GaugeMetricFamily(
             "rc_controller_last_event_seq", "The newest event's sequence number."
         )

@@ -96,6 +96,14 @@ def _address(text: str) -> tuple[str, str]:
     return host, device
 
 
+def _address_or_host(text: str) -> tuple[str, str | None]:
+    if "/" not in text:
+        if not text:
+            raise argparse.ArgumentTypeError("expected HOST/DEVICE or HOST (e.g. box1/gpu0)")
+        return text, None
+    return _address(text)
+
+
 def parse_worker_token(text: str) -> tuple[str, str]:
     """``TOKEN=HOST`` (split at the last ``=``) or a bare ``TOKEN`` valid for any host."""
     token, sep, host = text.rpartition("=")
@@ -277,9 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", help="job id")
     p.add_argument("--reason", default="", help="why (shown in the job's record)")
     sub.add_parser("devices", parents=[common], help="list devices")
-    for name, help_ in (("sheet", "print a device's usage sheet"), ("clear", "lift a quarantine")):
-        p = sub.add_parser(name, parents=[common], help=help_)
-        p.add_argument("device", type=_address, metavar="HOST/DEVICE", help="the device")
+    p = sub.add_parser("sheet", parents=[common], help="print a device's usage sheet")
+    p.add_argument("device", type=_address, metavar="HOST/DEVICE", help="the device")
+    p = sub.add_parser(
+        "clear",
+        parents=[common],
+        help="lift a quarantine (HOST alone: the host-level faults of all its devices)",
+    )
+    p.add_argument(
+        "device", type=_address_or_host, metavar="HOST/DEVICE | HOST", help="the device, or a host"
+    )
     p = sub.add_parser("idle", parents=[common], help="set a device's idle behaviour")
     p.add_argument("device", type=_address, metavar="HOST/DEVICE", help="the device")
     p.add_argument(
@@ -495,6 +510,9 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     elif c == "sheet":
         body = await _json(client.get("/v1/devices/{}/{}/sheet".format(*args.device)))
         text = fmt.sheet(body)
+    elif c == "clear" and args.device[1] is None:
+        body = await _json(client.post(f"/v1/hosts/{args.device[0]}/clear"))
+        text = fmt.clear_host_result(body)
     elif c == "clear":
         body = await _json(client.post("/v1/devices/{}/{}/clear".format(*args.device)))
         text = fmt.clear_result(body)

@@ -125,6 +125,20 @@ def cancel_result(job: Mapping[str, Any]) -> str:
     return f"{job['job_id']}: {_state(job)}" + (f" ({job['reason']})" if job.get("reason") else "")
 
 
+_SEVERITY_RANK = {"warning": 0, "error": 1, "fatal": 2}
+_ACTION_RANK = {"clear": 0, "reset": 1, "reboot": 2, "replace": 3}
+
+
+def fault_action(faults: Sequence[Mapping[str, Any]]) -> str:
+    """The step to take for a device's faults: the most drastic action, with
+    the worst severity and the kind it is for (``reboot (fatal gpu_xid)``)."""
+    if not faults:
+        return "-"
+    worst = max(faults, key=lambda f: _ACTION_RANK.get(str(f.get("action")), 0))
+    severity = max((str(f.get("severity")) for f in faults), key=lambda s: _SEVERITY_RANK.get(s, 0))
+    return f"{worst.get('action') or 'clear'} ({severity} {worst.get('kind') or 'fault'})"
+
+
 def _fault_reason(device: Mapping[str, Any]) -> str:
     """The first fault's kind and detail (``verify_failed: 10-ecc.sh ...``), not just ``fault``."""
     faults = device.get("faults") or []
@@ -144,14 +158,20 @@ def devices_table(devices: Sequence[Mapping[str, Any]]) -> str:
             [
                 _short(str(d["address"]), COMMAND_WIDTH),
                 str(d["state"]),
-                _short(_fault_reason(d), REASON_WIDTH),
+                _short(
+                    f"held: {d['held_for_health']}"
+                    if d.get("held_for_health") and not d.get("faults")
+                    else _fault_reason(d),
+                    REASON_WIDTH,
+                ),
                 _short(faults, COMMAND_WIDTH) or "-",
+                fault_action(d.get("faults", [])),
                 str(d["idle_behavior"]),
                 d.get("job_id") or "-",
                 str(d["host_state"]),
             ]
         )
-    return table(["DEVICE", "STATE", "REASON", "FAULTS", "IDLE", "JOB", "HOST"], rows)
+    return table(["DEVICE", "STATE", "REASON", "FAULTS", "ACTION", "IDLE", "JOB", "HOST"], rows)
 
 
 def sheet(body: Mapping[str, Any]) -> str:
@@ -168,6 +188,14 @@ def clear_result(body: Mapping[str, Any]) -> str:
     if not body["cleared"]:
         return f"{address}: nothing to clear (state {body['device']['state']})"
     return f"{address}: cleared {', '.join(body['cleared'])}; now {body['device']['state']}"
+
+
+def clear_host_result(body: Mapping[str, Any]) -> str:
+    cleared = body["cleared"]
+    if not cleared:
+        return f"{body['host']}: no host-level fault to clear"
+    ids = sorted({i for v in cleared.values() for i in v})
+    return f"{body['host']}: cleared {', '.join(ids)} on {', '.join(sorted(cleared))}"
 
 
 def event_line(event: Mapping[str, Any]) -> str:

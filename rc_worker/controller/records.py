@@ -19,6 +19,26 @@ from rc_worker.controller.messages import (
 )
 from rc_worker.controller.selectors import Selector
 
+# The recommended step of a fault that arrives without one (an older worker,
+# or a fault the controller derives from a finish). Mirrors the worker's table.
+_FAULT_DEFAULTS: dict[str, tuple[str, str]] = {
+    "dirty": ("error", "reboot"),
+    "verify_failed": ("error", "clear"),
+    "hook_failed": ("error", "clear"),
+    "interrupted": ("warning", "clear"),
+    "gpu_resident_process": ("warning", "clear"),
+    "gpu_memory": ("error", "reset"),
+    "gpu_xid": ("error", "reset"),
+    "gpu_missing": ("fatal", "reboot"),
+}
+SEVERITIES = ("warning", "error", "fatal")
+ACTIONS = ("clear", "reset", "reboot", "replace")
+
+
+def fault_defaults(kind: str) -> tuple[str, str]:
+    """``(severity, action)`` for a fault of ``kind`` that did not say."""
+    return _FAULT_DEFAULTS.get(kind, ("error", "clear"))
+
 
 @attrs.define(eq=False)
 class Fault:
@@ -32,6 +52,19 @@ class Fault:
     raised_by: str
     boot_id: str | None = None
     """For ``interrupted``: the host's boot id when the job started, if known."""
+    severity: str = ""
+    action: str = ""
+    scope: str = "device"
+    parent_fault: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        # An unknown or missing severity/action reads as the kind's default:
+        # a fault must always say what to do.
+        severity, action = fault_defaults(self.kind)
+        if self.severity not in SEVERITIES:
+            self.severity = severity
+        if self.action not in ACTIONS:
+            self.action = action
 
     def describe(self) -> str:
         """``kind: detail``, for the one-line reasons people read."""
@@ -45,6 +78,10 @@ class Fault:
             detail=self.detail,
             job_id=self.job_id,
             raised_by=self.raised_by,
+            severity=self.severity,
+            action=self.action,
+            scope=self.scope,
+            parent_fault=self.parent_fault,
         )
 
 
@@ -170,6 +207,8 @@ class Device:
     worker_faults: set[str] = attrs.Factory(set)
     """Fault ids the worker said it holds (registration, heartbeats): never assigned while
     any is held, whatever the controller's own records say."""
+    held_for_health: str | None = None
+    """From the worker's last heartbeat: why its GPU checks hold the device."""
 
     @property
     def state(self) -> str:
@@ -213,6 +252,7 @@ class Device:
             host_state=host.state,
             worker_state=self.worker_state,
             cleared_pending=tuple(self.cleared_pending),
+            held_for_health=self.held_for_health,
         )
 
 

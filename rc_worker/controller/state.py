@@ -21,7 +21,7 @@ import attrs
 
 from rc_worker.controller.errors import NotFound, StaleAttempt, UnknownSession
 from rc_worker.controller.journal import Journal
-from rc_worker.controller.messages import Event
+from rc_worker.controller.messages import Event, FaultRequest
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
 
 __all__ = ["OutputElsewhere", "StoreConfig", "StoreState"]
@@ -92,6 +92,8 @@ class StoreState:
         self._live: dict[str, Job] = {}
         self._events: deque[Event] = deque(maxlen=self.config.max_events)
         self._counters: dict[str, int] = {}
+        # Faults ever raised, by (kind, action): the controller's /metrics.
+        self.faults_raised: dict[tuple[str, str], int] = {}
         self._event_seq = 0
         self.version = 0
         self._subscribers: list[Callable[[], None]] = []
@@ -332,12 +334,17 @@ class StoreState:
         d.seen_faults.add(fault.fault_id)
         d.faults[fault.fault_id] = fault
         self.journal.host(d.host)
+        key = (fault.kind, fault.action)
+        self.faults_raised[key] = self.faults_raised.get(key, 0) + 1
         self._emit(
             "device_quarantined",
             host=d.host,
             device=d.name,
             fault_id=fault.fault_id,
             kind=fault.kind,
+            severity=fault.severity,
+            action=fault.action,
+            scope=fault.scope,
             reason=fault.reason,
             detail=fault.detail,
             job_id=fault.job_id,
@@ -356,12 +363,22 @@ class StoreState:
         self._emit("device_cleared", host=d.host, device=d.name, fault_ids=ids, by=by)
 
     def _worker_fault(
-        self, d: Device, fault_id: str, kind: str, detail: str, job_id: str | None
+        self,
+        d: Device,
+        fault_id: str,
+        kind: str,
+        detail: str,
+        job_id: str | None,
+        req: FaultRequest | None = None,
     ) -> bool:
-        return self._raise_fault(
-            d,
-            Fault(fault_id, kind, "fault", detail, job_id, None, raised_by="worker"),
-        )
+        fault = Fault(fault_id, kind, "fault", detail, job_id, None, raised_by="worker")
+        if req is not None:
+            fault.severity = req.severity or ""
+            fault.action = req.action or ""
+            fault.scope = "host" if req.scope == "host" else "device"
+            fault.parent_fault = req.parent_fault
+            fault.__attrs_post_init__()
+        return self._raise_fault(d, fault)
 
     # --- for registration (rc_worker.controller.registration) -------------------------------
 

@@ -261,12 +261,31 @@ class Store(StoreState):
 
     def clear(self, host: str, name: str) -> list[str]:
         """Lift every current fault of a device (an operator's ``clear``); returns their ids."""
-        _, d = self._device(host, name)
+        h, d = self._device(host, name)
         ids = list(d.faults)
         if ids:
             self._lift(d, ids, by="operator")
+            # A MIG slice's faults raised for its parent's go with the parent's.
+            for other in h.devices.values():
+                children = [f for f, x in other.faults.items() if x.parent_fault in ids]
+                self._lift(other, children, by="operator")
             self._changed()
         return ids
+
+    def clear_host(self, host: str) -> dict[str, list[str]]:
+        """Lift the host-level faults (``scope: host``) of every device of ``host``."""
+        h = self._hosts.get(host)
+        if h is None:
+            raise NotFound(f"no host {host}", code="unknown_host")
+        cleared: dict[str, list[str]] = {}
+        for d in h.devices.values():
+            ids = [f for f, x in d.faults.items() if x.scope == "host"]
+            if ids:
+                self._lift(d, ids, by="operator")
+                cleared[d.name] = ids
+        if cleared:
+            self._changed()
+        return cleared
 
     def set_idle_behavior(self, host: str, name: str, behavior: str) -> DeviceInfo:
         if behavior not in IDLE_BEHAVIORS:
@@ -440,6 +459,7 @@ class Store(StoreState):
                 continue
             d.worker_state = report.state
             d.worker_faults = set(report.faults)
+            d.held_for_health = report.held_for_health
             self._age_cleared(d, report.faults)
             if report.job_id is None or report.attempt is None:
                 continue
@@ -775,7 +795,7 @@ class Store(StoreState):
         d = h.devices.get(device)
         if d is None:
             raise NotFound(f"no device {host}/{device}", code="unknown_device")
-        if self._worker_fault(d, req.fault_id, req.kind, req.reason, req.job_id):
+        if self._worker_fault(d, req.fault_id, req.kind, req.reason, req.job_id, req):
             if req.kind == "verify_failed":
                 self._emit(
                     "verify_failed",

@@ -156,6 +156,14 @@ async def clear(request: Request) -> Response:
     return JSONResponse({"cleared": cleared, "device": ctl.store.device(host, device).to_json()})
 
 
+async def clear_host(request: Request) -> Response:
+    ctl = _user(request)
+    host = request.path_params["host"]
+    cleared = ctl.store.clear_host(host)
+    devices = [d.to_json() for d in ctl.store.devices() if d.host == host]
+    return JSONResponse({"host": host, "cleared": cleared, "devices": devices})
+
+
 async def idle_behavior(request: Request) -> Response:
     ctl = _user(request)
     behavior = (await json_body(request)).req_str("idle_behavior")
@@ -215,6 +223,7 @@ def routes() -> list[Route]:
         Route("/v1/devices", list_devices, methods=["GET"]),
         Route("/v1/devices/{host}/{device}/sheet", get_sheet, methods=["GET"]),
         Route("/v1/devices/{host}/{device}/clear", clear, methods=["POST"]),
+        Route("/v1/hosts/{host}/clear", clear_host, methods=["POST"]),
         Route("/v1/devices/{host}/{device}/idle-behavior", idle_behavior, methods=["POST"]),
         Route("/v1/events", events, methods=["GET"]),
         Route("/v1/pool", pool, methods=["GET"]),

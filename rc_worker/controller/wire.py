@@ -242,6 +242,7 @@ def heartbeat(f: Fields) -> HeartbeatRequest:
             job_id=d.opt_str("job_id"),
             attempt=d.opt_int("attempt"),
             faults=tuple(d.str_list("faults")),
+            held_for_health=d.opt_str("held_for_health"),
         )
     return HeartbeatRequest(session=f.req_str("session"), devices=devices)
 
@@ -299,6 +300,10 @@ def fault(f: Fields) -> FaultRequest:
         kind=f.opt_str("kind") or "fault",
         reason=f.opt_str("reason") or "",
         job_id=f.opt_str("job_id"),
+        severity=f.opt_str("severity"),
+        action=f.opt_str("action"),
+        scope=f.opt_str("scope"),
+        parent_fault=f.opt_str("parent_fault"),
     )
 
 

@@ -32,7 +32,7 @@ import attrs
 import httpx
 import trio
 
-from rc_worker.config import Config, DeviceConfig
+from rc_worker.config import Config, DeviceConfig, GpuHealthConfig
 from rc_worker.controller import create_app
 from rc_worker.controller.messages import DeviceInfo, JobInfo
 from rc_worker.controller.store import Store, StoreConfig
@@ -190,6 +190,9 @@ def make_config(
         "verify_timeout": 10.0,
         "verify_pass_budget": 20.0,
         "shutdown_grace": 30.0,
+        # Off unless a test turns it on: the machine's own nvidia-smi must not
+        # leak into a test (docs/configuration.md, gpu_health).
+        "gpu_health": GpuHealthConfig(enabled="false", kernel_log=str(root / "kmsg")),
     }
     fields.update(overrides)
     return Config(**fields)

@@ -514,7 +514,7 @@ async def test_events_older_than_memory_keeps_are_read_from_the_store(
 
 
 def test_host_documents_round_trip() -> None:
-    from rc_worker.controller.messages import DeviceDecl, RegisterRequest
+    from rc_worker.controller.messages import DeviceDecl, FaultRequest, RegisterRequest
     from rc_worker.controller.persist.codec import host_doc, load_host
     from rc_worker.controller.store import Store
 
@@ -522,13 +522,19 @@ def test_host_documents_round_trip() -> None:
     req = RegisterRequest(
         boot_id="b", devices=(DeviceDecl("gpu0", {"rack": "r1"}),), pid=9, instance_id="i-1"
     )
-    store.register("box1", req, now=0.0)
+    session = store.register("box1", req, now=0.0).session
     store.set_idle_behavior("box1", "gpu0", "drain")
+    fault = FaultRequest(
+        session, "f-9", "verify_failed", "ecc errors", severity="fatal", action="replace"
+    )
+    store.raise_fault("box1", "gpu0", fault, now=0.0)
     h = store.known_host("box1")
     assert h is not None
     loaded = load_host(json.loads(json.dumps(host_doc(h))), 5.0)
     assert (loaded.instance_id, loaded.pid, loaded.boot_id) == ("i-1", 9, "b")
     assert loaded.devices["gpu0"].info(loaded) == h.devices["gpu0"].info(h)
+    stored = loaded.devices["gpu0"].faults["f-9"]
+    assert (stored.severity, stored.action) == ("fatal", "replace")
 
 
 async def test_host_drain_and_retire_survive_a_restart(store_place: StorePlace) -> None:

@@ -212,9 +212,14 @@ async def test_client_errors_in_process(
         assert await rc("submit", token=USER_TOKEN, transport=transport) == 2
         assert "give the command after --" in capsys.readouterr().err
         assert await rc("submit", "--max-runtime", "soon", "--", "x", transport=transport) == 2
-        assert await rc("clear", "gpu0", transport=transport) == 2
+        assert await rc("clear", "box1/gpu0/x", transport=transport) == 2
         err = capsys.readouterr().err
         assert "HOST/DEVICE" in err
+        assert "Traceback" not in err
+        # A bare name is a HOST (issue 15: `rc clear HOST`); an unknown one says so.
+        assert await rc("clear", "nohost", token=USER_TOKEN, transport=transport) == 1
+        err = capsys.readouterr().err
+        assert "unknown_host" in err
         assert "Traceback" not in err
 
 

@@ -122,6 +122,10 @@ def _fault_doc(f: Fault) -> dict[str, object]:
         "attempt": f.attempt,
         "raised_by": f.raised_by,
         "boot_id": f.boot_id,
+        "severity": f.severity,
+        "action": f.action,
+        "scope": f.scope,
+        "parent_fault": f.parent_fault,
     }
 
 
@@ -289,6 +293,10 @@ def load_host(doc: Mapping[str, Any], now: float) -> Host:
                 f.get("attempt"),
                 f.get("raised_by", "worker"),
                 f.get("boot_id"),
+                severity=f.get("severity", ""),
+                action=f.get("action", ""),
+                scope=f.get("scope", "device"),
+                parent_fault=f.get("parent_fault"),
             )
         h.devices[name] = d
     return h

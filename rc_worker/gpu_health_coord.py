@@ -1,0 +1,217 @@
+"""Where the GPU checks meet the devices: the gate, the idle loop, slices and labels.
+
+``GpuHealthCoordinator`` is the worker's side of issue 15. It asks
+``GpuHealthMonitor`` for verdicts and applies them to the device
+supervisors:
+
+- before every assignment and after every job (``gate``, called by the
+  device through ``WorkerContext.health_gate``);
+- every ``gpu_health.interval`` for idle devices (``run``), where the Xid
+  and PCI-count checks run for every GPU device;
+- a fault of a physical GPU quarantines every MIG slice of it, each slice's
+  fault naming the parent's (``parent_fault``), so clearing the parent at
+  the controller clears them;
+- a host-level fault (the PCI count) is raised on every GPU device under one
+  fault id with ``scope: host``, cleared once with ``rc clear HOST``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import trio
+
+from rc_worker.gpu_health import CHECK_RESIDENT, Fault, decide_resident, health_label
+from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
+from rc_worker.model import DeviceState
+from rc_worker.sweep import JOB_ID_VAR, sweep_job_survivors
+
+if TYPE_CHECKING:
+    from rc_worker.config import Config
+    from rc_worker.context import WorkerContext
+    from rc_worker.device import DeviceSupervisor
+
+log = logging.getLogger("rc_worker.gpu_health")
+
+
+class GpuHealthCoordinator:
+    def __init__(
+        self,
+        config: Config,
+        monitor: GpuHealthMonitor,
+        ctx: WorkerContext,
+        devices: Mapping[str, DeviceSupervisor],
+    ) -> None:
+        self._config = config
+        self.monitor = monitor
+        self._ctx = ctx
+        self._devices = devices
+        self.slices: dict[str, list[str]] = {}
+        for dev in config.devices:
+            parent = mig_parent(config, dev)
+            if parent is not None:
+                self.slices.setdefault(parent, []).append(dev.name)
+        for parent in self.slices:
+            if parent in devices:
+                devices[parent].carries_slices = True
+        self._host_fault: str | None = None
+        # Devices some check has run for: before that, no gpu_health label
+        # (nothing is known, and "ok" would be a guess).
+        self._checked: set[str] = set()
+
+    # -- what the checks need from the probe ----------------------------------
+
+    def _labels(self) -> tuple[dict[str, str], dict[str, str]]:
+        uuids: dict[str, str] = {}
+        buses: dict[str, str] = {}
+        for name, facts in self._ctx.device_labels.items():
+            if "uuid" in facts and not facts.get("mig_uuid"):
+                uuids[name] = facts["uuid"]
+            if "pci_bus_id" in facts:
+                buses[name] = facts["pci_bus_id"]
+        return uuids, buses
+
+    def sync_slice_labels(self) -> None:
+        """A slice's labels: its parent's, plus its MIG UUID (its CUDA_VISIBLE_DEVICES)."""
+        for parent, names in self.slices.items():
+            base = dict(self._ctx.device_labels.get(parent, {}))
+            for name in names:
+                facts = dict(base)
+                facts.pop("uuid", None)
+                if base.get("uuid"):
+                    facts["parent_uuid"] = base["uuid"]
+                facts["mig_parent"] = parent
+                mig = self.monitor.mig_uuids.get(name)
+                if mig:
+                    facts["mig_uuid"] = mig
+                self._ctx.device_labels[name] = facts
+
+    def health_labels(self, device: str) -> dict[str, str]:
+        """The labels selectors can use: ``gpu_health`` and the ECC facts."""
+        target = self.monitor.targets.get(device)
+        dev = self._devices.get(device)
+        if target is None or dev is None or device not in self._checked:
+            return {}
+        out = dict(self.monitor.ecc_labels.get(target.index, {}))
+        out["gpu_health"] = health_label(bool(dev.lease.health_hold), dev.health_faulted())
+        return out
+
+    # -- the gate --------------------------------------------------------------
+
+    async def gate(self, device: str, job_id: str | None, grace: float) -> str | None:
+        if device not in self.monitor.targets or not self.monitor.enabled():
+            return None
+        if job_id is not None:
+            await self._after_job(device, job_id, grace)
+            return None
+        uuids, buses = self._labels()
+        verdicts = await self.monitor.check([device], expected_uuid=uuids, bus_ids=buses)
+        self._apply(verdicts)
+        dev = self._devices[device]
+        if dev.lease.faults:
+            return "GPU health check failed; the device is quarantined"
+        if dev.lease.health_hold:
+            return f"held for health: {dev.health_reason()}"
+        return None
+
+    async def _after_job(self, device: str, job_id: str, grace: float) -> None:
+        """Resident processes once the job's tree is gone: the job's own are swept
+        like any escapee; anything left quarantines the device."""
+        dev = self._devices[device]
+        uuids, _ = self._labels()
+        try:
+            apps = self.monitor.resident_on(device, await self.monitor.list_apps(), uuids)
+            if any(self._of_job(a.pid, job_id) for a in apps):
+                await sweep_job_survivors(job_id, grace=grace, host=self._ctx.host)
+                apps = self.monitor.resident_on(device, await self.monitor.list_apps(), uuids)
+        except CheckFailed as e:
+            self.monitor.metrics.gpu_health_checks.labels(CHECK_RESIDENT, "error").inc()
+            dev.set_health_hold({CHECK_RESIDENT: str(e)}, ())
+            return
+        self.monitor.metrics.gpu_health_checks.labels(CHECK_RESIDENT, "ok").inc()
+        dev.set_health_hold({}, (CHECK_RESIDENT,))
+        fault = decide_resident(apps)
+        if fault is not None:
+            self._raise(device, fault, job_id=job_id)
+
+    def _of_job(self, pid: int, job_id: str) -> bool:
+        try:
+            return self._ctx.host.environ(pid).get(JOB_ID_VAR) == job_id
+        except OSError:
+            return False
+
+    # -- the idle loop -----------------------------------------------------------
+
+    async def run(self) -> None:
+        """Every ``interval``: Xids and the PCI count for all GPU devices; memory,
+        presence and residency for the idle ones (a busy GPU's processes are its job's)."""
+        while True:
+            if self.monitor.enabled():
+                await self.check_idle()
+            await trio.sleep(self._config.gpu_health.interval)
+
+    async def check_idle(self) -> None:
+        targets = list(self.monitor.targets)
+        uuids, buses = self._labels()
+        verdicts = await self.monitor.check(
+            targets, expected_uuid=uuids, bus_ids=buses, resident=False, pci=True
+        )
+        idle = [d for d in targets if self._idle(d)]
+        if idle:
+            resident = await self.monitor.check(
+                idle, expected_uuid=uuids, bus_ids=buses, memory=False, xids=False
+            )
+            for name, v in resident.items():
+                if not self._idle(name):
+                    # Taken while the listing ran: its processes may be its job's.
+                    continue
+                verdicts[name].faults.extend(v.faults)
+                verdicts[name].held.update(v.held)
+                verdicts[name].passed.update(v.passed)
+        self._apply(verdicts)
+        self.sync_slice_labels()
+
+    def _idle(self, device: str) -> bool:
+        dev = self._devices[device]
+        return dev.idle() or dev.lease.state is DeviceState.LINGERING
+
+    # -- applying verdicts ---------------------------------------------------------
+
+    def _apply(self, verdicts: Mapping[str, DeviceVerdict]) -> None:
+        host_faults = [f for v in verdicts.values() for f in v.faults if f.host_level]
+        for name, v in verdicts.items():
+            self._checked.add(name)
+            self._devices[name].set_health_hold(v.held, v.passed)
+            for fault in v.faults:
+                if not fault.host_level:
+                    self._raise(name, fault)
+        if host_faults:
+            self._raise_host(host_faults[0])
+
+    def _raise(self, device: str, fault: Fault, *, job_id: str | None = None) -> None:
+        fault_id = self._devices[device].raise_health_fault(fault, job_id=job_id)
+        if fault_id is None:
+            return
+        for name in self.slices.get(device, ()):
+            self._devices[name].raise_health_fault(
+                Fault(
+                    fault.kind,
+                    f"parent {device}: {fault.reason}",
+                    fault.severity,
+                    fault.action,
+                ),
+                parent_fault=fault_id,
+            )
+
+    def _raise_host(self, fault: Fault) -> None:
+        """One fault id for the whole host, on every GPU device (slices included)."""
+        held = self._host_fault
+        if held is not None and any(held in d.lease.faults for d in self._devices.values()):
+            return
+        from rc_worker.device import new_fault_id
+
+        self._host_fault = fault_id = new_fault_id(self._ctx.rng)
+        for name in self.monitor.targets:
+            self._devices[name].raise_health_fault(fault, fault_id=fault_id)

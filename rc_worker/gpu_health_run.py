@@ -1,0 +1,490 @@
+"""The Trio shell of the GPU health checks: run the tools, read the kernel log.
+
+Decisions are in ``gpu_health.py``; this module runs nvidia-smi and lspci
+exactly as a probe runs (``supervise.run_job`` through the ``Host`` seam: its
+own process group, killed at ``gpu_health.check_timeout``), reads the new
+lines of the kernel log, and turns each outcome into a ``DeviceVerdict``:
+faults to raise, and per check whether it could be read.
+
+Fail closed: a tool that errors, hangs past its timeout or prints what does
+not parse is a check that could not run. The verdict then names the check
+and why, and the device is held for health (not offered, not quarantined)
+until the same check next succeeds. It is never read as healthy.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import trio
+
+from rc_worker.config import Config, DeviceConfig, child_environ
+from rc_worker.gpu_health import (
+    CHECK_MEMORY,
+    CHECK_MIG,
+    CHECK_PCI,
+    CHECK_PRESENCE,
+    CHECK_RESIDENT,
+    CHECK_XID,
+    COMPUTE_APPS_ARGS,
+    HEALTH_QUERY_ARGS,
+    LIST_ARGS,
+    LSPCI_ARGS,
+    ComputeApp,
+    Fault,
+    HealthReadError,
+    ListedGpu,
+    MemoryState,
+    apps_on,
+    bus_key,
+    count_lspci_gpus,
+    decide_memory,
+    decide_pci,
+    decide_presence,
+    decide_resident,
+    decide_xid,
+    listed_count,
+    parse_compute_apps,
+    parse_gpu_list,
+    parse_health_query,
+    parse_xid,
+    resolve_mig_uuid,
+)
+from rc_worker.host import Host
+from rc_worker.labels import NVIDIA_SMI, gpu_scope, text_tail
+from rc_worker.metrics import WorkerMetrics
+from rc_worker.probe import NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE, Capture
+from rc_worker.supervise import REASON_MAX_RUNTIME, JobHandle, JobSpec, run_job
+
+log = logging.getLogger("rc_worker.gpu_health")
+
+LSPCI = "lspci"
+SEEN_MARKER = "nvidia-smi-seen"
+"""In the state directory: nvidia-smi was found on this host once (``enabled: auto``)."""
+
+KMSG_READ_CAP = 1024 * 1024
+"""Kernel log bytes read per pass at most: a flood is read over several passes."""
+
+
+@attrs.frozen
+class GpuTarget:
+    """What a device's checks look at: the physical GPU's index, and which UUIDs are its."""
+
+    device: str
+    index: int
+    parent: str
+    """The physical GPU's device name (itself, for a whole GPU)."""
+    mig_uuid: str | None = None
+
+
+@attrs.define
+class DeviceVerdict:
+    """One device's checks: faults to raise, and checks that could not run (check -> why).
+
+    ``passed`` lists the checks that ran and read, so their holds lift.
+    """
+
+    faults: list[Fault] = attrs.Factory(list)
+    held: dict[str, str] = attrs.Factory(dict)
+    passed: set[str] = attrs.Factory(set)
+
+
+class CheckFailed(Exception):
+    """A tool that could not be run or read; the message is the reason shown."""
+
+
+class GpuHealthMonitor:
+    """The built-in GPU checks of one worker process.
+
+    ``expected_uuid`` gives a device's UUID as the probe last saw it (the
+    ``uuid`` label), so a card swapped under the worker is noticed.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        host: Host,
+        environ: Mapping[str, str],
+        metrics: WorkerMetrics,
+        state_dir: Path | None = None,
+    ) -> None:
+        self._config = config
+        self._settings = config.gpu_health
+        self._host = host
+        self._environ = environ
+        self.metrics = metrics
+        self._state_dir = state_dir
+        self._memory: dict[int, MemoryState] = {}
+        self._kmsg_fd: int | None = None
+        self._kmsg_offset = 0
+        self._kmsg_disabled = False
+        self._lock = trio.Lock()
+        self.targets = _targets(config)
+        self.mig_uuids: dict[str, str] = {
+            d.name: d.mig_uuid for d in config.devices if d.mig_uuid is not None
+        }
+        self.ecc_labels: dict[int, dict[str, str]] = {}
+
+    # -- whether to run at all ---------------------------------------------
+
+    def _smi(self) -> str | None:
+        return shutil.which(NVIDIA_SMI, path=self._environ.get("PATH", os.defpath))
+
+    def enabled(self) -> bool:
+        """``true``: always; ``false``: never; ``auto``: once nvidia-smi was seen here.
+
+        Seen is remembered in the state directory: a host whose nvidia-smi
+        vanishes after that keeps its checks, and they fail closed.
+        """
+        mode = self._settings.enabled
+        if mode != "auto":
+            return mode == "true"
+        if not self.targets:
+            return False
+        marker = None if self._state_dir is None else self._state_dir / SEEN_MARKER
+        if self._smi() is not None:
+            if marker is not None and not marker.exists():
+                try:
+                    marker.touch()
+                except OSError as e:
+                    log.warning("cannot record that nvidia-smi was seen (%s): %s", marker, e)
+            return True
+        return marker is not None and marker.exists()
+
+    # -- running tools -------------------------------------------------------
+
+    async def _run(self, tool: str, args: Sequence[str]) -> str:
+        """Run ``tool args`` like a probe; its output, or ``CheckFailed`` with why."""
+        path = shutil.which(tool, path=self._environ.get("PATH", os.defpath))
+        if path is None:
+            raise CheckFailed(f"{tool} not found on PATH")
+        limit = self._settings.check_timeout or self._config.probe_timeout
+        handle = JobHandle()
+        out = Capture(NVIDIA_SMI_OUTPUT_CAP, lambda: handle.stop("output cap"))
+        spec = JobSpec(
+            command=(path, *args),
+            env=child_environ(self._environ),
+            grace_ceiling=PROBE_GRACE,
+            max_runtime=limit,
+        )
+        result = await run_job(spec, out, host=self._host, handle=handle)
+        text = out.data.decode("utf-8", "replace")
+        if out.overflowed:
+            raise CheckFailed(f"{tool} printed more than {NVIDIA_SMI_OUTPUT_CAP} bytes")
+        if result.killed and result.reason == REASON_MAX_RUNTIME:
+            raise CheckFailed(f"{tool} {args[0]} timed out after {limit:g}s")
+        if result.exit_code is None:
+            raise CheckFailed(f"{tool} could not run: {result.error or result.signal}")
+        if result.exit_code != 0 and not _lost_only(text):
+            raise CheckFailed(f"{tool} exit status {result.exit_code}: {text_tail(text)}")
+        return text
+
+    def _count(self, check: str, result: str) -> None:
+        self.metrics.gpu_health_checks.labels(check, result).inc()
+
+    # -- the checks ------------------------------------------------------------
+
+    async def check(
+        self,
+        devices: Collection[str],
+        *,
+        expected_uuid: Mapping[str, str],
+        bus_ids: Mapping[str, str],
+        memory: bool = True,
+        resident: bool = True,
+        xids: bool = True,
+        pci: bool = False,
+    ) -> dict[str, DeviceVerdict]:
+        """Run the checks for ``devices`` (GPU devices only; others are left out).
+
+        One nvidia-smi health query and one compute-apps query serve every
+        device asked for. ``bus_ids`` is each device's ``pci_bus_id`` label,
+        which maps kernel Xid lines to devices.
+        """
+        async with self._lock:
+            targets = [self.targets[d] for d in devices if d in self.targets]
+            verdicts = {t.device: DeviceVerdict() for t in targets}
+            if not targets:
+                return verdicts
+            await self._resolve_slices(targets, verdicts)
+            if memory:
+                await self._check_health(targets, verdicts, expected_uuid)
+            if resident:
+                await self._check_resident(targets, verdicts, expected_uuid)
+            if xids:
+                self._check_xids(targets, verdicts, bus_ids)
+            if pci:
+                await self._check_pci(targets, verdicts)
+            return verdicts
+
+    async def _check_health(
+        self,
+        targets: Sequence[GpuTarget],
+        verdicts: dict[str, DeviceVerdict],
+        expected_uuid: Mapping[str, str],
+    ) -> None:
+        try:
+            reading = parse_health_query(await self._run(NVIDIA_SMI, HEALTH_QUERY_ARGS))
+        except (CheckFailed, HealthReadError) as e:
+            self._count(CHECK_MEMORY, "error")
+            for t in targets:
+                verdicts[t.device].held[CHECK_MEMORY] = str(e)
+            return
+        self._count(CHECK_MEMORY, "ok")
+        totals = {"corrected_volatile": 0, "uncorrected_volatile": 0}
+        for row in reading.rows.values():
+            totals["corrected_volatile"] += row.ecc_corrected or 0
+            totals["uncorrected_volatile"] += row.ecc_uncorrected or 0
+        for kind, value in totals.items():
+            # Summed over the host's GPUs: the metric is labelled by kind only.
+            self.metrics.gpu_ecc_errors.labels(kind).set(value)
+        for t in targets:
+            v = verdicts[t.device]
+            missing = decide_presence(t.index, expected_uuid.get(t.parent), reading)
+            v.passed.update({CHECK_MEMORY, CHECK_PRESENCE})
+            if missing is not None:
+                v.faults.append(missing)
+                continue
+            row = reading.rows[t.index]
+            faults, self._memory[t.index] = decide_memory(self._memory.get(t.index), row)
+            v.faults.extend(faults)
+            self.ecc_labels[t.index] = {
+                "ecc_uncorrected_volatile": _label(row.ecc_uncorrected),
+                "ecc_corrected_volatile": _label(row.ecc_corrected),
+                "remapped_rows_pending": _label(row.remap_pending),
+            }
+
+    async def _resolve_slices(
+        self, targets: Sequence[GpuTarget], verdicts: dict[str, DeviceVerdict]
+    ) -> None:
+        """Give each ``mig_index`` slice its MIG UUID from ``nvidia-smi -L``.
+
+        A slice whose UUID is not known is held: without it the job's
+        CUDA_VISIBLE_DEVICES could not name the slice, and it would see the GPU.
+        """
+        slices = [t for t in targets if t.device != t.parent]
+        why = ""
+        if any(t.mig_uuid is None for t in slices):
+            try:
+                listing: list[ListedGpu] = parse_gpu_list(await self._run(NVIDIA_SMI, LIST_ARGS))
+            except (CheckFailed, HealthReadError) as e:
+                why = f"cannot resolve the MIG slice: {e}"
+                listing = []
+            for dev in self._config.devices:
+                if dev.mig_index is not None and dev.name in self.targets:
+                    t = self.targets[dev.name]
+                    uuid = resolve_mig_uuid(listing, t.index, dev.mig_index)
+                    if uuid is not None:
+                        self.mig_uuids[dev.name] = uuid
+                        self.targets[dev.name] = attrs.evolve(t, mig_uuid=uuid)
+        for t in slices:
+            if self.targets[t.device].mig_uuid is not None:
+                verdicts[t.device].passed.add(CHECK_MIG)
+                continue
+            index = self._config.device(t.device).mig_index
+            verdicts[t.device].held[CHECK_MIG] = why or (
+                f"nvidia-smi -L lists no MIG device {index} on GPU {t.index}"
+            )
+
+    async def _check_resident(
+        self,
+        targets: Sequence[GpuTarget],
+        verdicts: dict[str, DeviceVerdict],
+        expected_uuid: Mapping[str, str],
+    ) -> None:
+        try:
+            apps = parse_compute_apps(await self._run(NVIDIA_SMI, COMPUTE_APPS_ARGS))
+        except (CheckFailed, HealthReadError) as e:
+            self._count(CHECK_RESIDENT, "error")
+            for t in targets:
+                verdicts[t.device].held[CHECK_RESIDENT] = str(e)
+            return
+        self._count(CHECK_RESIDENT, "ok")
+        for t in targets:
+            fault = decide_resident(self.resident_on(t.device, apps, expected_uuid))
+            verdicts[t.device].passed.add(CHECK_RESIDENT)
+            if fault is not None:
+                verdicts[t.device].faults.append(fault)
+
+    def resident_on(
+        self, device: str, apps: Sequence[ComputeApp], expected_uuid: Mapping[str, str]
+    ) -> list[ComputeApp]:
+        """The apps on ``device``'s GPU: its UUID, or for a slice its MIG UUID.
+
+        nvidia-smi lists a slice's processes under the PARENT's UUID on some
+        drivers (fixture 09b), so a slice also counts processes listed under
+        its parent: more cautious, never less.
+        """
+        t = self.targets[device]
+        uuids = {u for u in (expected_uuid.get(t.parent), t.mig_uuid) if u}
+        return apps_on(apps, uuids)
+
+    async def list_apps(self) -> list[ComputeApp]:
+        """The compute apps now (for the after-job sweep); raises ``CheckFailed``."""
+        try:
+            return parse_compute_apps(await self._run(NVIDIA_SMI, COMPUTE_APPS_ARGS))
+        except HealthReadError as e:
+            raise CheckFailed(str(e)) from None
+
+    def _check_xids(
+        self,
+        targets: Sequence[GpuTarget],
+        verdicts: dict[str, DeviceVerdict],
+        bus_ids: Mapping[str, str],
+    ) -> None:
+        lines = self._read_kernel_log()
+        if lines is None:
+            return
+        # Every GPU device, not only those asked about: a line is read once,
+        # so one for another device must not be dropped by a one-device check.
+        by_bus: dict[str, list[GpuTarget]] = {}
+        for t in self.targets.values():
+            key = bus_key(bus_ids.get(t.parent, ""))
+            if key is not None:
+                by_bus.setdefault(key, []).append(t)
+        ignored = frozenset(self._settings.ignored_xids)
+        for line in lines:
+            event = parse_xid(line)
+            if event is None:
+                continue
+            self.metrics.gpu_xid.labels(str(event.code)).inc()
+            fault = decide_xid(event, ignored)
+            hit = by_bus.get(event.bus, [])
+            if fault is None:
+                continue
+            if not hit:
+                log.warning("Xid %d on %s: no device has that pci_bus_id", event.code, event.bus)
+            for t in hit:
+                verdicts.setdefault(t.device, DeviceVerdict()).faults.append(fault)
+        for t in targets:
+            verdicts[t.device].passed.add(CHECK_XID)
+        self._count(CHECK_XID, "ok")
+
+    def _read_kernel_log(self) -> list[str] | None:
+        """New lines of the kernel log since the last read; None when disabled.
+
+        /dev/kmsg gives one record per read and EAGAIN at the end (opened
+        non-blocking, from its end: old records were there before this
+        worker and are not news); a plain file (tests) is read from the
+        offset of the last pass. Unreadable: logged once, check disabled.
+        """
+        if self._kmsg_disabled:
+            return None
+        path = self._settings.kernel_log
+        try:
+            if self._kmsg_fd is None:
+                self._kmsg_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                if _is_char_device(self._kmsg_fd):
+                    os.lseek(self._kmsg_fd, 0, os.SEEK_END)
+            return _read_records(self._kmsg_fd, self._kmsg_offset, self._advance)
+        except OSError as e:
+            self._kmsg_disabled = True
+            self._count(CHECK_XID, "error")
+            log.error(
+                "kernel log %s unreadable (%s): the Xid check is off until the worker restarts",
+                path,
+                e.strerror or e,
+            )
+            return None
+
+    def _advance(self, n: int) -> None:
+        self._kmsg_offset += n
+
+    async def _check_pci(
+        self, targets: Sequence[GpuTarget], verdicts: dict[str, DeviceVerdict]
+    ) -> None:
+        if shutil.which(LSPCI, path=self._environ.get("PATH", os.defpath)) is None:
+            return  # no lspci: nothing to compare with, and nothing wrong
+        try:
+            on_bus = count_lspci_gpus(await self._run(LSPCI, LSPCI_ARGS))
+            listed = listed_count(await self._run(NVIDIA_SMI, LIST_ARGS))
+        except (CheckFailed, HealthReadError) as e:
+            self._count(CHECK_PCI, "error")
+            for t in targets:
+                verdicts[t.device].held[CHECK_PCI] = str(e)
+            return
+        self._count(CHECK_PCI, "ok")
+        fault = decide_pci(on_bus, listed)
+        for t in targets:
+            verdicts[t.device].passed.add(CHECK_PCI)
+            if fault is not None:
+                verdicts[t.device].faults.append(fault)
+
+    def close(self) -> None:
+        if self._kmsg_fd is not None:
+            os.close(self._kmsg_fd)
+            self._kmsg_fd = None
+
+
+def _lost_only(text: str) -> bool:
+    """nvidia-smi exits non-zero when a GPU is lost but still lists the others:
+    that is an answer (``gpu_missing``), not a failure to answer."""
+    return "unable to determine the device handle" in text.lower() or "gpu is lost" in text.lower()
+
+
+def _label(value: object) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _is_char_device(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISCHR(os.fstat(fd).st_mode)
+
+
+def _read_records(fd: int, offset: int, advance: Callable[[int], None]) -> list[str]:
+    lines: list[str] = []
+    if _is_char_device(fd):
+        total = 0
+        while total < KMSG_READ_CAP:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno == errno.EPIPE:
+                    continue  # records overwritten before we read them
+                raise
+            if not record:
+                break
+            total += len(record)
+            lines.append(record.decode("utf-8", "replace").split(";", 1)[-1].rstrip("\n"))
+        return lines
+    data = os.pread(fd, KMSG_READ_CAP, offset)
+    # Only whole lines: a line being written is read at the next pass.
+    end = data.rfind(b"\n") + 1
+    advance(end)
+    return data[:end].decode("utf-8", "replace").splitlines()
+
+
+def _targets(config: Config) -> dict[str, GpuTarget]:
+    """Every GPU device (``gpu<N>``) and every MIG slice, with its physical GPU's index."""
+    scope = {name: n for n, name in gpu_scope(config.device_names).items()}
+    targets = {name: GpuTarget(name, n, name) for name, n in scope.items()}
+    for dev in config.devices:
+        parent = mig_parent(config, dev)
+        if parent is not None and parent in scope:
+            targets[dev.name] = GpuTarget(dev.name, scope[parent], parent, dev.mig_uuid)
+    return targets
+
+
+def mig_parent(config: Config, dev: DeviceConfig) -> str | None:
+    """The device name of ``dev``'s physical GPU, for a MIG slice; else None."""
+    if dev.mig_of is None:
+        return None
+    if dev.mig_of in config.device_names:
+        return dev.mig_of
+    if dev.mig_of.isdigit():
+        return f"gpu{int(dev.mig_of)}"
+    return None
