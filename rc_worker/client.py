@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -28,6 +28,9 @@ RegisterFn = Callable[["ControllerClient"], Awaitable[None]]
 AnswerFn = Callable[[str, str], None]
 # A request body, or a function giving it afresh at every try.
 Payload = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+# Raw bytes, or a function giving a fresh stream of them at every try: a
+# streamed body cannot be replayed, so a retry starts a new one.
+Content = bytes | Callable[[], AsyncIterable[bytes]]
 
 # How long past the long-poll's own wait a poll may take before it counts as
 # a timeout: the controller answers at wait_s; this is slack for the network.
@@ -145,11 +148,16 @@ class ControllerClient:
             {"attempt": attempt, "device": device, "boot_id": boot_id},
         )
 
-    async def output(self, job_id: str, attempt: int, offset: int, data: bytes) -> int:
+    async def output(self, job_id: str, attempt: int, offset: int, data: Content) -> int:
         """Append ``data`` at ``offset``; returns the controller's committed offset.
 
-        A ``409 gap`` is not an error here: its ``committed`` says where to
-        resend from, and the caller carries on from there.
+        ``data`` is bytes, or a function returning a stream of them, sent as
+        one streamed (chunked) request body: the bytes go out as they are
+        read, and the controller appends them as they arrive. Each try calls
+        it afresh from the same ``offset`` (a retry resends what the
+        controller may already hold; it ignores bytes below its committed
+        offset). A ``409 gap`` is not an error here: its ``committed`` says
+        where to resend from, and the caller carries on from there.
         """
         try:
             body = await self._call(
@@ -210,7 +218,7 @@ class ControllerClient:
         path: str,
         payload: Payload | None = None,
         *,
-        content: bytes | None = None,
+        content: Content | None = None,
         params: Mapping[str, Any] | None = None,
         session: bool = True,
         read_timeout: float | None = None,
@@ -302,7 +310,7 @@ class ControllerClient:
         method: str,
         path: str,
         payload: Payload | None,
-        content: bytes | None,
+        content: Content | None,
         params: Mapping[str, Any] | None,
         session: bool,
         read_timeout: float | None,
@@ -320,7 +328,7 @@ class ControllerClient:
                 method,
                 path,
                 json=json_body,
-                content=content,
+                content=content() if callable(content) else content,
                 params=query or None,
                 headers=(
                     {**self._headers, "Content-Type": "application/octet-stream"}

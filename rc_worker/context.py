@@ -19,7 +19,7 @@ from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.model import Assignment, job_key
 from rc_worker.outbox import Outbox
-from rc_worker.spool import JobDir, write_json_durably
+from rc_worker.spool import JobDir
 
 
 @attrs.define(eq=False)
@@ -45,7 +45,7 @@ class WorkerContext:
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)
 
-    def journal(self, job_dir: JobDir, a: Assignment) -> str | None:
+    async def journal(self, job_dir: JobDir, a: Assignment) -> str | None:
         """Record, durably, that this job is about to be spawned here; its cgroup.
 
         Written and fsynced before the process exists, so a worker that dies
@@ -56,8 +56,7 @@ class WorkerContext:
         """
         containment = self.host.containment
         cgroup = None if containment is None else containment.leaf(job_key(a.job_id, a.attempt))
-        job_dir.create()
-        write_json_durably(
+        await self.outbox.committer.write(
             job_dir.journal,
             {
                 "job_id": a.job_id,
@@ -72,6 +71,7 @@ class WorkerContext:
                 "spawned": True,
                 "cgroup": cgroup,
             },
+            before=job_dir.create,
         )
         return cgroup
 
@@ -83,19 +83,21 @@ class WorkerContext:
         cpus = None if device.cpu_max is None else cpu_count(device.cpu_max)
         return limits_for(device.memory_max, cpus, containment.controllers)
 
-    def report(self, ident: Assignment | tuple[str, int, str], report: Mapping[str, Any]) -> None:
+    async def report(
+        self, ident: Assignment | tuple[str, int, str], report: Mapping[str, Any]
+    ) -> None:
         """Durably record and deliver the finish of an attempt that never ran."""
         job_id, attempt, device = (
             (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
         )
         job_dir = JobDir(self.root, job_key(job_id, attempt))
-        job_dir.create()
-        write_json_durably(job_dir.finish, report)
-        write_json_durably(
-            job_dir.journal,
+        await self.outbox.report(
+            job_dir,
+            job_id,
+            attempt,
+            report,
             {"job_id": job_id, "attempt": attempt, "device": device, "spawned": False},
         )
-        self.outbox.deliver_report(job_dir, job_id, attempt)
         self.metrics.jobs_finished.labels(str(report["outcome"])).inc()
 
     def child_env(self, device: str, job_id: str | None) -> dict[str, str]:

@@ -48,6 +48,11 @@ log = logging.getLogger("rc_worker.device")
 S = DeviceState
 
 
+# How long an error handler waits for the error finish to be on disk; past
+# it the journal is still there, and the next start finishes the job lost.
+FINISH_AFTER_ERROR_S = 30.0
+
+
 def new_fault_id(rng: random.Random) -> str:
     """A fault id: random, so that no two workers (or restarts) ever repeat one."""
     return f"f-{rng.getrandbits(48):012x}"
@@ -87,7 +92,13 @@ class DeviceSupervisor:
     # -- inputs from the worker (sync, never block) ------------------------
 
     def ready(self) -> bool:
-        return not self.carries_slices and self.lease.ready(draining=self.ctx.draining)
+        # Not while a finish for this device is unacknowledged (the outbox pokes
+        # the poll loop when one is): the controller must know the outcome first.
+        return (
+            not self.carries_slices
+            and self.lease.ready(draining=self.ctx.draining)
+            and not self.ctx.outbox.owes(self.name)
+        )
 
     def can_take(self) -> bool:
         return not self.carries_slices and self.lease.can_take(draining=self.ctx.draining)
@@ -357,7 +368,9 @@ class DeviceSupervisor:
             log.exception("device %s: internal error; quarantining the device", self.name)
             detail = f"internal worker error: {type(exc).__name__}: {exc}"
             if a is not None and self._finished != self.ctx.job_key(a):
-                self._finish_after_error(a, detail)
+                # Bounded and shielded: an error handler must finish.
+                with trio.move_on_after(FINISH_AFTER_ERROR_S, shield=True):
+                    await self._finish_after_error(a, detail)
             fault_id = new_fault_id(self.ctx.rng)
             self.ctx.metrics.quarantines.labels("dirty").inc()
             self.ctx.outbox.fault(
@@ -368,15 +381,15 @@ class DeviceSupervisor:
             self._acquire_scope = None
             self.ctx.poke_poller()
 
-    def _finish_after_error(self, a: Assignment, detail: str) -> None:
+    async def _finish_after_error(self, a: Assignment, detail: str) -> None:
         key = self.ctx.job_key(a)
         report = not_run_report(a, "error", "", error=detail)
         try:
             if self.ctx.outbox.tracking(key):
                 report["output_bytes"] = JobDir(self.ctx.root, key).output_size()
-                self.ctx.outbox.finish(key, report)
+                await self.ctx.outbox.finish(key, report)
             else:
-                self.ctx.report(a, report)
+                await self.ctx.report(a, report)
         except Exception:
             log.exception("device %s: cannot record the finish of job %s", self.name, a.job_id)
 
@@ -407,12 +420,12 @@ class DeviceSupervisor:
             # refusal is the device's state, not the job's: a stale offer.
             report = not_run_report(a, "refused", "stale offer: the worker is shutting down")
             report["stale_offer"] = True
-            self.ctx.report(a, report)
+            await self.ctx.report(a, report)
             self._settle()
             return
         refusal = await self._health_gate(None)
         if refusal is not None:
-            self.ctx.report(a, not_run_report(a, "refused", refusal))
+            await self.ctx.report(a, not_run_report(a, "refused", refusal))
             self._settle()
             return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):
@@ -425,7 +438,7 @@ class DeviceSupervisor:
         report = finish_report(
             a, result, verify=verify, fault_id=fault_id, output_bytes=output_bytes
         )
-        self.ctx.outbox.finish(key, report)
+        await self.ctx.outbox.finish(key, report)
         self.ctx.metrics.jobs_finished.labels(report["outcome"]).inc()
         log.info(
             "device %s: job %s attempt %d %s (exit %s)%s",
@@ -466,12 +479,12 @@ class DeviceSupervisor:
             # Cancelled, not failed: nothing is quarantined, but a half-run
             # acquire may have claimed something, so release runs.
             text = self._cancel_text or "cancelled"
-            self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(text)))
+            await self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(text)))
             self.lease.held = True
             self.lease.to(S.RELEASING)
             return False
         if not outcome.ok:
-            self.ctx.report(a, not_run_report(a, "refused", outcome.reason))
+            await self.ctx.report(a, not_run_report(a, "refused", outcome.reason))
             self._quarantine("hook_failed", outcome.reason, job_id=a.job_id)
             self.lease.to(S.QUARANTINED)
             return False
@@ -494,15 +507,17 @@ class DeviceSupervisor:
             finally:
                 self._acquire_scope = None
         if scope.cancelled_caught:
-            self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(self._cancel_text or "")))
+            await self.ctx.report(
+                a, not_run_report(a, "killed", _cancel_reason(self._cancel_text or ""))
+            )
             return False
         return True
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
         job_dir = JobDir(self.ctx.root, key)
-        cgroup = self.ctx.journal(job_dir, a)
+        cgroup = await self.ctx.journal(job_dir, a)
         spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)
-        self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool)
+        self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool, device=self.name)
         self.lease.to(S.RUNNING)
         self._started_at = time.time()
         handle = JobHandle()

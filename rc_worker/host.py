@@ -24,9 +24,9 @@ import socket
 import struct
 import subprocess
 import termios
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import attrs
 import trio
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from rc_worker.cgroup import Containment
 
 log = logging.getLogger("rc_worker.host")
+
+T = TypeVar("T")
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 PROC = Path("/proc")
@@ -155,6 +157,14 @@ class Host(Protocol):
         ...
 
     def own_pid(self) -> int: ...
+
+    async def run_blocking(self, fn: Callable[[], T]) -> T:
+        """Run blocking work on the state directory (an fsync) off the event loop.
+
+        A worker thread on the real host; inline on the simulated one, whose
+        disk takes no virtual time (a thread would let a mock clock jump).
+        """
+        ...
 
     def boot_ticks(self) -> int:
         """Now, in the clock of :attr:`ProcessInfo.start_time`."""
@@ -412,6 +422,9 @@ class LinuxHost:
 
     def own_pid(self) -> int:
         return os.getpid()
+
+    async def run_blocking(self, fn: Callable[[], T]) -> T:
+        return await trio.to_thread.run_sync(fn)
 
 
 def _widen_pipe(fd: int) -> None:

@@ -9,9 +9,11 @@ directory (journal included) is removed once the ``finish`` is acknowledged.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +22,27 @@ import trio
 
 from rc_worker import client as client_module
 from rc_worker.client import ControllerClient
+from rc_worker.durable import Committer
 from rc_worker.errors import ControllerError
 from rc_worker.logs import set_log_context
 from rc_worker.retry import Backoff
-from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json, write_json_durably
+from rc_worker.spool import JobDir, OutputSpool, job_dirs, read_json
 
 log = logging.getLogger("rc_worker.outbox")
 
-# The most output bytes one request carries, and so the most the shipper ever
-# holds in memory per job, whatever the job's rate or the controller's speed.
+# Output is streamed to the controller: one request carries whatever is
+# spooled, up to REQUEST_MAX bytes (the protocol's limit for one output
+# body), read from disk and sent CHUNK bytes at a time. CHUNK is the most the
+# shipper holds in memory per job, whatever the job's rate or the
+# controller's speed; REQUEST_MAX sets how many round trips a long output
+# costs (one per 16 MiB rather than one per chunk).
 CHUNK = 1 << 20
+REQUEST_MAX = 16 << 20
+# How long one request stays open while the job is still writing: caught up
+# with the spool, its body waits for more up to this long, so a job writing
+# fast fills few large requests instead of one per pipe read. The controller
+# appends as it reads, so followers see the bytes at once either way.
+STREAM_WINDOW_S = 1.0
 
 
 @attrs.define
@@ -38,6 +51,10 @@ class _Delivery:
     job_id: str
     attempt: int
     spool: OutputSpool | None = None
+    device: str | None = None
+    # Started by this worker process (running, or a report of an attempt that
+    # never ran): the controller cannot hold any of its output yet.
+    fresh: bool = False
     finish_ready: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
 
@@ -51,10 +68,16 @@ class Outbox:
         client: ControllerClient,
         *,
         on_change: Callable[[], None] | None = None,
+        committer: Committer | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._rng = rng or random.Random()
         self._root = root
+        # Every durable write of the worker goes through this one committer,
+        # so writes issued together share their fsyncs (durable.py).
+        self.committer = committer if committer is not None else Committer()
+        # Reports being written before their delivery starts: owed already.
+        self._writing = 0
         self._on_change = on_change or (lambda: None)
         self._client = client
         self._deliveries: dict[str, _Delivery] = {}
@@ -71,15 +94,25 @@ class Outbox:
                 if ident is None:
                     log.error("cannot tell which job %s is; leaving it for an operator", jd.path)
                     continue
-                self._spawn(_Delivery(jd, *ident))
+                device = (read_json(jd.journal) or {}).get("device")
+                self._spawn(
+                    _Delivery(jd, *ident, device=device if isinstance(device, str) else None)
+                )
             for path in _pending_fault_files(self._root):
                 self._start_fault(path)
             task_status.started()
             await trio.sleep_forever()
 
-    def track(self, job_dir: JobDir, job_id: str, attempt: int, spool: OutputSpool) -> None:
+    def track(
+        self,
+        job_dir: JobDir,
+        job_id: str,
+        attempt: int,
+        spool: OutputSpool,
+        device: str | None = None,
+    ) -> None:
         """Start shipping a running job's output as it is written."""
-        self._spawn(_Delivery(job_dir, job_id, attempt, spool))
+        self._spawn(_Delivery(job_dir, job_id, attempt, spool, device=device, fresh=True))
 
     def _spawn(self, delivery: _Delivery) -> None:
         assert self._nursery is not None, "Outbox.run must be started first"
@@ -88,15 +121,68 @@ class Outbox:
             delivery.finish_ready.set()
         self._nursery.start_soon(self._deliver_job, delivery)
 
-    def deliver_report(self, job_dir: JobDir, job_id: str, attempt: int) -> None:
-        """Deliver a job directory whose finish is already on disk."""
-        self._spawn(_Delivery(job_dir, job_id, attempt))
+    def deliver_report(
+        self,
+        job_dir: JobDir,
+        job_id: str,
+        attempt: int,
+        device: str | None = None,
+        *,
+        fresh: bool = False,
+    ) -> None:
+        """Deliver a job directory whose finish is already on disk; ``fresh``
+        when this process wrote it (no need to ask where the output stands)."""
+        self._spawn(_Delivery(job_dir, job_id, attempt, device=device, fresh=fresh))
 
-    def finish(self, key: str, report: Mapping[str, Any]) -> None:
+    def owes(self, device: str) -> bool:
+        """Whether a finish for an attempt on ``device`` is not yet acknowledged.
+
+        The device is not offered meanwhile: the controller must have the outcome
+        of every attempt it placed there (this process's, a refused or killed one,
+        or one a previous process left on disk) before it sees the device ready.
+        """
+        return any(d.device == device for d in self._deliveries.values())
+
+    async def finish(self, key: str, report: Mapping[str, Any]) -> None:
         """Record a job's finish report durably; it is sent once its output is in."""
         delivery = self._deliveries[key]
-        write_json_durably(delivery.job_dir.finish, report)
+        await self.committer.write(delivery.job_dir.finish, report)
         delivery.finish_ready.set()
+
+    async def report(
+        self,
+        job_dir: JobDir,
+        job_id: str,
+        attempt: int,
+        report: Mapping[str, Any],
+        journal: Mapping[str, Any],
+    ) -> None:
+        """Durably record, then deliver, the finish of an attempt that never ran.
+
+        The finish is renamed into place before the journal (one flush), so a
+        crash between them leaves a finish with no journal, which the next
+        start still delivers (``_identity``); never a journal alone that
+        claims a report. Counted as owed from the start, so a drain does not
+        stop the worker while it is being written.
+        """
+        self._writing += 1
+        try:
+            await self.committer.write_all(
+                [(job_dir.finish, report), (job_dir.journal, journal)], before=job_dir.create
+            )
+        except BaseException:
+            self._writing -= 1
+            self._on_change()
+            raise
+        self._writing -= 1
+        device = journal.get("device")
+        self.deliver_report(
+            job_dir,
+            job_id,
+            attempt,
+            device=device if isinstance(device, str) else None,
+            fresh=True,
+        )
 
     async def delivered(self, key: str) -> None:
         """Wait until the job's finish is acknowledged (or finally refused)."""
@@ -109,7 +195,7 @@ class Outbox:
         return key in self._deliveries
 
     def pending(self) -> int:
-        return len(self._deliveries) + len(self._pending_faults)
+        return len(self._deliveries) + len(self._pending_faults) + self._writing
 
     def faults_on_disk(self) -> list[tuple[str, str, str]]:
         """``(device, fault_id, reason)`` of every fault report not yet acknowledged.
@@ -130,21 +216,34 @@ class Outbox:
         return found
 
     def fault(self, device: str, report: Mapping[str, Any]) -> None:
-        """Record a fault report durably, then deliver it."""
-        path = self._root / "faults" / f"{device}.{report['fault_id']}.json"
-        write_json_durably(path, {"device": device, "report": dict(report)})
-        self._start_fault(path)
+        """Record a fault report durably, then deliver it.
 
-    def _start_fault(self, path: Path) -> None:
+        Returns at once (it is called where a device cannot wait, an error
+        handler among them): the delivery task writes the file and sends the
+        report only once the file is durable, so the rule "on disk before the
+        first send" holds. The device's quarantine is in memory already.
+        """
+        path = self._root / "faults" / f"{device}.{report['fault_id']}.json"
+        self._start_fault(path, {"device": device, "report": dict(report)})
+
+    def _start_fault(self, path: Path, record: Mapping[str, Any] | None = None) -> None:
         assert self._nursery is not None, "Outbox.run must be started first"
         # Counted as pending now, not when its task first runs: a drain that
         # looked in between would otherwise see nothing owed and stop the
         # worker with the fault undelivered.
         self._pending_faults.append(path)
-        self._nursery.start_soon(self._deliver_fault, path)
+        self._nursery.start_soon(self._deliver_fault, path, record)
 
-    async def _deliver_fault(self, path: Path) -> None:
+    async def _deliver_fault(self, path: Path, record: Mapping[str, Any] | None = None) -> None:
         try:
+            if record is not None:
+                try:
+                    await self.committer.write(path, record)
+                except OSError as e:
+                    # Not on disk, so not sent; the device stays quarantined
+                    # in memory and its heartbeat entry carries the fault id.
+                    log.error("cannot record fault report %s (%s); not sent", path.name, e)
+                    return
             data = read_json(path)
             if data is None:
                 return
@@ -152,7 +251,7 @@ class Outbox:
                 await self._client.fault(str(data["device"]), data["report"])
             except ControllerError as e:
                 log.error("fault report %s was refused for good: %s", path.name, e)
-            _remove(path)
+            await self.committer.run_blocking(functools.partial(_remove, path))
         finally:
             self._pending_faults.remove(path)
             self._on_change()
@@ -172,7 +271,11 @@ class Outbox:
                 await self._client.finish(d.job_id, report)
             except ControllerError as e:
                 log.error("job %s: finish was refused for good: %s", d.job_dir.key, e)
-            d.job_dir.remove()
+            # The controller has the outcome: the device may be offered again
+            # now. The directory goes next, still counted as owed, so a drain
+            # waits for it; a crash before it is gone resends an idempotent finish.
+            d.done.set()
+            await self.committer.run_blocking(d.job_dir.remove)
         finally:
             d.done.set()
             self._deliveries.pop(d.job_dir.key, None)
@@ -188,15 +291,21 @@ class Outbox:
             base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S, rng=self._rng
         )
         try:
-            # An empty append asks where the controller is: after a restart
-            # the worker resumes there instead of resending from zero.
-            committed = await self._client.output(d.job_id, d.attempt, 0, b"")
+            if d.fresh:
+                # An attempt this process started: the controller cannot hold
+                # any of its output yet, so no round trip to ask.
+                committed = 0
+            else:
+                # An empty append asks where the controller is: after a
+                # restart the worker resumes there instead of resending from zero.
+                committed = await self._client.output(d.job_id, d.attempt, 0, b"")
             while True:
-                size = d.spool.size if d.spool is not None else d.job_dir.output_size()
+                size = _spooled(d)
                 if committed < size:
-                    chunk = d.job_dir.read_output(committed, CHUNK)
-                    answer = await self._client.output(d.job_id, d.attempt, committed, chunk)
-                    if chunk and answer == committed:
+                    answer = await self._client.output(
+                        d.job_id, d.attempt, committed, functools.partial(_stream, d, committed)
+                    )
+                    if answer == committed:
                         # A controller that answers 200 without taking the
                         # bytes would otherwise be resent them in a tight loop.
                         delay = stalled.next_delay()
@@ -204,7 +313,7 @@ class Outbox:
                             "job %s: the controller took none of %d bytes at offset %d; "
                             "resending in %.1fs",
                             d.job_dir.key,
-                            len(chunk),
+                            min(size - committed, REQUEST_MAX),
                             committed,
                             delay,
                         )
@@ -222,6 +331,44 @@ class Outbox:
                 while not d.spool.closed:
                     await d.spool.wait_changed()
             return None
+
+
+def _spooled(d: _Delivery) -> int:
+    return d.spool.size if d.spool is not None else d.job_dir.output_size()
+
+
+async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
+    """One request's body: the output spooled from ``start``, at most
+    REQUEST_MAX bytes, CHUNK bytes at a time.
+
+    Caught up with a job still writing, it waits for more until
+    STREAM_WINDOW_S after it began; it ends at once when the spool is closed,
+    so the finish never waits on it.
+    """
+    end = start + REQUEST_MAX
+    pos = start
+    until = trio.current_time() + STREAM_WINDOW_S
+    try:
+        fd = os.open(d.job_dir.output, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        while pos < end:
+            n = min(CHUNK, _spooled(d) - pos, end - pos)
+            if n <= 0:
+                spool = d.spool
+                if spool is None or spool.closed or trio.current_time() >= until:
+                    return
+                with trio.move_on_at(until):
+                    await spool.wait_changed()
+                continue
+            data = os.pread(fd, n, pos)
+            if not data:
+                return
+            pos += len(data)
+            yield data
+    finally:
+        os.close(fd)
 
 
 def _identity(jd: JobDir) -> tuple[str, int] | None:

@@ -28,10 +28,11 @@ import attrs
 
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.cgroup import sweep_cgroup
+from rc_worker.durable import Committer
 from rc_worker.host import Host
 from rc_worker.model import Claim
 from rc_worker.reports import lost_report, sweep_json
-from rc_worker.spool import JobDir, job_dirs, read_json, write_json_durably
+from rc_worker.spool import JobDir, job_dirs, read_json
 from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors, unproven
 
 log = logging.getLogger("rc_worker.recovery")
@@ -74,7 +75,12 @@ def decide_claim(sweep: SweepReport, *, reboot: bool, require_manual_clear: bool
 
 
 async def recover(
-    root: Path, *, boot_id: str, require_manual_clear: bool, host: Host | None = None
+    root: Path,
+    *,
+    boot_id: str,
+    require_manual_clear: bool,
+    host: Host | None = None,
+    committer: Committer | None = None,
 ) -> list[Recovered]:
     """Claim, for every journal entry of a spawned job, what is left of it.
 
@@ -83,6 +89,7 @@ async def recover(
     register that left them out would have it finish them ``lost`` and
     quarantine their device, although their real finish is about to arrive.
     """
+    durable = committer if committer is not None else Committer()
     found: list[Recovered] = []
     for job_dir in job_dirs(root):
         claimed = read_json(job_dir.path / RECOVERY_FILE)
@@ -94,7 +101,7 @@ async def recover(
                 # Switched on since that start: it still only tightens.
                 entry = attrs.evolve(entry, claim=Claim.UNKNOWN)
             if not job_dir.finish.exists():
-                _write_lost(job_dir, entry)
+                await _write_lost(durable, job_dir, entry)
             found.append(entry)
             continue
         journal = read_json(job_dir.journal)
@@ -133,8 +140,8 @@ async def recover(
         # The finish first: a crash between the two writes then leaves a job
         # that is simply recovered again, never a claim without a report.
         if not finished:
-            _write_lost(job_dir, entry)
-        write_json_durably(
+            await _write_lost(durable, job_dir, entry)
+        await durable.write(
             job_dir.path / RECOVERY_FILE, {**entry.register_entry(), "reboot": reboot}
         )
         found.append(entry)
@@ -168,8 +175,8 @@ async def _sweep(journal: dict[str, Any], job_id: str, host: Host | None) -> Swe
     )
 
 
-def _write_lost(job_dir: JobDir, entry: Recovered) -> None:
-    write_json_durably(
+async def _write_lost(durable: Committer, job_dir: JobDir, entry: Recovered) -> None:
+    await durable.write(
         job_dir.finish,
         lost_report(
             entry.job_id,

@@ -44,6 +44,7 @@ from rc_worker.client import ControllerClient
 from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.device import DeviceSupervisor
+from rc_worker.durable import Committer
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.gpu_health_coord import GpuHealthCoordinator
 from rc_worker.gpu_health_run import GpuHealthMonitor
@@ -103,6 +104,8 @@ class Worker:
         self.recovered: list[Recovered] = []
         self._ctx: WorkerContext | None = None
         self._poll_wake = trio.Event()
+        # Rejections of a poll's assignments still being written to disk.
+        self._rejecting = 0
         self._drained = trio.Event()
         self._heartbeat_interval = config.heartbeat_interval
         self._poll_wait = config.poll_wait
@@ -225,7 +228,10 @@ class Worker:
                 on_answer=self._on_answer,
                 rng=self._rng,
             )
-            outbox = Outbox(root, client, on_change=self._poke_poller, rng=self._rng)
+            committer = Committer(self.host.run_blocking)
+            outbox = Outbox(
+                root, client, on_change=self._poke_poller, committer=committer, rng=self._rng
+            )
             ctx = WorkerContext(
                 config=self.config,
                 host=self.host,
@@ -260,6 +266,7 @@ class Worker:
                     boot_id=boot_id,
                     require_manual_clear=self.config.require_manual_clear,
                     host=self.host,
+                    committer=committer,
                 )
                 if self.host.containment is not None:
                     kept = {job_key(r.job_id, r.attempt) for r in self.recovered}
@@ -334,13 +341,14 @@ class Worker:
         while True:
             wake = self._poll_wake
             if self._ctx.draining and all(dev.idle() for dev in self.devices.values()):
-                if outbox.pending() == 0:
+                # Rejections still being written are owed too.
+                if outbox.pending() == 0 and self._rejecting == 0:
                     return
                 if self._ctx.stopping:
                     break
             await wake.wait()
         with trio.move_on_after(STOP_REPORT_WINDOW_S):
-            while outbox.pending():
+            while outbox.pending() or self._rejecting:
                 await self._poll_wake.wait()
             return
         log.warning(
@@ -562,7 +570,12 @@ class Worker:
                     # arrives, and is refused as a stale offer (requeued).
                     withdrawn: list[DeviceSupervisor] = []
                     for p in parked:
-                        if p.superseded or all(d.ready() for d in p.devices):
+                        # A poll already answered is not parked any more: its
+                        # devices may be busy with what it brought, and
+                        # withdrawing them would have the controller requeue
+                        # that very offer (a stale_attempt at start, again and
+                        # again, with no time passing).
+                        if p.done or p.superseded or all(d.ready() for d in p.devices):
                             continue
                         p.superseded = True
                         for dev in p.devices:
@@ -608,23 +621,76 @@ class Worker:
                     dev.offered, dev.poll_id = False, None
                 dev.poke()
             self._poke_poller()
+        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] = []
         for raw in assignments:
-            self._dispatch(raw)
+            self._dispatch(raw, rejections)
+        self._record_soon(rejections)
 
-    def _dispatch(self, raw: Any) -> None:
+    def _record_soon(self, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]) -> None:
+        """Write and deliver a poll's rejections and refusals, all together.
+
+        In the root nursery, not the poll's: a drain cancels polls, and a
+        rejection half-written must still be delivered (counted as owed
+        until then). Written as one group (group commit), off the event
+        loop: a thousand of them do not stall the heartbeat.
+        """
+        if rejections:
+            assert self._nursery is not None
+            self._rejecting += len(rejections)
+            self._nursery.start_soon(self._record_rejections, rejections)
+
+    async def _record_rejections(
+        self, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]
+    ) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for ident, report in rejections:
+                    nursery.start_soon(self._record_rejection, ident, report)
+        finally:
+            self._rejecting -= len(rejections)
+            self._poke_poller()
+
+    async def _record_rejection(self, ident: tuple[str, int, str], report: dict[str, Any]) -> None:
+        assert self._ctx is not None
+        try:
+            await self._ctx.report(ident, report)
+        except OSError as e:
+            log.error(
+                "job %s attempt %d: cannot record its rejection (%s); "
+                "the controller will find it lost",
+                ident[0],
+                ident[1],
+                e,
+            )
+
+    def _dispatch(
+        self, raw: Any, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] | None = None
+    ) -> None:
+        """Hand one assignment to its device, or reject or refuse it: into
+        ``rejections`` when given (the caller records them together), else
+        recorded at once."""
+        if rejections is None:
+            own: list[tuple[tuple[str, int, str], dict[str, Any]]] = []
+            self._dispatch(raw, own)
+            self._record_soon(own)
+            return
         assert self._ctx is not None
         try:
             assignment = parse_assignment(raw)
         except AssignmentError as e:
-            self._reject(raw, f"malformed assignment: {e}")
+            self._reject(raw, f"malformed assignment: {e}", rejections)
             return
         dev = self.devices.get(assignment.device)
         if dev is None:
-            self._reject(raw, f"unknown device {assignment.device!r} on host {self.config.host}")
+            self._reject(
+                raw,
+                f"unknown device {assignment.device!r} on host {self.config.host}",
+                rejections,
+            )
         elif not dev.can_take():
             # The device's state, not the assignment, is in the way: the poll that
             # offered it went stale. Refused, so the controller requeues the job.
-            self._refuse_stale(assignment, dev.not_offerable_reason())
+            self._refuse_stale(assignment, dev.not_offerable_reason(), rejections)
         else:
             log.info(
                 "device %s: assigned job %s attempt %d: %s",
@@ -640,15 +706,24 @@ class Worker:
             )
             dev.assign(assignment)
 
-    def _refuse_stale(self, assignment: Assignment, why: str) -> None:
-        assert self._ctx is not None
+    def _refuse_stale(
+        self,
+        assignment: Assignment,
+        why: str,
+        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]],
+    ) -> None:
         reason = f"stale offer: {why}"
         log.info("refusing job %s attempt %d: %s", assignment.job_id, assignment.attempt, reason)
         report = not_run_report(assignment, "refused", reason)
         report["stale_offer"] = True
-        self._ctx.report(assignment, report)
+        rejections.append(((assignment.job_id, assignment.attempt, assignment.device), report))
 
-    def _reject(self, raw: Any, reason: str) -> None:
+    def _reject(
+        self,
+        raw: Any,
+        reason: str,
+        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]],
+    ) -> None:
         assert self._ctx is not None
         ident = assignment_identity(raw)
         if ident is None:
@@ -661,7 +736,7 @@ class Worker:
             reason,
             extra={"job_id": ident[0], "attempt": ident[1]},
         )
-        self._ctx.report(ident, not_run_report(ident, "rejected", reason))
+        rejections.append((ident, not_run_report(ident, "rejected", reason)))
 
     async def _probe_loop(self, client: ControllerClient) -> None:
         await self._send_labels(client)

@@ -134,7 +134,9 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         try:
             content = request.content
         except httpx.RequestNotRead:
-            content = b""
+            # A streamed body (output): read it here to log its size; httpx
+            # keeps what was read, so the controller still gets all of it.
+            content = await request.aread()
         text = "" if endpoint == "output" else content.decode("utf-8", "replace")
         status: int | None = None
         try:

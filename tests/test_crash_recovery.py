@@ -38,7 +38,9 @@ RC_WORKER = Path(sys.executable).with_name("rc-worker")
 
 
 class OutputGate:
-    """ASGI middleware: while closed, output appends get a 503 (nothing is committed).
+    """ASGI middleware: while closed, output appends get a 503 (nothing is committed),
+    and an output request already under way is held: the rest of its (streamed) body is
+    not read until the gate opens again.
 
     Holds output back at the controller so that, at the moment of the crash,
     the worker's spool holds bytes the controller has not got yet.
@@ -46,10 +48,36 @@ class OutputGate:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.closed = False
+        self._closed = False
+        self._opened = trio.Event()
+        self._opened.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._closed = value
+        if value and self._opened.is_set():
+            self._opened = trio.Event()
+        elif not value:
+            self._opened.set()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if self.closed and scope["type"] == "http" and scope["path"].endswith("/output"):
+        output = scope["type"] == "http" and scope["path"].endswith("/output")
+        if output and not self.closed:
+
+            async def held_receive() -> Any:
+                message = await receive()
+                # Held after it arrived: a receive already waiting when the
+                # gate closed must not slip its bytes through.
+                await self._opened.wait()
+                return message
+
+            await self.app(scope, held_receive, send)
+            return
+        if self.closed and output:
             await send(
                 {
                     "type": "http.response.start",

@@ -146,6 +146,8 @@ async def test_metrics_for_operations(tmp_path: Path) -> None:
             [url] = system.worker.status_urls
             job_id = system.submit(["sh", "-c", "head -c 500 /dev/zero"])
             assert (await system.wait_job(job_id)).state == "succeeded"
+            # The job's directory goes just after its finish is acknowledged.
+            await system.wait_until(lambda: system.worker.status()["reports_pending"] == 0)
             async with httpx.AsyncClient(base_url=url) as http:
                 metrics = (await http.get("/metrics")).text
             system.worker.drain()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import anyio
 from starlette.requests import Request
@@ -16,9 +18,8 @@ from rc_worker.controller.context import (
     controller_of,
     json_body,
     query_int,
-    read_body,
 )
-from rc_worker.controller.errors import ApiError, Conflict
+from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
 from rc_worker.model import PROTOCOL_VERSION
 
@@ -149,9 +150,58 @@ async def output(request: Request) -> Response:
     ctl.tick()
     _check_optional_session(ctl, p, request)
     ctl.check_host(p, ctl.store.attempt_host(job_id, attempt))
-    data = await read_body(request, MAX_OUTPUT_CHUNK)
-    committed = ctl.store.append_output(job_id, attempt, offset, data)
+    committed = await _append_as_read(ctl, request, job_id, attempt, offset)
     return JSONResponse({"committed": committed})
+
+
+async def _append_as_read(
+    ctl: Controller, request: Request, job_id: str, attempt: int, offset: int
+) -> int:
+    """Append the body to the job's output piece by piece, as it arrives.
+
+    The worker streams its output (a chunked body of up to MAX_OUTPUT_CHUNK
+    bytes); holding a whole body before storing it would cost a copy and the
+    body's size in memory, and keep followers waiting for the end. Each piece
+    goes through the store's idempotent append at its own offset, so a body
+    that breaks off midway leaves a correct prefix committed, and the
+    worker's retry resends from its start (bytes already held are ignored).
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_OUTPUT_CHUNK:
+        raise _too_large()
+    received = 0
+    committed: int | None = None
+    async with contextlib.aclosing(request.stream()) as stream:
+        try:
+            async for piece in stream:
+                if not piece:
+                    continue
+                received += len(piece)
+                if received > MAX_OUTPUT_CHUNK:
+                    raise _too_large()
+                committed = ctl.store.append_output(job_id, attempt, offset, piece)
+                offset += len(piece)
+        except ApiError:
+            # Read the rest before answering (a gap, a stale attempt): a client
+            # still sending its body would otherwise meet a closed connection,
+            # take it for a transient failure, and resend the same body forever.
+            await _drain(stream, received)
+            raise
+    if committed is None:
+        # An empty body asks where the controller is.
+        committed = ctl.store.append_output(job_id, attempt, offset, b"")
+    return committed
+
+
+async def _drain(stream: AsyncIterator[bytes], received: int) -> None:
+    async for piece in stream:
+        received += len(piece)
+        if received > MAX_OUTPUT_CHUNK:
+            break
+
+
+def _too_large() -> TooLarge:
+    return TooLarge(f"body larger than {MAX_OUTPUT_CHUNK} bytes; send less per request")
 
 
 async def finish(request: Request) -> Response:

@@ -253,3 +253,94 @@ async def test_a_restarted_controller_forgets_every_session() -> None:
             assert (r.status_code, error_of(r)) == (409, "unknown_session")
             await w.register()
             assert (await w.heartbeat()).status_code == 200
+
+
+async def test_a_streamed_output_body_is_appended_as_it_arrives(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    w = FakeWorker(client)
+    seen_mid_stream: list[bytes] = []
+
+    async def body() -> Any:
+        yield b"first piece "
+        # The controller stored the first piece before the body ended.
+        seen_mid_stream.append(store.output(job))
+        yield b"second piece"
+
+    with trio.fail_after(5):
+        await w.register()
+        job = store.submit(["x"])
+        [a] = await w.poll()
+        assert (await w.start(a)).status_code == 200
+        r = await client.post(
+            f"/v1/jobs/{job}/output",
+            params={"attempt": 1, "offset": 0},
+            content=body(),
+            headers={**w.headers, "Content-Type": "application/octet-stream"},
+        )
+    assert r.json() == {"committed": len(b"first piece second piece")}
+    assert seen_mid_stream == [b"first piece "]
+    assert store.output(job) == b"first piece second piece"
+
+
+async def test_a_streamed_body_overlapping_the_committed_output_is_stored_once(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    w = FakeWorker(client)
+
+    async def body(*pieces: bytes) -> Any:
+        for piece in pieces:
+            yield piece
+
+    with trio.fail_after(5):
+        await w.register()
+        job = store.submit(["x"])
+        [a] = await w.poll()
+        await w.start(a)
+        assert (await w.output(a, 0, b"abcdef")).json() == {"committed": 6}
+        # A retry from offset 2 in three pieces: "cd" is held, "ef" too, "gh" is new.
+        r = await client.post(
+            f"/v1/jobs/{job}/output",
+            params={"attempt": 1, "offset": 2},
+            content=body(b"cd", b"ef", b"gh"),
+            headers=w.headers,
+        )
+        assert r.json() == {"committed": 8}
+        # A gap is answered after the whole body was read, with where to resend from.
+        r = await client.post(
+            f"/v1/jobs/{job}/output",
+            params={"attempt": 1, "offset": 10},
+            content=body(b"x" * 100, b"y" * 100),
+            headers=w.headers,
+        )
+        assert (r.status_code, error_of(r), r.json()["committed"]) == (409, "gap", 8)
+    assert store.output(job) == b"abcdefgh"
+
+
+async def test_a_streamed_body_over_the_limit_is_refused(
+    client: httpx.AsyncClient, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rc_worker.controller import worker_api
+
+    monkeypatch.setattr(worker_api, "MAX_OUTPUT_CHUNK", 10)
+    w = FakeWorker(client)
+
+    async def body() -> Any:
+        yield b"0123456"
+        yield b"789abc"
+
+    with trio.fail_after(5):
+        await w.register()
+        job = store.submit(["x"])
+        [a] = await w.poll()
+        await w.start(a)
+        r = await client.post(
+            f"/v1/jobs/{job}/output",
+            params={"attempt": 1, "offset": 0},
+            content=body(),
+            headers=w.headers,
+        )
+    assert (r.status_code, error_of(r)) == (413, "too_large")
+    assert "send less per request" in r.json()["message"]
+    # What came before the limit is a correct prefix, kept.
+    assert store.output(job) == b"0123456"

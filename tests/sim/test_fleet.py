@@ -359,3 +359,24 @@ def test_a_device_quarantined_while_its_poll_is_parked_then_a_submit_costs_no_jo
         assert fleet.store.job(job).state == "succeeded"
 
     scenario(fn)
+
+
+def test_a_restarted_worker_offers_a_device_only_after_its_recovered_finish_is_in() -> None:
+    # Found by the fleet's unacknowledged-finish check: the new worker process
+    # offered the device while the `lost` finish recovery wrote for it was still
+    # undelivered. The device now waits for it, as for a job of its own.
+    async def fn(fleet: Fleet) -> None:
+        job = fleet.submit(["train"])
+        await trio.sleep(5)
+        fleet.outage("finish", Fault.UNAVAILABLE)
+        await fleet.crash("h0")
+        fleet.restart("h0")
+        await trio.sleep(30)
+        assert fleet.store.job(job).state == "running"  # its lost finish is not in yet
+        fleet.restore()
+        await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+        second = fleet.submit(["train"])
+        await fleet.wait_until(lambda: fleet.store.job(second).terminal)
+        assert fleet.store.job(second).state == "succeeded"
+
+    scenario(fn)

@@ -90,7 +90,10 @@ def test_a_device_offered_before_its_finish_is_acknowledged_is_reported(
     async def delivered_at_once(self: Outbox, key: str) -> None:
         await trio.lowlevel.checkpoint()  # the bug: does not wait for the acknowledgement
 
+    # The worker holds the rule in two places (the device waits for its finish,
+    # and is not ready while the outbox owes one for it): the mutant breaks both.
     monkeypatch.setattr(Outbox, "delivered", delivered_at_once)
+    monkeypatch.setattr(Outbox, "owes", lambda self, device: False)
     found = problems(_slow_finish)
     assert any("is unacknowledged" in p for p in found), found
 
