@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections.abc import Collection, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,14 @@ from rc_worker.hooks import run_hook
 from rc_worker.host import RunAs
 from rc_worker.lease import Lease
 from rc_worker.logs import log_context, set_log_context
-from rc_worker.model import Assignment, DeviceState, IdleBehavior, VerifyResult, effective_limit
+from rc_worker.model import (
+    Assignment,
+    DeviceState,
+    IdleBehavior,
+    VerifyResult,
+    effective_limit,
+    job_key,
+)
 from rc_worker.reports import finish_report, not_run_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
@@ -87,6 +95,9 @@ class DeviceSupervisor:
         # Health faults raised here and still held, by kind: one is enough.
         self._health_faults: dict[str, str] = {}
         self.scope = trio.CancelScope()
+        # Kind and reason of each fault held, sent with register (protocol 2).
+        self.fault_notes: dict[str, tuple[str, str]] = {}
+        self._started_at: float | None = None
 
     # -- inputs from the worker (sync, never block) ------------------------
 
@@ -156,6 +167,7 @@ class DeviceSupervisor:
                 fault_id,
                 extra={"device": self.name, "fault_id": fault_id},
             )
+        self.fault_notes.setdefault(fault_id, ("fault", why))
         self.lease.add_fault(fault_id)
         self._poke()
 
@@ -181,6 +193,7 @@ class DeviceSupervisor:
             fault_id,
             extra={"device": self.name, "fault_id": fault_id},
         )
+        self.fault_notes[fault_id] = (kind, reason)
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
             severity, action = kind_defaults(kind)
@@ -278,6 +291,30 @@ class DeviceSupervisor:
         if self.lease.state is S.LINGERING and self.lease.idle_behavior is IdleBehavior.RUN:
             entry["linger_left_s"] = round(max(0.0, self._linger_until - trio.current_time()), 3)
         return entry
+
+    def register_claims(self) -> dict[str, Any]:
+        """What this device holds, for ``register`` (protocol 2): the faults, with kind and
+        reason, and the attempt it runs, so a controller that lost its store learns them."""
+        claims: dict[str, Any] = {
+            "faults": [
+                {
+                    "fault_id": f,
+                    "kind": self.fault_notes.get(f, ("fault", ""))[0],
+                    "reason": self.fault_notes.get(f, ("fault", ""))[1],
+                }
+                for f in sorted(self.lease.faults)
+            ]
+        }
+        if self.lease.job is not None and self.lease.state is S.RUNNING:
+            job_id, attempt = self.lease.job
+            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt))
+            claims["running"] = {
+                "job_id": job_id,
+                "attempt": attempt,
+                "output_bytes": job_dir.output_size(),
+                "started_at": self._started_at,
+            }
+        return claims
 
     def heartbeat_entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"state": str(self.lease.state)}
@@ -506,6 +543,7 @@ class DeviceSupervisor:
             raise _NotJournaled(str(e)) from e
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool, device=self.name)
         self.lease.to(S.RUNNING)
+        self._started_at = time.time()
         handle = JobHandle()
         self._handle = handle
         if self._cancel_text is not None:

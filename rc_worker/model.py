@@ -11,7 +11,7 @@ import enum
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import attrs
@@ -99,6 +99,11 @@ class VerifyResult:
 
     ok: bool
     reason: str = ""
+
+
+PROTOCOL_VERSION: Final = 2
+"""The worker ⇄ controller protocol of docs/protocol.md. 2: ``register`` carries, per device,
+the faults the worker holds and the attempt it runs."""
 
 
 def job_key(job_id: str, attempt: int) -> str:

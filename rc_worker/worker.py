@@ -53,6 +53,7 @@ from rc_worker.host import Host, LinuxHost
 from rc_worker.labels import ProbeResult, labels_payload
 from rc_worker.metrics import StateSnapshot, WorkerMetrics
 from rc_worker.model import (
+    PROTOCOL_VERSION,
     Assignment,
     IdleBehavior,
     assignment_identity,
@@ -474,8 +475,14 @@ class Worker:
             "boot_id": self._ctx.boot_id,
             "pid": self.host.own_pid(),
             "instance_id": self.instance_id,
+            "protocol": PROTOCOL_VERSION,
             "devices": [
-                {"name": d.name, "declared_labels": dict(d.labels)} for d in self.config.devices
+                {
+                    "name": d.name,
+                    "declared_labels": dict(d.labels),
+                    **self.devices[d.name].register_claims(),
+                }
+                for d in self.config.devices
             ],
             "labels": self._labels,
             "sheets": self._sheets.read(),
@@ -491,6 +498,13 @@ class Worker:
         answer = await client.register(payload)
         self._labels_sent = payload["labels"]
         log.info("registered with the controller as session %s", client.session)
+        theirs = answer.get("protocol")
+        if theirs != PROTOCOL_VERSION:
+            log.warning(
+                "the controller speaks protocol %s, this worker %d; upgrade the older one",
+                theirs if theirs is not None else "1 (or older)",
+                PROTOCOL_VERSION,
+            )
         self._heartbeat_interval = _positive(
             answer.get("heartbeat_interval_s"), self._heartbeat_interval
         )

@@ -15,15 +15,18 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rc_worker.controller import user_api, worker_api
 from rc_worker.controller.context import Controller, User
+from rc_worker.controller.durable import Durability, DurableMiddleware
 from rc_worker.controller.errors import ApiError
 from rc_worker.controller.metrics import metrics_endpoint
 from rc_worker.controller.store import Store
+from rc_worker.model import PROTOCOL_VERSION
 
 __all__ = ["create_app"]
 
@@ -63,7 +66,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    return JSONResponse({"ok": True, "protocol": 1})
+    ctl: Controller = request.app.state.controller
+    d = ctl.durability
+    store = "memory" if d is None else ("failing" if d.failed else "ok")
+    return JSONResponse({"ok": True, "protocol": PROTOCOL_VERSION, "store": store})
 
 
 def create_app(
@@ -73,6 +79,7 @@ def create_app(
     user_tokens: Collection[str] | Mapping[str, User] = (),
     clock: Callable[[], float] | None = None,
     webhooks: Sequence[str] = (),
+    durability: Durability | None = None,
 ) -> Starlette:
     """Build the reference controller.
 
@@ -84,7 +91,9 @@ def create_app(
     to by :func:`rc_worker.controller.serve.deliver_webhooks` (run by ``rc
     serve``; in-process users run it themselves if they want deliveries).
     The store is on ``app.state.store``, the :class:`Controller` on
-    ``app.state.controller``.
+    ``app.state.controller``. With ``durability`` (a store opened on a database,
+    :mod:`rc_worker.controller.persist`), a request that changes state is
+    answered only once the change is stored, and ``503`` while it cannot be.
     """
     store = store if store is not None else Store()
     ctl = Controller(
@@ -94,6 +103,7 @@ def create_app(
         clock=clock,
         webhooks=webhooks,
     )
+    ctl.durability = durability
     routes = [
         Route("/v1/health", _health, methods=["GET"]),
         Route("/metrics", metrics_endpoint(store), methods=["GET"]),
@@ -107,6 +117,9 @@ def create_app(
             HTTPException: _http_error,
             Exception: _internal_error,
         },
+        middleware=[]
+        if durability is None
+        else [Middleware(DurableMiddleware, durability=durability)],
     )
     app.state.controller = ctl
     app.state.store = store

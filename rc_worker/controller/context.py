@@ -21,7 +21,10 @@ import anyio
 import attrs
 from starlette.requests import Request
 
+from rc_worker.controller.durable import Durability
 from rc_worker.controller.errors import BadRequest, Forbidden, TooLarge, Unauthorized
+from rc_worker.controller.messages import Event
+from rc_worker.controller.state import OutputElsewhere
 from rc_worker.controller.stdin import StdinPipes
 from rc_worker.controller.store import Store
 from rc_worker.controller.wire import Fields, decode
@@ -135,9 +138,40 @@ class Controller:
         self.loop_seen: float | None = None
         # Stdin pipes live here, not in the store: they are flow control, not state.
         self.stdin = StdinPipes(self.changes)
+        self.durability: Durability | None = None
+        """Set by :func:`~rc_worker.controller.create_app` when the store is persisted."""
 
     def now(self) -> float:
         return self.clock()
+
+    async def read_events(self, after: int, limit: int) -> list[Event]:
+        """Events after ``after``: from memory, or, for those older than the in-memory ring
+        keeps, from the store beneath (so ``after=N`` always gets exactly the events after N)."""
+        first = self.store.first_event_seq()
+        if self.durability is not None and first is not None and after + 1 < first:
+            older = await self.durability.read_events(after, min(limit, first - after - 1))
+            if older:
+                return older
+        return self.store.events(after, limit)
+
+    async def read_output(self, job_id: str, offset: int, limit: int | None = None) -> bytes:
+        """A job's committed output from ``offset``: from memory, or from the store beneath
+        for what was committed there and dropped from memory."""
+        try:
+            return self.store.output(job_id, offset, limit)
+        except OutputElsewhere as e:
+            if self.durability is None:
+                raise
+            base = e.base
+        want = base - offset if limit is None else min(limit, base - offset)
+        data = await self.durability.read_output(job_id, offset, want)
+        if len(data) < want or (limit is not None and len(data) >= limit):
+            return data
+        try:
+            rest = self.store.output(job_id, base, None if limit is None else limit - len(data))
+        except OutputElsewhere:
+            rest = b""  # trimmed further meanwhile: the caller asks again from the new end
+        return data + rest
 
     def tick(self) -> float:
         """Apply the store's due timers (lazily, on every request); returns ``now``."""

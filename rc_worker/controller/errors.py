@@ -19,6 +19,7 @@ __all__ = [
     "Forbidden",
     "NotFound",
     "StaleAttempt",
+    "StoreUnavailable",
     "TooLarge",
     "Unauthorized",
     "UnknownSession",
@@ -95,3 +96,14 @@ class TooLarge(ApiError):
 
     status = 413
     default_code = "too_large"
+
+
+class StoreUnavailable(ApiError):
+    """503 ``store_unavailable``: the controller could not store the change; retry later.
+
+    Sent with ``Retry-After``. Nothing answered this way was acknowledged: the
+    worker (or person) sends it again, and every operation is idempotent.
+    """
+
+    status = 503
+    default_code = "store_unavailable"

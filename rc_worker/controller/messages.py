@@ -61,9 +61,31 @@ class JobSpec:
 
 
 @attrs.frozen
+class HeldFault:
+    """A fault a worker says it holds on a device (``register``, protocol 2)."""
+
+    fault_id: str
+    kind: str = "fault"
+    reason: str = ""
+
+
+@attrs.frozen
+class RunningClaim:
+    """The attempt a worker says a device runs (``register``, protocol 2)."""
+
+    job_id: str
+    attempt: int
+    output_bytes: int | None = None
+    started_at: float | None = None
+
+
+@attrs.frozen
 class DeviceDecl:
     name: str
     declared_labels: Mapping[str, str] = attrs.field(factory=dict, hash=False)
+    faults: tuple[HeldFault, ...] | None = None
+    """None: the worker did not say (protocol 1); else every fault it holds."""
+    running: RunningClaim | None = None
 
 
 @attrs.frozen
@@ -108,6 +130,7 @@ class RegisterRequest:
     sheets: SheetsUpdate = SheetsUpdate()
     recovery: tuple[Recovery, ...] = ()
     require_manual_clear: bool = False
+    protocol: int = 1
 
 
 @attrs.frozen
@@ -205,9 +228,11 @@ class RegisterReply:
     heartbeat_interval_s: float
     poll_wait_s: float
     devices: Mapping[str, DeviceStatus] = attrs.field(hash=False)
+    protocol: int = 2
 
     def to_json(self) -> JsonObject:
         return {
+            "protocol": self.protocol,
             "session": self.session,
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "poll_wait_s": self.poll_wait_s,
@@ -317,6 +342,8 @@ class JobInfo:
     verify: Verify | None = None
     sweep: Mapping[str, object] | None = attrs.field(default=None, hash=False)
     attempts: tuple[AttemptInfo, ...] = ()
+    adopted: bool = False
+    output_truncated: bool = False
     pending_reason: str | None = None
     """Why a queued job is not running yet (None unless ``queued``); see controller/pending.py."""
     pending_code: str | None = None
@@ -351,6 +378,8 @@ class JobInfo:
             else {"ok": self.verify.ok, "reason": self.verify.reason},
             "sweep": None if self.sweep is None else dict(self.sweep),
             "attempts": [a.to_json() for a in self.attempts],
+            "adopted": self.adopted,
+            "output_truncated": self.output_truncated,
             "pending_reason": self.pending_reason,
             "pending_code": self.pending_code,
         }

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -29,6 +31,10 @@ from rc_worker.controller import rc_follow
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.app import create_app
 from rc_worker.controller.context import User, parse_user_token
+from rc_worker.controller.durable import Durability
+from rc_worker.controller.persist import Backend, MemoryBackend, StoreOpenError
+from rc_worker.controller.persist.opening import open_backend, open_store
+from rc_worker.controller.persist.sqlite import default_state_dir
 from rc_worker.controller.rc_follow import (
     EXIT_CONTROLLER_GONE,
     CliError,
@@ -38,7 +44,9 @@ from rc_worker.controller.rc_follow import (
 from rc_worker.controller.serve import serve
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
-from rc_worker.durations import DURATION_HELP, parse_duration
+from rc_worker.durations import DURATION_HELP, parse_duration, parse_size
+
+log = logging.getLogger("rc_worker.controller")
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 EXIT_KILLED = 137
@@ -64,6 +72,13 @@ __all__ = [
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -168,6 +183,40 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="D",
         help="the long-poll wait workers are told to use (default 30s)",
     )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="keep state in an SQLite database here (default: $RC_STATE_DIR, else "
+        "$XDG_STATE_HOME/rc, else ~/.local/state/rc)",
+    )
+    where.add_argument(
+        "--db", metavar="URL", help="keep state in PostgreSQL (a libpq URI; also $RC_DB)"
+    )
+    where.add_argument(
+        "--memory", action="store_true", help="keep state in memory only (tests, demos)"
+    )
+    p.add_argument(
+        "--recovery-grace",
+        type=_duration,
+        default=300.0,
+        metavar="D",
+        help="after a restart, how long a host may take to register again (default 5m)",
+    )
+    p.add_argument(
+        "--max-output-bytes",
+        type=_size,
+        default=1 << 30,
+        metavar="N",
+        help="output kept per job, past it dropped (default 1GiB; 0: no cap)",
+    )
+    p.add_argument(
+        "--retention",
+        type=_duration,
+        default=30 * 86400.0,
+        metavar="D",
+        help="delete finished jobs older than this (default 30d; 0: keep forever)",
+    )
 
     for name, help_ in (("submit", "queue a job; prints its id"), ("run", "submit, follow, exit")):
         p = sub.add_parser(name, parents=[common], help=help_)
@@ -223,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
             "cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run"
         )
 
-    p = sub.add_parser("ps", parents=[common], help="list jobs")
+    p = sub.add_parser("ps", parents=[common], help="list jobs (the most recent 50 by default)")
+    p.add_argument("--limit", type=int, default=50, metavar="N", help="the N most recent")
+    p.add_argument("--all", action="store_true", help="every job the controller keeps")
     p.add_argument("--state", help="only jobs in this state (queued, running, failed, ...)")
     p = sub.add_parser("show", parents=[common], help="show one job")
     p.add_argument("job", help="job id")
@@ -440,6 +491,13 @@ async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
         async for chunk in r.aiter_raw():
             sink(offset, chunk)
             offset += len(chunk)
+    if not args.json:
+        job = await _json(client.get(f"/v1/jobs/{args.job}"))
+        if job.get("output_truncated"):
+            _out(
+                f"\n[rc: output truncated: the controller kept only the first "
+                f"{job.get('committed_bytes')} bytes (rc serve --max-output-bytes)]"
+            )
     return 0
 
 
@@ -451,8 +509,12 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         return await _cmd_logs(client, args)
     body: Any
     if c == "ps":
-        params = {"state": args.state} if args.state else {}
+        params: dict[str, Any] = {"state": args.state} if args.state else {}
+        if not args.all:
+            params.update(limit=args.limit, order="desc")
         body = await _json(client.get("/v1/jobs", params=params))
+        if not args.all:
+            body["jobs"].reverse()  # the most recent, shown oldest first
         text = fmt.jobs_table(body["jobs"])
     elif c == "show":
         body = await _json(client.get(f"/v1/jobs/{args.job}"))
@@ -538,11 +600,13 @@ async def run_serve(
     *,
     env: Mapping[str, str] | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    backend: Backend | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """``rc serve ARGS``: serve until cancelled (or ``shutdown_trigger``); reports bound URLs."""
     args = build_parser().parse_args(["serve", *argv])
-    worker, users = serve_settings(args, os.environ if env is None else env)
+    env = os.environ if env is None else env
+    worker, users = serve_settings(args, env)
     if args.heartbeat_rate < 0 or args.heartbeat_rate != args.heartbeat_rate:
         raise CliError("--heartbeat-rate: must be a number >= 0 (0: no target)", 2)
     config = StoreConfig(
@@ -550,14 +614,63 @@ async def run_serve(
         poll_wait_s=args.poll_wait,
         heartbeat_rate=args.heartbeat_rate,
         max_grace_s=args.max_grace,
+        max_output_bytes=args.max_output_bytes,
     )
-    app = create_app(
-        store=Store(config), worker_tokens=worker, user_tokens=users, webhooks=args.webhook
-    )
-    await serve(app, args.listen, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    if backend is None:
+        backend = await open_serve_backend(args, env)
+    try:
+        durability = None
+        if not isinstance(backend, MemoryBackend):
+            grace, now = args.recovery_grace, trio.current_time()
+            store, _ = await trio.to_thread.run_sync(
+                lambda: open_store(backend, config, now=now, recovery_grace_s=grace)
+            )
+            durability = Durability(store, backend)
+            log.info("controller state in %s", backend.description)
+        else:
+            store = Store(config)
+        app = create_app(
+            store=store,
+            worker_tokens=worker,
+            user_tokens=users,
+            webhooks=args.webhook,
+            durability=durability,
+        )
+        await serve(
+            app,
+            args.listen,
+            shutdown_trigger=shutdown_trigger,
+            retention_s=args.retention or None,
+            task_status=task_status,
+        )
+    finally:
+        backend.close()
 
 
-async def _serve_until_signalled(argv: Sequence[str], env: Mapping[str, str]) -> int:
+def serve_backend_choice(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """Where ``rc serve`` keeps state: ``--memory``, ``--db``/``$RC_DB``, else a state dir."""
+    if args.memory:
+        return {}
+    if args.db or (not args.state_dir and env.get("RC_DB")):
+        return {"db": args.db or env["RC_DB"]}
+    if args.state_dir:
+        return {"state_dir": Path(args.state_dir)}
+    return {"state_dir": default_state_dir(env)}
+
+
+async def open_serve_backend(args: argparse.Namespace, env: Mapping[str, str]) -> Backend:
+    """Open (create, migrate) the store ``rc serve`` was told to use; CliError, status 2."""
+    choice = serve_backend_choice(args, env)
+    try:
+        backend: Backend = await trio.to_thread.run_sync(lambda: open_backend(**choice))
+    except StoreOpenError as e:
+        raise CliError(f"rc serve: {e}", 2) from None
+    return backend
+
+
+async def _serve_until_signalled(
+    argv: Sequence[str], env: Mapping[str, str], backend: Backend
+) -> int:
     stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -569,7 +682,13 @@ async def _serve_until_signalled(argv: Sequence[str], env: Mapping[str, str]) ->
                     stop.set()
 
             async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
-                await run_serve(argv, env=env, shutdown_trigger=stop.wait, task_status=task_status)
+                await run_serve(
+                    argv,
+                    env=env,
+                    shutdown_trigger=stop.wait,
+                    backend=backend,
+                    task_status=task_status,
+                )
                 # Served its last request: the signal watcher has nothing left to do.
                 nursery.cancel_scope.cancel()
 
@@ -599,7 +718,9 @@ async def amain(
     try:
         if args.command == "serve":
             serve_settings(args, env)
-            return await _serve_until_signalled(argv[1:], env)
+            # Opened here, before any nursery, so a store that cannot be used is one line.
+            backend = await open_serve_backend(args, env)
+            return await _serve_until_signalled(argv[1:], env, backend)
         url = args.url or env.get("RC_URL") or DEFAULT_URL
         token = args.token or env.get("RC_USER_TOKEN", "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}

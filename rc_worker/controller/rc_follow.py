@@ -100,7 +100,7 @@ class Reconnect:
         if r.status_code == 404 and self.reconnected:
             raise ControllerGone(
                 f"the controller at {self.url} no longer knows job {self.job_id} "
-                "(it restarted, and keeps jobs in memory only)"
+                "(it restarted without its stored state)"
             )
 
 

@@ -129,6 +129,19 @@ class Job:
     fault_id: str | None = None
     verify: Verify | None = None
     sweep: dict[str, object] | None = None
+    adopted: bool = False
+    """Recorded from a worker's claim (its registration or heartbeat), not from a submit."""
+    output_truncated: bool = False
+    """Output past the controller's ``max_output_bytes`` was acknowledged and dropped."""
+    dropped_bytes: int = 0
+    """How many bytes were dropped that way (the worker's committed count includes them)."""
+    output_base: int = 0
+    """Where ``output`` starts: bytes below it are stored beneath the store (persisted and
+    dropped from memory), and read from there (:class:`OutputElsewhere`)."""
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.output_base + len(self.output)
 
     @property
     def terminal(self) -> bool:
@@ -164,12 +177,14 @@ class Job:
             reason=self.reason,
             error=self.error,
             output_bytes=self.output_bytes,
-            committed_bytes=len(self.output),
+            committed_bytes=self.stored_bytes,
             cancel_requested=self.cancel_reason,
             fault_id=self.fault_id,
             verify=self.verify,
             sweep=None if self.sweep is None else dict(self.sweep),
             attempts=tuple(a.info() for a in self.attempts),
+            adopted=self.adopted,
+            output_truncated=self.output_truncated,
         )
 
 
@@ -191,6 +206,9 @@ class Device:
     job: Job | None = None
     """The job holding this device in the controller's view (assigned or running)."""
     worker_state: str | None = None
+    worker_faults: set[str] = attrs.Factory(set)
+    """Fault ids the worker said it holds (registration, heartbeats): never assigned while
+    any is held, whatever the controller's own records say."""
     held_for_health: str | None = None
     """From the worker's last heartbeat: why its GPU checks hold the device."""
 
@@ -258,7 +276,12 @@ class Host:
     facts: dict[str, str] = attrs.Factory(dict)
     sheet: str | None = None
     devices: dict[str, Device] = attrs.Factory(dict)
+    recovering_until: float | None = None
+    """Set when a controller restarts on a stored state: the host is ``unknown`` until its
+    worker registers again, or until this controller-clock time, when it is lost."""
 
     @property
     def state(self) -> str:
+        if self.recovering_until is not None:
+            return "unknown"
         return "lost" if self.lost else "left" if self.left else "up"

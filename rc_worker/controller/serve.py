@@ -16,8 +16,10 @@ them with ``await nursery.start(...)``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, cast
 
@@ -30,6 +32,7 @@ from hypercorn.trio import tcp_server as hypercorn_tcp_server
 from starlette.applications import Starlette
 
 from rc_worker.controller.context import Controller
+from rc_worker.controller.errors import StoreUnavailable
 from rc_worker.controller.messages import Event
 
 __all__ = ["deliver_webhooks", "housekeeping", "serve"]
@@ -38,6 +41,7 @@ log = logging.getLogger("rc_worker.controller.serve")
 
 HOUSEKEEPING_MAX_SLEEP_S: Final = 5.0
 """Re-check at least this often, whatever the store's next timer says (belt and braces)."""
+RETENTION_INTERVAL_S: Final = 3600.0
 WEBHOOK_TRIES: Final = 8
 WEBHOOK_BACKOFF_S: Final = (0.5, 60.0)
 WEBHOOK_TIMEOUT_S: Final = 10.0
@@ -57,7 +61,38 @@ async def housekeeping(
     while True:
         seen = ctl.changes.version
         now = ctl.tick()
+        if ctl.durability is not None:
+            # What the timers changed (a host lost) is stored even if no request comes.
+            with contextlib.suppress(StoreUnavailable):
+                await ctl.durability.flush()
         await ctl.wait_change(seen, now + HOUSEKEEPING_MAX_SLEEP_S)
+
+
+async def retention(app: Starlette, retention_s: float) -> None:
+    """Delete finished jobs (and their output) older than ``retention_s``; runs until cancelled."""
+    while True:
+        await retention_pass(app, retention_s)
+        await trio.sleep(RETENTION_INTERVAL_S)
+
+
+async def retention_pass(app: Starlette, retention_s: float) -> list[str]:
+    """One pass of :func:`retention`; returns the ids of the jobs deleted."""
+    ctl = _controller(app)
+    cutoff = time.time() - retention_s
+    ids = ctl.store.finished_before(cutoff)
+    if not ids:
+        return []
+    d = ctl.durability
+    delete = getattr(None if d is None else d.backend, "delete_finished_before", None)
+    try:
+        if delete is not None:
+            await trio.to_thread.run_sync(delete, cutoff)
+    except Exception as e:
+        log.warning("retention: could not delete old jobs: %s", e)
+        return []
+    ctl.store.forget(ids)
+    log.info("retention: deleted %d finished jobs", len(ids))
+    return ids
 
 
 async def deliver_webhooks(
@@ -77,25 +112,45 @@ async def deliver_webhooks(
     """
     ctl = _controller(app)
     rng = rng or random.Random()
+    cursors: dict[str, int] = {}
+    if ctl.durability is not None:
+        cursors = await trio.to_thread.run_sync(ctl.durability.backend.webhook_cursors)
     async with trio.open_nursery() as nursery:
         for url in ctl.webhooks:
-            nursery.start_soon(_deliver_to, ctl, client, url, rng)
+            nursery.start_soon(_deliver_to, ctl, client, url, rng, cursors.get(url, 0))
         task_status.started()
 
 
 async def _deliver_to(
-    ctl: Controller, client: httpx.AsyncClient, url: str, rng: random.Random
+    ctl: Controller, client: httpx.AsyncClient, url: str, rng: random.Random, after: int
 ) -> None:
-    after = 0
+    # `after` is the last event this URL confirmed, kept in the store when there is one:
+    # deliveries not yet confirmed when a controller stopped are made again after a restart.
     while True:
         seen = ctl.changes.version
-        events = ctl.store.events(after, limit=100)
+        try:
+            events = await ctl.read_events(after, 100)
+        except StoreUnavailable:
+            await trio.sleep(WEBHOOK_BACKOFF_S[0])  # the store is failing: try again soon
+            continue
         if not events:
             await ctl.wait_change(seen, None)
             continue
         for event in events:
             await _post_event(client, url, event, rng)
             after = event.seq
+            await _save_cursor(ctl, url, after)
+
+
+async def _save_cursor(ctl: Controller, url: str, seq: int) -> None:
+    d = ctl.durability
+    if d is None:
+        return
+    try:
+        await trio.to_thread.run_sync(d.backend.save_webhook_cursor, url, seq)
+    except Exception as e:
+        # At least once: a cursor not saved means the event is delivered again, no worse.
+        log.warning("webhook %s: could not store the delivery of event %d: %s", url, seq, e)
 
 
 async def _post_event(
@@ -182,6 +237,7 @@ async def serve(
     *,
     webhook_client: httpx.AsyncClient | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    retention_s: float | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``listen`` (``HOST:PORT``; port 0 picks a free one).
@@ -194,7 +250,11 @@ async def serve(
     async with trio.open_nursery() as nursery:
         # Before housekeeping's first tick: a pause is measured from the first moment.
         nursery.start_soon(ctl.watch_loop)
+        if ctl.durability is not None:
+            await nursery.start(ctl.durability.run)
         await nursery.start(housekeeping, app)
+        if retention_s:
+            nursery.start_soon(retention, app, retention_s)
         if ctl.webhooks:
             if webhook_client is None:
                 webhook_client = await _own_client(nursery)

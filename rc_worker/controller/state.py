@@ -20,10 +20,20 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from rc_worker.controller.errors import NotFound, StaleAttempt, UnknownSession
+from rc_worker.controller.journal import Journal
 from rc_worker.controller.messages import Event, FaultRequest
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
 
-__all__ = ["StoreConfig", "StoreState"]
+__all__ = ["OutputElsewhere", "StoreConfig", "StoreState"]
+
+
+class OutputElsewhere(Exception):
+    """Output asked for below ``base`` is not in memory: read it from the persistence beneath."""
+
+    def __init__(self, job_id: str, base: int) -> None:
+        super().__init__(f"output of {job_id} below {base} is stored, not in memory")
+        self.job_id = job_id
+        self.base = base
 
 
 @attrs.frozen
@@ -47,6 +57,8 @@ class StoreConfig:
     max_grace_s: float = 600.0
     """The longest ``grace_s`` a job may ask for (``rc serve --max-grace``): a job that ignores
     SIGTERM holds its device, a cancel and a worker's shutdown this long."""
+    max_output_bytes: int = 0
+    """Output kept per job (0: no cap); past it chunks are acknowledged and dropped."""
     cleared_omissions: int = 3
     """A lifted fault id leaves heartbeat ``cleared`` once this many heartbeats in a row have
     reported its device without it."""
@@ -88,6 +100,9 @@ class StoreState:
         self._event_seq = 0
         self.version = 0
         self._subscribers: list[Callable[[], None]] = []
+        self.journal = Journal()
+        """Dirty marks for a persistence layer beneath the store (off unless one enables it)."""
+        self.recovery_grace_s: float | None = None
         # The newest long poll that offered each (host, device): an older poll
         # still parked for it has been superseded and gets nothing.
         self._poll_gen: dict[tuple[str, str], int] = {}
@@ -116,7 +131,9 @@ class StoreState:
 
     def _emit(self, type_: str, **data: object) -> None:
         self._event_seq += 1
-        self._events.append(Event(self._event_seq, type_, self._wall(), data))
+        event = Event(self._event_seq, type_, self._wall(), data)
+        self._events.append(event)
+        self.journal.event(event)
 
     # --- lookups ----------------------------------------------------------------------------
 
@@ -124,6 +141,7 @@ class StoreState:
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"no job {job_id!r}", code="unknown_job")
+        self.journal.job(job_id)
         return job
 
     def _device(self, host: str, name: str) -> tuple[Host, Device]:
@@ -131,6 +149,7 @@ class StoreState:
         d = None if h is None else h.devices.get(name)
         if h is None or d is None:
             raise NotFound(f"no device {host}/{name}", code="unknown_device")
+        self.journal.host(host)
         return h, d
 
     def _session(self, session: str, host: str | None = None) -> Host:
@@ -139,6 +158,7 @@ class StoreState:
             raise UnknownSession(
                 f"session {session!r} is not known for host {host or '?'}; register again"
             )
+        self.journal.host(h.name)
         return h
 
     def session_host(self, session: str) -> str:
@@ -170,6 +190,10 @@ class StoreState:
         changed = False
         for h in list(self._hosts.values()):
             if h.session is not None and now >= h.last_seen + self._lost_after(h):
+                self._lose_host(h, now)
+                changed = True
+            elif h.recovering_until is not None and now >= h.recovering_until:
+                # Still absent after the recovery grace: lost by the ordinary rule.
                 self._lose_host(h, now)
                 changed = True
         for job in list(self._live.values()):
@@ -224,6 +248,7 @@ class StoreState:
         deadlines = [
             h.last_seen + self._lost_after(h) for h in self._hosts.values() if h.session is not None
         ]
+        deadlines += [h.recovering_until for h in self._hosts.values() if h.recovering_until]
         for job in self._live.values():
             cur = job.current
             if cur is not None and (cur.status == "assigned" or cur.adopted):
@@ -231,10 +256,12 @@ class StoreState:
         return min(deadlines, default=None)
 
     def _lose_host(self, h: Host, now: float) -> None:
-        assert h.session is not None
-        del self._sessions[h.session]
+        if h.session is not None:
+            del self._sessions[h.session]
         h.session = None
+        h.recovering_until = None
         h.lost = True
+        self.journal.host(h.name)
         lost: list[str] = []
         requeued: list[str] = []
         for d in h.devices.values():
@@ -263,6 +290,7 @@ class StoreState:
     # --- job transitions --------------------------------------------------------------------
 
     def _requeue(self, job: Job, note: str) -> None:
+        self.journal.job(job.job_id)
         cur = job.current
         if cur is not None:
             cur.status = "requeued"
@@ -291,6 +319,7 @@ class StoreState:
         """Record a terminal state; False (and no change) if one is already recorded."""
         if job.terminal:
             return False
+        self.journal.job(job.job_id)
         if job.state == "queued":
             self._queue.remove((job.seq, job.job_id))
         job.state = outcome
@@ -325,6 +354,7 @@ class StoreState:
             return False
         d.seen_faults.add(fault.fault_id)
         d.faults[fault.fault_id] = fault
+        self.journal.host(d.host)
         key = (fault.kind, fault.action)
         self.faults_raised[key] = self.faults_raised.get(key, 0) + 1
         self._emit(
@@ -346,6 +376,7 @@ class StoreState:
         ids = [f for f in fault_ids if d.faults.pop(f, None) is not None]
         if not ids:
             return
+        self.journal.host(d.host)
         # Listed in heartbeat `cleared` whoever lifted them: a worker may hold an id it
         # learned at an earlier registration, and frees the device only when told.
         for i in ids:
@@ -377,6 +408,7 @@ class StoreState:
         for job in self._live.values():
             cur = job.current
             if cur is not None and cur.host == host and cur.status == "running":
+                self.journal.job(job.job_id)
                 out.append((job, cur))
         return out
 
@@ -405,3 +437,108 @@ class StoreState:
 
     def lose_job(self, job: Job, reason: str) -> None:
         self._terminate(job, "lost", by="controller", reason=reason)
+
+    # --- for adopted claims (rc_worker.controller.claims) ------------------------------------
+
+    def wall(self) -> float:
+        return self._wall()
+
+    def next_seq(self) -> int:
+        return int(self._next_id("j").split("-")[1])
+
+    def adopt_fault(self, d: Device, fault: Fault) -> None:
+        if self._raise_fault(d, fault):
+            self._emit("fault_adopted", host=d.host, device=d.name, fault_id=fault.fault_id)
+
+    def adopt_job(self, job: Job, d: Device) -> None:
+        self._jobs[job.job_id] = job
+        self._live[job.job_id] = job
+        d.job = job
+        self.journal.job(job.job_id)
+        cur = job.current
+        self._emit(
+            "job_adopted",
+            job_id=job.job_id,
+            attempt=job.attempt,
+            host=d.host,
+            device=d.name,
+            adopted_attempt=None if cur is None else cur.number,
+        )
+
+    # --- for persistence (rc_worker.controller.persist) -------------------------------------
+
+    def known_host(self, name: str) -> Host | None:
+        return self._hosts.get(name)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def last_event_seq_value(self) -> int:
+        return self._event_seq
+
+    def restore_counters(self, counters: dict[str, int], event_seq: int) -> None:
+        """Ids and event numbers carry on from a stored state: they never repeat."""
+        self._counters = dict(counters)
+        self._event_seq = event_seq
+
+    def restore_host(self, h: Host) -> None:
+        self._hosts[h.name] = h
+
+    def restore_job(self, job: Job) -> None:
+        """A stored job, back in the queue or on its device as it was."""
+        self._jobs[job.job_id] = job
+        if job.state == "queued":
+            bisect.insort(self._queue, (job.seq, job.job_id))
+            return
+        cur = job.current
+        if job.terminal or cur is None:
+            return
+        self._live[job.job_id] = job
+        h = self._hosts.get(cur.host)
+        d = None if h is None else h.devices.get(cur.device)
+        if d is not None:
+            d.job = job
+
+    def first_event_seq(self) -> int | None:
+        """The oldest event still in memory (older ones were dropped from the ring)."""
+        return self._events[0].seq if self._events else None
+
+    def restore_events(self, events: Iterable[Event]) -> None:
+        self._events.extend(events)
+
+    def jobs_page(
+        self, state: str | None, *, after: int | None, limit: int, newest_first: bool
+    ) -> tuple[list[Job], int | None]:
+        """One page of jobs in submission order (or newest first), after the cursor ``after``
+        (a job's ``seq``); returns the jobs and the cursor of the next page, None at the end."""
+        jobs = [j for j in self._jobs.values() if state is None or j.state == state]
+        if newest_first:
+            jobs.reverse()
+        if after is not None:
+            jobs = [j for j in jobs if (j.seq < after if newest_first else j.seq > after)]
+        page = jobs[:limit]
+        return page, (page[-1].seq if len(jobs) > limit else None)
+
+    def trim_output(self, job_id: str, upto: int) -> None:
+        """Output below ``upto`` is committed beneath the store: drop it from memory."""
+        job = self._jobs.get(job_id)
+        if job is None or upto <= job.output_base:
+            return
+        cut = min(upto, job.stored_bytes) - job.output_base
+        del job.output[:cut]
+        job.output_base += cut
+
+    def finished_before(self, wall_time: float) -> list[str]:
+        """Ids of jobs that ended before ``wall_time`` (wall clock): retention's candidates."""
+        return [
+            j.job_id
+            for j in self._jobs.values()
+            if j.terminal and j.finished_at is not None and j.finished_at < wall_time
+        ]
+
+    def forget(self, job_ids: Iterable[str]) -> None:
+        """Drop finished jobs (retention); a job still held anywhere is kept."""
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is not None and job.terminal:
+                del self._jobs[job_id]

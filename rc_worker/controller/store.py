@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from rc_worker.controller.claims import adopt_attempt, apply_register_claims
 from rc_worker.controller.errors import (
     BadRequest,
     Conflict,
@@ -53,8 +54,9 @@ from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
-from rc_worker.controller.state import StoreConfig, StoreState
+from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState
 from rc_worker.controller.validate import check_job
+from rc_worker.model import PROTOCOL_VERSION
 
 __all__ = ["Store", "StoreConfig"]
 
@@ -157,6 +159,7 @@ class Store(StoreState):
             submitted_by=submitted_by,
         )
         self._jobs[job_id] = job
+        self.journal.job(job_id)
         bisect.insort(self._queue, (job.seq, job_id))
         if submitted_by is not None:
             self._emit("job_submitted", job_id=job_id, by=submitted_by)
@@ -177,6 +180,16 @@ class Store(StoreState):
                     candidates = self._candidates()
                 out.append(self._view(j, candidates))
         return out
+
+    def jobs_page_info(
+        self, state: str | None, *, after: int | None, limit: int, newest_first: bool
+    ) -> tuple[list[JobInfo], int | None]:
+        """One page of :meth:`jobs` (see :meth:`StoreState.jobs_page`), as views."""
+        if state is not None and state not in JOB_STATES:
+            self.jobs(state)  # the 400 naming the valid states
+        page, nxt = self.jobs_page(state, after=after, limit=limit, newest_first=newest_first)
+        candidates = self._candidates() if any(j.state == "queued" for j in page) else None
+        return [self._view(j, candidates) for j in page], nxt
 
     def pending(self, select: str = "", device: str | None = None) -> Pending:
         """Why a job with this selector and pin would wait now (``no_match``: it never runs)."""
@@ -213,12 +226,21 @@ class Store(StoreState):
         ]
 
     def output(self, job_id: str, offset: int = 0, limit: int | None = None) -> bytes:
-        """The job's committed output from ``offset`` (at most ``limit`` bytes)."""
-        end = None if limit is None else offset + limit
-        return bytes(self._job(job_id).output[offset:end])
+        """The job's committed output from ``offset`` (at most ``limit`` bytes).
+
+        :class:`OutputElsewhere` if part of it is no longer in memory (a persisted store
+        keeps only what is not yet committed to its database); the caller reads it there.
+        """
+        job = self._job(job_id)
+        if offset < job.output_base:
+            raise OutputElsewhere(job_id, job.output_base)
+        start = offset - job.output_base
+        end = None if limit is None else start + limit
+        return bytes(job.output[start:end])
 
     def committed(self, job_id: str) -> int:
-        return len(self._job(job_id).output)
+        job = self._job(job_id)
+        return job.stored_bytes + job.dropped_bytes
 
     def cancel(self, job_id: str, reason: str = "cancelled", *, by: str | None = None) -> JobInfo:
         """Cancel a job: at once if it has not started, else via the heartbeat's ``cancel``.
@@ -329,6 +351,7 @@ class Store(StoreState):
         h = self._hosts.get(host)
         if h is None:
             raise NotFound(f"no host {host}", code="unknown_host")
+        self.journal.host(host)
         changed = False
         for d in h.devices.values():
             if d.idle_behavior != behavior:
@@ -368,6 +391,7 @@ class Store(StoreState):
         for key in [k for k in self._poll_gen if k[0] == host]:
             del self._poll_gen[key]
         del self._hosts[host]
+        self.journal.host(host)  # gone from the store beneath too
         who = {} if by is None else {"by": by}
         self._emit("host_retired", host=host, forced=bool(busy), jobs=ended, **who)
         self._changed()
@@ -405,6 +429,8 @@ class Store(StoreState):
         same_process = h is not None and _same_process(h, req, self.running_on(host))
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
+        self.journal.host(host)
+        h.recovering_until = None
         if h.session is not None:
             del self._sessions[h.session]
         h.session = f"{self._next_id('s')}-{self._token()}"
@@ -430,10 +456,12 @@ class Store(StoreState):
                 continue
             self._requeue(job, "a new worker process registered before starting it")
         reconcile_registration(self, h, req, now, same_process=same_process)
+        apply_register_claims(self, h, req, now)
         h.boot_id = req.boot_id
         self._changed()
         h.heartbeat_interval_s = self.heartbeat_interval_now()
         return RegisterReply(
+            protocol=PROTOCOL_VERSION,
             session=h.session,
             heartbeat_interval_s=h.heartbeat_interval_s,
             poll_wait_s=self.config.poll_wait_s,
@@ -460,10 +488,15 @@ class Store(StoreState):
             if d is None:
                 continue
             d.worker_state = report.state
+            d.worker_faults = set(report.faults)
             d.held_for_health = report.held_for_health
             self._age_cleared(d, report.faults)
             if report.job_id is None or report.attempt is None:
                 continue
+            if report.state == "running" and adopt_attempt(
+                self, h, d, report.job_id, report.attempt, now
+            ):
+                self._changed()
             job = self._jobs.get(report.job_id)
             cur = None if job is None else job.current
             if job is not None and cur is not None and cur.number == report.attempt:
@@ -606,7 +639,7 @@ class Store(StoreState):
                 # the worker (a lost poll response). Offer it again as a new attempt.
                 self._requeue(held, "the device was reported ready again; offered again")
                 changed = True
-            if d.job is not None or d.faults or d.idle_behavior != "run":
+            if d.job is not None or d.faults or d.worker_faults or d.idle_behavior != "run":
                 continue
             job = self._pick(h, d)
             if job is None:
@@ -615,6 +648,7 @@ class Store(StoreState):
             att = Attempt(job.attempt + 1, host, name, "assigned", last_heard=now)
             job.attempts.append(att)
             job.state = "assigned"
+            self.journal.job(job.job_id)
             d.job = job
             self._live[job.job_id] = job
             out.append(Assignment(job.job_id, att.number, name, job.spec))
@@ -668,10 +702,14 @@ class Store(StoreState):
             )
 
     def append_output(self, job_id: str, attempt: int, offset: int, data: bytes) -> int:
-        """Idempotent append; returns the committed length. Conflict ``gap`` above it."""
+        """Idempotent append; returns the committed length. Conflict ``gap`` above it.
+
+        Past ``config.max_output_bytes`` the bytes are acknowledged (counted in the
+        committed length) and dropped, and the job is marked ``output_truncated``.
+        """
         job = self._job(job_id)
         self._current(job, attempt)
-        committed = len(job.output)
+        committed = job.stored_bytes + job.dropped_bytes
         if offset < 0:
             raise BadRequest("offset: must not be negative")
         if offset > committed:
@@ -681,9 +719,18 @@ class Store(StoreState):
                 extra={"committed": committed},
             )
         if offset + len(data) > committed:
-            job.output += data[committed - offset :]
+            new = data[committed - offset :]
+            cap = self.config.max_output_bytes
+            if cap and job.stored_bytes + len(new) > cap:
+                keep = max(0, cap - job.stored_bytes)
+                job.dropped_bytes += len(new) - keep
+                job.output_truncated = True
+                new = new[:keep]
+            if new:
+                self.journal.output(job_id, job.stored_bytes, new)
+                job.output += new
             self._changed()
-        return len(job.output)
+        return job.stored_bytes + job.dropped_bytes
 
     def finish(self, job_id: str, req: FinishRequest, *, now: float) -> JobInfo:
         h = self._session(req.session)

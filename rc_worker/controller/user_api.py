@@ -15,6 +15,7 @@ from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidde
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
 
 MAX_EVENTS_PER_PAGE = 1000
+MAX_JOBS_PER_PAGE = 10_000
 MAX_EVENTS_WAIT_S = 60.0
 STREAM_CHUNK = 64 * 1024
 
@@ -55,8 +56,22 @@ async def submit(request: Request) -> Response:
 
 async def list_jobs(request: Request) -> Response:
     ctl = _user(request)
-    jobs = ctl.store.jobs(request.query_params.get("state"))
-    return JSONResponse({"jobs": [j.to_json() for j in jobs]})
+    state = request.query_params.get("state")
+    q = request.query_params
+    if not any(k in q for k in ("limit", "after", "order")):
+        jobs = ctl.store.jobs(state)
+        return JSONResponse({"jobs": [j.to_json() for j in jobs], "next": None})
+    limit = query_int(request, "limit", MAX_JOBS_PER_PAGE)
+    if not 1 <= limit <= MAX_JOBS_PER_PAGE:
+        raise BadRequest(f"limit: must be between 1 and {MAX_JOBS_PER_PAGE}")
+    order = q.get("order", "asc")
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order: {order!r} is not asc or desc")
+    after = query_int(request, "after") if "after" in q else None
+    page, nxt = ctl.store.jobs_page_info(
+        state, after=after, limit=limit, newest_first=order == "desc"
+    )
+    return JSONResponse({"jobs": [j.to_json() for j in page], "next": nxt})
 
 
 async def get_job(request: Request) -> Response:
@@ -92,7 +107,8 @@ async def get_output(request: Request) -> Response:
 async def _snapshot(ctl: Controller, job_id: str, offset: int, end: int) -> AsyncIterator[bytes]:
     pos = offset
     while pos < end:
-        data = ctl.store.output(job_id, pos, min(STREAM_CHUNK, end - pos))
+        # From memory, or from the store beneath for what was committed there.
+        data = await ctl.read_output(job_id, pos, min(STREAM_CHUNK, end - pos))
         if not data:
             return
         pos += len(data)
@@ -104,14 +120,16 @@ async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[by
     while True:
         seen = ctl.changes.version
         ctl.tick()
-        # Read the output and the job's state with no await in between, so bytes committed
-        # just before the finish are always sent before the stream ends.
-        data = ctl.store.output(job_id, pos, STREAM_CHUNK)
+        # The job's state is read before the output: bytes committed just before the finish
+        # are then always sent before the stream ends, even across the await of a read from
+        # the store beneath (the output only grows).
+        ended = ctl.store.job(job_id).terminal
+        data = await ctl.read_output(job_id, pos, STREAM_CHUNK)
         if data:
             pos += len(data)
             yield data
             continue
-        if ctl.store.job(job_id).terminal:
+        if ended:
             return
         await ctl.wait_change(seen, None)
 
@@ -222,7 +240,7 @@ async def events(request: Request) -> Response:
     while True:
         seen = ctl.changes.version
         now = ctl.tick()
-        found = ctl.store.events(after, limit)
+        found = await ctl.read_events(after, limit)
         if found or now >= deadline:
             break
         await ctl.wait_change(seen, deadline)

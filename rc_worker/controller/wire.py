@@ -21,9 +21,11 @@ from rc_worker.controller.messages import (
     FaultRequest,
     FinishRequest,
     HeartbeatRequest,
+    HeldFault,
     LabelsUpdate,
     Recovery,
     RegisterRequest,
+    RunningClaim,
     SheetsUpdate,
     StartRequest,
     Verify,
@@ -184,7 +186,26 @@ def sheets_update(f: Fields) -> SheetsUpdate:
 def register(f: Fields) -> RegisterRequest:
     devices = []
     for d in f.objs("devices"):
-        devices.append(DeviceDecl(d.req_str("name"), d.str_map("declared_labels") or {}))
+        faults = None
+        if d.has("faults"):
+            faults = tuple(
+                HeldFault(
+                    x.req_str("fault_id"), x.opt_str("kind") or "fault", x.opt_str("reason") or ""
+                )
+                for x in d.objs("faults")
+            )
+        r = d.obj("running")
+        running = None
+        if r is not None:
+            running = RunningClaim(
+                r.req_str("job_id"),
+                r.req_int("attempt"),
+                r.opt_int("output_bytes"),
+                r.opt_num("started_at"),
+            )
+        devices.append(
+            DeviceDecl(d.req_str("name"), d.str_map("declared_labels") or {}, faults, running)
+        )
     recovery = []
     for r in f.objs("recovery"):
         claim = r.opt_str("claim") or "unknown"
@@ -211,6 +232,7 @@ def register(f: Fields) -> RegisterRequest:
         sheets=SheetsUpdate() if sheets is None else sheets_update(sheets),
         recovery=tuple(recovery),
         require_manual_clear=f.flag("require_manual_clear"),
+        protocol=f.opt_int("protocol") or 1,
     )
 
 

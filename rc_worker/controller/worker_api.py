@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import anyio
@@ -20,8 +21,11 @@ from rc_worker.controller.context import (
 )
 from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
+from rc_worker.model import PROTOCOL_VERSION
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
+
+log = logging.getLogger("rc_worker.controller")
 
 
 def _ok() -> JSONResponse:
@@ -33,6 +37,13 @@ async def register(request: Request) -> Response:
     host = request.path_params["host"]
     ctl.require_worker(request, host)
     req = wire.register(await json_body(request))
+    if req.protocol != PROTOCOL_VERSION:
+        log.warning(
+            "host %s registered with protocol %d, this controller speaks %d; upgrade the older one",
+            host,
+            req.protocol,
+            PROTOCOL_VERSION,
+        )
     now = ctl.tick()
     return JSONResponse(ctl.store.register(host, req, now=now).to_json())
 

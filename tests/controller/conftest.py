@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -8,7 +9,10 @@ from starlette.applications import Starlette
 
 from rc_worker.controller import Store, create_app
 
+from . import pgserver
 from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, auth
+from .persistkit import StorePlace
+from .pgserver import PgServer
 
 
 @pytest.fixture
@@ -36,3 +40,33 @@ async def user(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
         transport=transport, base_url="http://rc", headers=auth(USER_TOKEN)
     ) as c:
         yield c
+
+
+# --- persistence: one behavioural suite, run against each backend --------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """A real PostgreSQL server for this test session, stopped and removed at its end."""
+    if not pgserver.available():
+        pytest.fail(
+            f"PostgreSQL binaries not found in {pgserver.BIN}: install the 'postgresql' "
+            "package (.ci/run does), or set RC_TEST_PG_BIN"
+        )
+    with pgserver.running_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorePlace]:
+    """Where a controller keeps its state: a fresh SQLite state dir, or a fresh database."""
+    if request.param == "sqlite":
+        yield StorePlace("sqlite", state_dir=tmp_path / "state")
+        return
+    server: PgServer = request.getfixturevalue("pg_server")
+    place = StorePlace("postgres", db=server.new_database(), server=server)
+    try:
+        yield place
+    finally:
+        assert place.db is not None  # a test may have swapped in a fresh database
+        server.drop_database(place.db)

@@ -31,7 +31,8 @@ class Served:
 
 @asynccontextmanager
 async def rc_serve(listen: str = "127.0.0.1:0") -> AsyncIterator[Served]:
-    """A real ``rc serve`` process (worker token ``wt`` for box1, user token ``ut``)."""
+    """A real ``rc serve`` process (worker token ``wt`` for box1, user token ``ut``), keeping
+    its state in memory only: a restart forgets everything."""
     proc = await trio.lowlevel.open_process(
         [
             RC,
@@ -42,6 +43,7 @@ async def rc_serve(listen: str = "127.0.0.1:0") -> AsyncIterator[Served]:
             f"{USER}=ops:admin",
             "--worker-token",
             f"{WORKER}=box1",
+            "--memory",
         ],
         stderr=subprocess.PIPE,
     )

@@ -106,7 +106,7 @@ async def test_a_host_token_may_act_only_as_its_host(
 async def test_health_needs_no_token(client: httpx.AsyncClient) -> None:
     with trio.fail_after(5):
         r = await client.get("/v1/health")
-    assert r.json() == {"ok": True, "protocol": 1}
+    assert r.json() == {"ok": True, "protocol": 2, "store": "memory"}
 
 
 async def test_unknown_route_and_method(user: httpx.AsyncClient) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,15 @@ from .helpers import USER_TOKEN, FakeWorker
 @pytest.fixture
 async def served() -> AsyncIterator[str]:
     """``rc serve`` on a free port; yields its URL."""
-    argv = ["--listen", "127.0.0.1:0", "--worker-token", "wt=box1", "--user-token", "ut=ann:admin"]
+    argv = [
+        "--listen",
+        "127.0.0.1:0",
+        "--worker-token",
+        "wt=box1",
+        "--user-token",
+        "ut=ann:admin",
+        "--memory",
+    ]
     async with trio.open_nursery() as nursery:
         [url] = await nursery.start(
             lambda task_status: rc_cli.run_serve(argv, env={}, task_status=task_status)
@@ -236,16 +245,20 @@ def test_run_exit_status(job: dict[str, object], status: int) -> None:
     assert rc_cli.run_exit_status(job) == status
 
 
-async def test_rc_serve_exits_on_sigterm() -> None:
-    """A real `rc serve` process: SIGTERM stops it, with status 0."""
+async def test_rc_serve_exits_on_sigterm(tmp_path: Path) -> None:
+    """A real `rc serve` process: SIGTERM stops it, with status 0. With no store option its
+    state is an SQLite database in $XDG_STATE_HOME/rc, a directory only its owner may read."""
+    import os
     import signal
     import sys
-    from pathlib import Path
 
     rc = str(Path(sys.executable).parent / "rc")
+    env = {k: v for k, v in os.environ.items() if k not in ("RC_STATE_DIR", "RC_DB")}
+    env["XDG_STATE_HOME"] = str(tmp_path)
     proc = await trio.lowlevel.open_process(
         [rc, "serve", "--listen", "127.0.0.1:0", "--user-token", "u", "--worker-token", "w"],
         stderr=subprocess.PIPE,
+        env=env,
     )
     try:
         with trio.fail_after(30):
@@ -257,6 +270,8 @@ async def test_rc_serve_exits_on_sigterm() -> None:
                 said += chunk
             proc.send_signal(signal.SIGTERM)
             assert await proc.wait() == 0
+        assert (tmp_path / "rc" / "controller.db").is_file()
+        assert (tmp_path / "rc").stat().st_mode & 0o777 == 0o700
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -29,6 +29,7 @@ async def served() -> AsyncIterator[str]:
         f"{WORKER}=box1",
         "--user-token",
         f"{USER}=ops:admin",
+        "--memory",
     ]
     async with trio.open_nursery() as nursery:
         [url] = await nursery.start(
@@ -153,7 +154,7 @@ async def test_a_restarted_controller_that_forgot_the_job_is_exit_3() -> None:
     last = err.data.decode().splitlines()[-1]
     assert last == (
         f"rc: the controller at {first.url} no longer knows job {a['job_id']} "
-        "(it restarted, and keeps jobs in memory only)"
+        "(it restarted without its stored state)"
     )
 
 

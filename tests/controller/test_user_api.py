@@ -40,7 +40,10 @@ async def test_submit_get_and_list(user: httpx.AsyncClient, client: httpx.AsyncC
         assert job["spec"]["env"] == {"A": "1"}
         listed = (await user.get("/v1/jobs")).json()["jobs"]
         assert [j["job_id"] for j in listed] == [job_id]
-        assert (await user.get("/v1/jobs", params={"state": "running"})).json() == {"jobs": []}
+        assert (await user.get("/v1/jobs", params={"state": "running"})).json() == {
+            "jobs": [],
+            "next": None,
+        }
         assert error_of(await user.get("/v1/jobs", params={"state": "zzz"})) == (400, "bad_request")
         assert error_of(await user.get("/v1/jobs/j-nope")) == (404, "unknown_job")
 

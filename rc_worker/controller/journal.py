@@ -1,0 +1,66 @@
+"""What changed in the store since the last commit: the seam persistence reads from.
+
+The store marks every record it mutates here (a job by id, a host by name), and
+every event and output chunk it adds. A persistence layer takes the marks with
+:meth:`Journal.take` at each commit and writes those records; the in-memory
+controller never enables the journal, so the sets stay empty.
+Sans-IO: no Trio, no database.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from rc_worker.controller.messages import Event
+
+
+@attrs.define
+class Marks:
+    """One commit's worth of changes: ids of records to rewrite, events and output to add."""
+
+    jobs: set[str] = attrs.Factory(set)
+    hosts: set[str] = attrs.Factory(set)
+    events: list[Event] = attrs.Factory(list)
+    output: list[tuple[str, int, bytes]] = attrs.Factory(list)
+    """``(job_id, offset, data)`` appended since the last commit."""
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs or self.hosts or self.events or self.output)
+
+
+class Journal:
+    """Dirty marks, and a generation that moves with each of them."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.generation = 0
+        self._marks = Marks()
+
+    def enable(self) -> None:
+        """A persistence layer reads the marks from now on (off by default: ``--memory``)."""
+        self.enabled = True
+
+    def job(self, job_id: str) -> None:
+        if self.enabled:
+            self._marks.jobs.add(job_id)
+            self.generation += 1
+
+    def host(self, name: str) -> None:
+        if self.enabled:
+            self._marks.hosts.add(name)
+            self.generation += 1
+
+    def event(self, event: Event) -> None:
+        if self.enabled:
+            self._marks.events.append(event)
+            self.generation += 1
+
+    def output(self, job_id: str, offset: int, data: bytes) -> None:
+        if self.enabled:
+            self._marks.output.append((job_id, offset, data))
+            self.generation += 1
+
+    def take(self) -> tuple[Marks, int]:
+        """The marks so far and the generation they cover; starts a fresh set."""
+        marks, self._marks = self._marks, Marks()
+        return marks, self.generation

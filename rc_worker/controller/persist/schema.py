@@ -1,0 +1,49 @@
+"""The stored schema, its version, and the migrations between versions.
+
+Version 1 is the first schema (kept as a fixture in tests/fixtures/); version 2
+adds the webhook cursors and an index on the job order. A fresh database gets
+the current version; an older one is migrated at start, one step at a time in
+one transaction; a newer one is refused. The SQL is written once with two
+placeholders for the types that differ between SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+SCHEMA_VERSION: Final = 2
+
+_V1: Final = (
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE hosts (name TEXT PRIMARY KEY, data TEXT NOT NULL)",
+    "CREATE TABLE jobs (job_id TEXT PRIMARY KEY, seq BIGINT NOT NULL, state TEXT NOT NULL,"
+    " finished_at {real}, data TEXT NOT NULL)",
+    "CREATE TABLE events (seq BIGINT PRIMARY KEY, type TEXT NOT NULL, time {real} NOT NULL,"
+    " data TEXT NOT NULL)",
+    "CREATE TABLE output (job_id TEXT NOT NULL, off BIGINT NOT NULL, data {blob} NOT NULL,"
+    " PRIMARY KEY (job_id, off))",
+)
+
+_V2: Final = (
+    "CREATE TABLE webhooks (url TEXT PRIMARY KEY, last_seq BIGINT NOT NULL)",
+    "CREATE INDEX jobs_by_seq ON jobs (seq)",
+    "CREATE INDEX jobs_by_finish ON jobs (finished_at)",
+)
+
+MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {1: _V1, 2: _V2}
+"""``MIGRATIONS[n]`` takes a database at version ``n - 1`` (0: empty) to version ``n``."""
+
+
+def statements(from_version: int, *, real: str, blob: str) -> list[str]:
+    """The SQL that brings a database at ``from_version`` to :data:`SCHEMA_VERSION`."""
+    out: list[str] = []
+    for version in range(from_version + 1, SCHEMA_VERSION + 1):
+        out += [s.format(real=real, blob=blob) for s in MIGRATIONS[version]]
+    return out
+
+
+def too_new(found: int, where: str) -> str:
+    return (
+        f"{where} has schema version {found}, newer than this program's {SCHEMA_VERSION}; "
+        "run a newer rc, or point it at another store"
+    )

@@ -1,0 +1,103 @@
+"""Helpers for the persistence tests: where a store lives, and a controller opened on it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import attrs
+import httpx
+import trio
+from starlette.applications import Starlette
+
+from rc_worker.controller import Store, StoreConfig, create_app
+from rc_worker.controller.durable import Durability
+from rc_worker.controller.persist import Backend, StoreWriteError
+from rc_worker.controller.persist.codec import Batch, Loaded
+from rc_worker.controller.persist.opening import open_backend, open_store
+
+from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, auth
+from .pgserver import PgServer
+
+
+@attrs.define
+class StorePlace:
+    kind: str
+    state_dir: Path | None = None
+    db: str | None = None
+    server: PgServer | None = None
+
+    def open(self) -> Backend:
+        return open_backend(state_dir=self.state_dir, db=self.db)
+
+    def cli_args(self) -> list[str]:
+        if self.db is not None:
+            return ["--db", self.db]
+        assert self.state_dir is not None
+        return ["--state-dir", str(self.state_dir)]
+
+
+class Breakable:
+    """A backend whose writes can be made to fail, as a full or read-only disk would."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.description = inner.description
+        self.broken = False
+
+    def load(self, max_events: int) -> Loaded:
+        return self.inner.load(max_events)
+
+    def write(self, batches: Sequence[Batch]) -> None:
+        if self.broken:
+            raise StoreWriteError(f"writing to {self.description} failed: disk I/O error")
+        self.inner.write(batches)
+
+    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        return self.inner.read_output(job_id, offset, limit)
+
+    def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
+        return self.inner.read_events(after, limit)
+
+    def webhook_cursors(self) -> dict[str, int]:
+        return self.inner.webhook_cursors()
+
+    def save_webhook_cursor(self, url: str, seq: int) -> None:
+        self.inner.save_webhook_cursor(url, seq)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@attrs.define
+class Opened:
+    store: Store
+    app: Starlette
+    durability: Durability
+    backend: Backend
+    had_state: bool
+
+
+def open_controller(
+    backend: Backend, config: StoreConfig | None = None, *, grace: float | None = 300.0
+) -> Opened:
+    store, had = open_store(backend, config, now=trio.current_time(), recovery_grace_s=grace)
+    durability = Durability(store, backend)
+    app = create_app(
+        store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS, durability=durability
+    )
+    return Opened(store, app, durability, backend, had)
+
+
+@contextlib.asynccontextmanager
+async def clients(app: Starlette) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    """A bare client (for FakeWorker) and a user client, both in-process."""
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        httpx.AsyncClient(transport=transport, base_url="http://rc") as bare,
+        httpx.AsyncClient(
+            transport=transport, base_url="http://rc", headers=auth(USER_TOKEN)
+        ) as user,
+    ):
+        yield bare, user

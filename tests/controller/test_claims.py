@@ -1,0 +1,129 @@
+"""Protocol 2: what a worker holds, re-asserted at register and in heartbeats, is taken as fact.
+
+The controller here has a fresh, empty store, as after losing its database.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from rc_worker.controller import Store
+
+from .helpers import FakeWorker
+
+
+def claims(
+    faults: list[dict[str, str]] | None = None, running: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"faults": faults or []}
+    if running is not None:
+        out["running"] = running
+    return out
+
+
+async def register_with(w: FakeWorker, per_device: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    devices = [{"name": d, "declared_labels": {}, **per_device.get(d, {})} for d in w.devices]
+    return await w.register(devices=devices, protocol=2)
+
+
+async def test_faults_and_running_attempts_are_adopted(
+    client: httpx.AsyncClient, user: httpx.AsyncClient, store: Store
+) -> None:
+    w = FakeWorker(client, devices=["gpu0", "gpu1"])
+    reply = await register_with(
+        w,
+        {
+            "gpu0": claims([{"fault_id": "f-held", "kind": "verify_failed", "reason": "ecc"}]),
+            "gpu1": claims(
+                running={"job_id": "j-7-gone", "attempt": 2, "output_bytes": 3, "started_at": 1.0}
+            ),
+        },
+    )
+    assert reply["protocol"] == 2
+    assert reply["devices"]["gpu0"]["state"] == "quarantined"
+    assert reply["devices"]["gpu0"]["faults"] == ["f-held"]
+    gpu0 = store.device("box1", "gpu0")
+    assert (gpu0.state, gpu0.faults[0].kind, gpu0.faults[0].detail) == (
+        "quarantined",
+        "verify_failed",
+        "ecc",
+    )
+    job = store.job("j-7-gone")
+    assert (job.state, job.attempt, job.adopted) == ("running", 2, True)
+    assert store.device("box1", "gpu1").state == "busy"
+    a = {"job_id": "j-7-gone", "attempt": 2, "device": "gpu1"}
+    # The worker resends from the controller's committed offset (0): nothing is dropped.
+    assert (await w.output(a, 3, b"late")).json()["committed"] == 0
+    assert (await w.output(a, 0, b"abcdef")).json() == {"committed": 6}
+    r = await w.finish(a, "succeeded", output_bytes=6)
+    assert r.status_code == 200, r.text
+    assert store.job("j-7-gone").state == "succeeded"
+    assert store.output("j-7-gone") == b"abcdef"
+    types = [e.type for e in store.events()]
+    assert "job_adopted" in types
+    assert "fault_adopted" in types
+
+    # An adopted fault is lifted by `rc clear` like any other.
+    r = await user.post("/v1/devices/box1/gpu0/clear")
+    assert r.json()["cleared"] == ["f-held"]
+    r = await w.heartbeat({"gpu0": {"state": "quarantined", "faults": ["f-held"]}})
+    assert r.json()["cleared"] == {"gpu0": ["f-held"]}
+
+
+async def test_a_device_its_worker_holds_quarantined_is_never_assigned(
+    client: httpx.AsyncClient, user: httpx.AsyncClient, store: Store
+) -> None:
+    w = FakeWorker(client)
+    await register_with(w, {"gpu0": claims([{"fault_id": "f-1", "kind": "dirty"}])})
+    await user.post("/v1/devices/box1/gpu0/clear")
+    assert store.device("box1", "gpu0").state == "free"
+    job_id = store.submit(["echo"])
+    # The store says free, but the worker still holds the fault: no assignment.
+    assert await w.poll(["gpu0"]) == []
+    await w.heartbeat({"gpu0": {"state": "quarantined", "faults": ["f-1"]}})
+    assert await w.poll(["gpu0"]) == []
+    # Registering again with the cleared fault still held: not re-raised, cleared re-sent.
+    await register_with(w, {"gpu0": claims([{"fault_id": "f-1", "kind": "dirty"}])})
+    assert store.device("box1", "gpu0").state == "free"
+    r = await w.heartbeat({"gpu0": {"state": "quarantined", "faults": ["f-1"]}})
+    assert r.json()["cleared"] == {"gpu0": ["f-1"]}
+    await w.heartbeat({"gpu0": {"state": "free", "faults": []}})
+    [a] = await w.poll(["gpu0"])
+    assert a["job_id"] == job_id
+
+
+async def test_a_heartbeat_naming_an_unknown_running_attempt_adopts_it(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    w = FakeWorker(client)
+    await w.register()
+    r = await w.heartbeat({"gpu0": {"state": "running", "job_id": "j-3-old", "attempt": 1}})
+    assert r.status_code == 200
+    assert r.json()["cancel"] == []
+    assert store.job("j-3-old").state == "running"
+    a = {"job_id": "j-3-old", "attempt": 1, "device": "gpu0"}
+    assert (await w.output(a, 0, b"x")).json() == {"committed": 1}
+
+
+async def test_unknown_job_remains_for_ids_nobody_claims(client: httpx.AsyncClient) -> None:
+    w = FakeWorker(client)
+    await w.register()
+    a = {"job_id": "j-never", "attempt": 1, "device": "gpu0"}
+    r = await w.output(a, 0, b"x")
+    assert (r.status_code, r.json()["error"]) == (404, "unknown_job")
+
+
+async def test_a_version_mismatch_is_one_line_at_register(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = FakeWorker(client)
+    with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
+        reply = await w.register()  # a version-1 worker: no `protocol`, no claims
+    assert reply["protocol"] == 2
+    [line] = [r.getMessage() for r in caplog.records if "protocol" in r.getMessage()]
+    assert "protocol 1" in line
+    assert "speaks 2" in line
