@@ -156,7 +156,7 @@ class DeviceSupervisor:
             self.lease.idle_behavior = behavior
             self._poke()
 
-    def add_fault(self, fault_id: str, why: str) -> None:
+    def add_fault(self, fault_id: str, why: str, *, kind: str = "fault") -> None:
         """Hold a fault raised elsewhere: by the controller (at register), or
         by an earlier worker process (a report still on disk)."""
         if fault_id not in self.lease.faults:
@@ -167,7 +167,9 @@ class DeviceSupervisor:
                 fault_id,
                 extra={"device": self.name, "fault_id": fault_id},
             )
-        self.fault_notes.setdefault(fault_id, ("fault", why))
+        # Kept for register's claims (protocol 2): a controller that adopts the fault
+        # from them must record the same kind the report itself carries.
+        self.fault_notes.setdefault(fault_id, (kind, why))
         self.lease.add_fault(fault_id)
         self._poke()
 

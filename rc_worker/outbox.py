@@ -240,8 +240,8 @@ class Outbox:
     def pending(self) -> int:
         return len(self._deliveries) + len(self._pending_faults) + self._writing
 
-    def faults_on_disk(self) -> list[tuple[str, str, str]]:
-        """``(device, fault_id, reason)`` of every fault report not yet acknowledged.
+    def faults_on_disk(self) -> list[tuple[str, str, str, str]]:
+        """``(device, fault_id, reason, kind)`` of every fault report not yet acknowledged.
 
         A fault the controller has not heard of is still a fault: its device
         must stay quarantined across a restart until the report lands and an
@@ -260,7 +260,14 @@ class Outbox:
                 continue
             assert data is not None
             report = data["report"]
-            found.append((data["device"], report["fault_id"], str(report.get("reason"))))
+            found.append(
+                (
+                    data["device"],
+                    report["fault_id"],
+                    str(report.get("reason")),
+                    str(report.get("kind") or "fault"),
+                )
+            )
         return found
 
     def fault(self, device: str, report: Mapping[str, Any]) -> None:

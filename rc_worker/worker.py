@@ -250,9 +250,11 @@ class Worker:
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
             self._setup_health(ctx, root)
-            for device, fault_id, reason in outbox.faults_on_disk():
+            for device, fault_id, reason, kind in outbox.faults_on_disk():
                 if device in self.devices:
-                    self.devices[device].add_fault(fault_id, f"undelivered fault: {reason}")
+                    self.devices[device].add_fault(
+                        fault_id, f"undelivered fault: {reason}", kind=kind
+                    )
             for device_name, why in outbox.damaged:
                 self._quarantine_damaged(device_name, why)
             async with trio.open_nursery() as nursery:
@@ -755,7 +757,7 @@ class Worker:
             self._ctx.outbox.fault(
                 name, {"fault_id": fault_id, "kind": "damaged_state", "reason": why}
             )
-            self.devices[name].add_fault(fault_id, f"damaged state: {why}")
+            self.devices[name].add_fault(fault_id, why, kind="damaged_state")
 
     def _known_attempt(self, job_id: str, attempt: int) -> bool:
         """This worker process was handed the attempt before, or its files are on disk."""

@@ -46,3 +46,19 @@ def restore_logging() -> Iterator[None]:
         root.setLevel(level)
         for name, old in others.items():
             logging.getLogger(name).setLevel(old)
+
+
+@pytest.fixture(autouse=True)
+def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Each test's ``rc serve`` without a storage option keeps its state in a directory of
+    its own, never in the user's ``~/.local/state/rc`` (which would leak between tests
+    and runs). Child processes inherit it through the environment."""
+    saved = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = saved

@@ -63,6 +63,7 @@ async def test_a_sigstopped_controller_does_not_lose_a_heartbeating_host() -> No
             "w",
             "--heartbeat-interval",
             "0.5s",
+            "--memory",
         ],
         stderr=subprocess.PIPE,
     )

@@ -49,7 +49,7 @@ class Controller:
             "--worker-token",
             WORKER_TOKEN,
             "--user-token",
-            USER_TOKEN,
+            f"{USER_TOKEN}=ops:admin",
             "--heartbeat-interval",
             "0.5s",
             "--poll-wait",

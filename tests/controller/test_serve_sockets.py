@@ -47,7 +47,17 @@ def _burst(port: int, n: int) -> None:
 
 async def test_idle_keep_alive_connections_are_closed_when_the_client_goes() -> None:
     proc = await trio.lowlevel.open_process(
-        [RC, "serve", "--listen", "127.0.0.1:0", "--user-token", "u", "--worker-token", "w"],
+        [
+            RC,
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--user-token",
+            "u",
+            "--worker-token",
+            "w",
+            "--memory",
+        ],
         stderr=subprocess.PIPE,
     )
     try:
