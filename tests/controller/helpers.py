@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import trio
 
 WORKER_TOKEN = "worker-any"
 BOX1_TOKEN = "worker-box1"
@@ -134,3 +135,14 @@ class FakeWorker:
         r = await self.finish(a, outcome, exit_code=exit_code, output_bytes=len(output))
         assert r.status_code == 200, r.text
         return a
+
+
+async def wait_listening(proc: trio.Process) -> str:
+    """Read a real ``rc serve``'s stderr until it says where it listens; its URL."""
+    assert proc.stderr is not None
+    said = b""
+    while b"listening on" not in said:
+        chunk = await proc.stderr.receive_some(4096)
+        assert chunk, f"rc serve ended before listening: {said!r}"
+        said += chunk
+    return said.split(b"listening on ")[1].split()[0].decode()

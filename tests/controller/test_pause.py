@@ -20,7 +20,7 @@ import trio
 from rc_worker.controller.context import Controller, User
 from rc_worker.controller.store import Store, StoreConfig
 
-from .helpers import FakeWorker, auth
+from .helpers import FakeWorker, auth, wait_listening
 
 RC = str(Path(sys.executable).parent / "rc")
 
@@ -69,13 +69,7 @@ async def test_a_sigstopped_controller_does_not_lose_a_heartbeating_host() -> No
     )
     try:
         with trio.fail_after(60):
-            assert proc.stderr is not None
-            said = b""
-            while b"listening on" not in said:
-                chunk = await proc.stderr.receive_some(4096)
-                assert chunk, f"rc serve ended before listening: {said!r}"
-                said += chunk
-            url = said.split(b"listening on ")[1].split()[0].decode()
+            url = await wait_listening(proc)
             async with httpx.AsyncClient(base_url=url, timeout=30) as http:
                 w = FakeWorker(http, token="w")
                 await w.register()

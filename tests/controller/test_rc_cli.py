@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 
 from rc_worker.controller import Store, rc_cli
 
-from .helpers import USER_TOKEN, FakeWorker
+from .helpers import USER_TOKEN, FakeWorker, wait_listening
 
 
 @pytest.fixture
@@ -262,12 +262,7 @@ async def test_rc_serve_exits_on_sigterm(tmp_path: Path) -> None:
     )
     try:
         with trio.fail_after(30):
-            assert proc.stderr is not None
-            said = b""
-            while b"listening on" not in said:
-                chunk = await proc.stderr.receive_some(4096)
-                assert chunk, f"rc serve ended before listening: {said!r}"
-                said += chunk
+            await wait_listening(proc)
             proc.send_signal(signal.SIGTERM)
             assert await proc.wait() == 0
         assert (tmp_path / "rc" / "controller.db").is_file()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import trio
 
+from .helpers import wait_listening
+
 RC = str(Path(sys.executable).parent / "rc")
 CLOSE_WAIT = "08"
 
@@ -62,13 +64,7 @@ async def test_idle_keep_alive_connections_are_closed_when_the_client_goes() -> 
     )
     try:
         with trio.fail_after(30):
-            assert proc.stderr is not None
-            said = b""
-            while b"listening on" not in said:
-                chunk = await proc.stderr.receive_some(4096)
-                assert chunk, f"rc serve ended before listening: {said!r}"
-                said += chunk
-            port = int(said.split(b"listening on http://127.0.0.1:")[1].split()[0])
+            port = int((await wait_listening(proc)).rsplit(":", 1)[1])
             await trio.to_thread.run_sync(_burst, port, 64)
             # The server must close its ends once the clients have closed theirs; with the
             # bug they stayed in CLOSE-WAIT for the 75 s keep-alive timer, past this guard.
