@@ -18,8 +18,9 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 import trio
@@ -39,6 +40,7 @@ from rc_worker.gpu_health import (
     ComputeApp,
     Fault,
     HealthReadError,
+    HealthReading,
     ListedGpu,
     MemoryState,
     apps_on,
@@ -61,6 +63,8 @@ from rc_worker.labels import NVIDIA_SMI, gpu_scope, text_tail
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.probe import NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE, Capture
 from rc_worker.supervise import REASON_MAX_RUNTIME, JobHandle, JobSpec, run_job
+
+T = TypeVar("T")
 
 log = logging.getLogger("rc_worker.gpu_health")
 
@@ -230,14 +234,12 @@ class GpuHealthMonitor:
         verdicts: dict[str, DeviceVerdict],
         expected_uuid: Mapping[str, str],
     ) -> None:
-        try:
-            reading = parse_health_query(await self._run(NVIDIA_SMI, HEALTH_QUERY_ARGS))
-        except (CheckFailed, HealthReadError) as e:
-            self._count(CHECK_MEMORY, "error")
-            for t in targets:
-                verdicts[t.device].held[CHECK_MEMORY] = str(e)
+        async def read() -> HealthReading:
+            return parse_health_query(await self._run(NVIDIA_SMI, HEALTH_QUERY_ARGS))
+
+        reading = await self._query(CHECK_MEMORY, targets, verdicts, read)
+        if reading is None:
             return
-        self._count(CHECK_MEMORY, "ok")
         totals = {"corrected_volatile": 0, "uncorrected_volatile": 0}
         for row in reading.rows.values():
             totals["corrected_volatile"] += row.ecc_corrected or 0
@@ -299,14 +301,12 @@ class GpuHealthMonitor:
         verdicts: dict[str, DeviceVerdict],
         expected_uuid: Mapping[str, str],
     ) -> None:
-        try:
-            apps = parse_compute_apps(await self._run(NVIDIA_SMI, COMPUTE_APPS_ARGS))
-        except (CheckFailed, HealthReadError) as e:
-            self._count(CHECK_RESIDENT, "error")
-            for t in targets:
-                verdicts[t.device].held[CHECK_RESIDENT] = str(e)
+        async def read() -> list[ComputeApp]:
+            return parse_compute_apps(await self._run(NVIDIA_SMI, COMPUTE_APPS_ARGS))
+
+        apps = await self._query(CHECK_RESIDENT, targets, verdicts, read)
+        if apps is None:
             return
-        self._count(CHECK_RESIDENT, "ok")
         for t in targets:
             fault = decide_resident(self.resident_on(t.device, apps, expected_uuid))
             verdicts[t.device].passed.add(CHECK_RESIDENT)
@@ -402,20 +402,39 @@ class GpuHealthMonitor:
     ) -> None:
         if shutil.which(LSPCI, path=self._environ.get("PATH", os.defpath)) is None:
             return  # no lspci: nothing to compare with, and nothing wrong
-        try:
+
+        async def read() -> tuple[int, int]:
             on_bus = count_lspci_gpus(await self._run(LSPCI, LSPCI_ARGS))
-            listed = listed_count(await self._run(NVIDIA_SMI, LIST_ARGS))
-        except (CheckFailed, HealthReadError) as e:
-            self._count(CHECK_PCI, "error")
-            for t in targets:
-                verdicts[t.device].held[CHECK_PCI] = str(e)
+            return on_bus, listed_count(await self._run(NVIDIA_SMI, LIST_ARGS))
+
+        counts = await self._query(CHECK_PCI, targets, verdicts, read)
+        if counts is None:
             return
-        self._count(CHECK_PCI, "ok")
-        fault = decide_pci(on_bus, listed)
+        fault = decide_pci(*counts)
         for t in targets:
             verdicts[t.device].passed.add(CHECK_PCI)
             if fault is not None:
                 verdicts[t.device].faults.append(fault)
+
+    async def _query(
+        self,
+        check: str,
+        targets: Sequence[GpuTarget],
+        verdicts: dict[str, DeviceVerdict],
+        read: Callable[[], Awaitable[T]],
+    ) -> T | None:
+        """Run one check's query. If it cannot run (an error, a hang past its
+        timeout, output that does not parse), every target is held for health
+        with the reason, never read as healthy; the check is counted either way."""
+        try:
+            result = await read()
+        except (CheckFailed, HealthReadError) as e:
+            self._count(check, "error")
+            for t in targets:
+                verdicts[t.device].held[check] = str(e)
+            return None
+        self._count(check, "ok")
+        return result
 
     def close(self) -> None:
         if self._kmsg_fd is not None:
