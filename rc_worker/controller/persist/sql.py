@@ -9,7 +9,8 @@ batches and the webhook cursors never share a transaction by accident.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from rc_worker.controller.persist import StoreOpenError, StoreWriteError
@@ -26,6 +27,29 @@ class SqlBackend:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+
+    @contextmanager
+    def _transaction(self, fail: Callable[[BaseException], Exception]) -> Iterator[Any]:
+        """One transaction under :attr:`lock`, yielding its cursor. A driver error rolls
+        it back and is raised as ``fail(error)``; the store's own errors pass through."""
+        with self.lock:
+            cur = self._cursor()
+            try:
+                self._begin(cur)
+                yield cur
+                self._commit()
+            except (StoreOpenError, StoreWriteError):
+                self._rollback()
+                raise
+            except self.errors as e:
+                self._rollback()
+                raise fail(e) from e
+
+    def _write_failed(self, e: BaseException) -> Exception:
+        return StoreWriteError(f"writing to {self.description} failed: {e}")
+
+    def _read_failed(self, e: BaseException) -> Exception:
+        return StoreWriteError(f"reading {self.description} failed: {e}")
 
     # --- subclass hooks -----------------------------------------------------------------------
 
@@ -56,24 +80,16 @@ class SqlBackend:
 
     def migrate(self) -> int:
         """Create or upgrade the schema; returns the version found. Raises StoreOpenError."""
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                found = self.schema_version()
-                if found > SCHEMA_VERSION:
-                    self._rollback()
-                    raise StoreOpenError(too_new(found, self.description))
-                if found < SCHEMA_VERSION:
-                    for sql in statements(found, real=self.real, blob=self.blob):
-                        cur.execute(sql)
-                    self._put_meta(cur, [("schema_version", str(SCHEMA_VERSION))])
-                self._commit()
-            except StoreOpenError:
-                raise
-            except self.errors as e:
-                self._rollback()
-                raise StoreOpenError(f"cannot set up the store in {self.description}: {e}") from e
+        with self._transaction(
+            lambda e: StoreOpenError(f"cannot set up the store in {self.description}: {e}")
+        ) as cur:
+            found = self.schema_version()
+            if found > SCHEMA_VERSION:
+                raise StoreOpenError(too_new(found, self.description))
+            if found < SCHEMA_VERSION:
+                for sql in statements(found, real=self.real, blob=self.blob):
+                    cur.execute(sql)
+                self._put_meta(cur, [("schema_version", str(SCHEMA_VERSION))])
             return found
 
     def _put_meta(self, cur: Any, rows: Sequence[tuple[str, str]]) -> None:
@@ -88,95 +104,74 @@ class SqlBackend:
     # --- reading at start ---------------------------------------------------------------------
 
     def load(self, max_events: int) -> Loaded:
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                cur.execute("SELECT key, value FROM meta")
-                meta = {str(k): str(v) for k, v in cur.fetchall()}
-                cur.execute("SELECT data FROM hosts ORDER BY name")
-                hosts = tuple(str(r[0]) for r in cur.fetchall())
-                cur.execute("SELECT data FROM jobs ORDER BY seq")
-                jobs = tuple(str(r[0]) for r in cur.fetchall())
-                cur.execute(
-                    f"SELECT seq, type, time, data FROM events ORDER BY seq DESC LIMIT {self.ph}",
-                    (max_events,),
-                )
-                events = tuple(
-                    (int(s), str(t), float(tm), str(d)) for s, t, tm, d in reversed(cur.fetchall())
-                )
-                # Only how much each job has: the bytes are read when someone asks for them.
-                cur.execute("SELECT job_id, SUM(length(data)) FROM output GROUP BY job_id")
-                output = {str(j): int(n) for j, n in cur.fetchall()}
-                self._commit()
-            except self.errors as e:
-                self._rollback()
-                raise StoreOpenError(f"cannot read the store in {self.description}: {e}") from e
+        with self._transaction(
+            lambda e: StoreOpenError(f"cannot read the store in {self.description}: {e}")
+        ) as cur:
+            cur.execute("SELECT key, value FROM meta")
+            meta = {str(k): str(v) for k, v in cur.fetchall()}
+            cur.execute("SELECT data FROM hosts ORDER BY name")
+            hosts = tuple(str(r[0]) for r in cur.fetchall())
+            cur.execute("SELECT data FROM jobs ORDER BY seq")
+            jobs = tuple(str(r[0]) for r in cur.fetchall())
+            cur.execute(
+                f"SELECT seq, type, time, data FROM events ORDER BY seq DESC LIMIT {self.ph}",
+                (max_events,),
+            )
+            events = tuple(
+                (int(s), str(t), float(tm), str(d)) for s, t, tm, d in reversed(cur.fetchall())
+            )
+            # Only how much each job has: the bytes are read when someone asks for them.
+            cur.execute("SELECT job_id, SUM(length(data)) FROM output GROUP BY job_id")
+            output = {str(j): int(n) for j, n in cur.fetchall()}
         return Loaded(meta=meta, jobs=jobs, hosts=hosts, events=events, output=output)
 
     # --- writing while serving ----------------------------------------------------------------
 
     def write(self, batches: Sequence[Batch]) -> None:
         p = self.ph
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                for b in batches:
-                    for row in b.jobs:
-                        cur.execute(
-                            "INSERT INTO jobs (job_id, seq, state, finished_at, data)"
-                            f" VALUES ({p}, {p}, {p}, {p}, {p}) ON CONFLICT (job_id) DO UPDATE"
-                            " SET state = excluded.state, finished_at = excluded.finished_at,"
-                            " data = excluded.data",
-                            (row.job_id, row.seq, row.state, row.finished_at, row.data),
-                        )
-                    for name, data in b.hosts:
-                        cur.execute(
-                            f"INSERT INTO hosts (name, data) VALUES ({p}, {p})"
-                            " ON CONFLICT (name) DO UPDATE SET data = excluded.data",
-                            (name, data),
-                        )
-                    for name in b.deleted_hosts:
-                        cur.execute(f"DELETE FROM hosts WHERE name = {p}", (name,))
-                    for ev in b.events:
-                        cur.execute(
-                            "INSERT INTO events (seq, type, time, data)"
-                            f" VALUES ({p}, {p}, {p}, {p}) ON CONFLICT (seq) DO NOTHING",
-                            ev,
-                        )
-                    for job_id, off, chunk in b.output:
-                        cur.execute(
-                            f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
-                            " ON CONFLICT (job_id, off) DO NOTHING",
-                            (job_id, off, chunk),
-                        )
-                    self._put_meta(cur, b.meta)
-                self._commit()
-            except self.errors as e:
-                self._rollback()
-                raise StoreWriteError(f"writing to {self.description} failed: {e}") from e
+        with self._transaction(self._write_failed) as cur:
+            for b in batches:
+                for row in b.jobs:
+                    cur.execute(
+                        "INSERT INTO jobs (job_id, seq, state, finished_at, data)"
+                        f" VALUES ({p}, {p}, {p}, {p}, {p}) ON CONFLICT (job_id) DO UPDATE"
+                        " SET state = excluded.state, finished_at = excluded.finished_at,"
+                        " data = excluded.data",
+                        (row.job_id, row.seq, row.state, row.finished_at, row.data),
+                    )
+                for name, data in b.hosts:
+                    cur.execute(
+                        f"INSERT INTO hosts (name, data) VALUES ({p}, {p})"
+                        " ON CONFLICT (name) DO UPDATE SET data = excluded.data",
+                        (name, data),
+                    )
+                for name in b.deleted_hosts:
+                    cur.execute(f"DELETE FROM hosts WHERE name = {p}", (name,))
+                for ev in b.events:
+                    cur.execute(
+                        "INSERT INTO events (seq, type, time, data)"
+                        f" VALUES ({p}, {p}, {p}, {p}) ON CONFLICT (seq) DO NOTHING",
+                        ev,
+                    )
+                for job_id, off, chunk in b.output:
+                    cur.execute(
+                        f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
+                        " ON CONFLICT (job_id, off) DO NOTHING",
+                        (job_id, off, chunk),
+                    )
+                self._put_meta(cur, b.meta)
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         """Stored output of ``job_id`` from ``offset``, at most ``limit`` bytes."""
         p = self.ph
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                sql = (
-                    f"SELECT off, data FROM output WHERE job_id = {p} AND off + length(data) > {p}"
-                )
-                params: tuple[object, ...] = (job_id, offset)
-                if limit is not None:
-                    sql += f" AND off < {p}"
-                    params += (offset + limit,)
-                cur.execute(sql + " ORDER BY off", params)
-                rows = cur.fetchall()
-                self._commit()
-            except self.errors as e:
-                self._rollback()
-                raise StoreWriteError(f"reading {self.description} failed: {e}") from e
+        with self._transaction(self._read_failed) as cur:
+            sql = f"SELECT off, data FROM output WHERE job_id = {p} AND off + length(data) > {p}"
+            params: tuple[object, ...] = (job_id, offset)
+            if limit is not None:
+                sql += f" AND off < {p}"
+                params += (offset + limit,)
+            cur.execute(sql + " ORDER BY off", params)
+            rows = cur.fetchall()
         out = bytearray()
         for off, data in rows:
             pos = offset + len(out)
@@ -188,68 +183,39 @@ class SqlBackend:
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         """Stored events with ``seq > after``, oldest first, at most ``limit``."""
         p = self.ph
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                cur.execute(
-                    f"SELECT seq, type, time, data FROM events WHERE seq > {p}"
-                    f" ORDER BY seq LIMIT {p}",
-                    (after, limit),
-                )
-                rows = [(int(s), str(t), float(tm), str(d)) for s, t, tm, d in cur.fetchall()]
-                self._commit()
-            except self.errors as e:
-                self._rollback()
-                raise StoreWriteError(f"reading {self.description} failed: {e}") from e
+        with self._transaction(self._read_failed) as cur:
+            cur.execute(
+                f"SELECT seq, type, time, data FROM events WHERE seq > {p} ORDER BY seq LIMIT {p}",
+                (after, limit),
+            )
+            rows = [(int(s), str(t), float(tm), str(d)) for s, t, tm, d in cur.fetchall()]
         return rows
 
     def webhook_cursors(self) -> dict[str, int]:
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                cur.execute("SELECT url, last_seq FROM webhooks")
-                out = {str(u): int(a) for u, a in cur.fetchall()}
-                self._commit()
-            except self.errors as e:
-                self._rollback()
-                raise StoreWriteError(f"reading {self.description} failed: {e}") from e
+        with self._transaction(self._read_failed) as cur:
+            cur.execute("SELECT url, last_seq FROM webhooks")
+            out = {str(u): int(a) for u, a in cur.fetchall()}
         return out
 
     def save_webhook_cursor(self, url: str, seq: int) -> None:
         p = self.ph
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                cur.execute(
-                    f"INSERT INTO webhooks (url, last_seq) VALUES ({p}, {p})"
-                    " ON CONFLICT (url) DO UPDATE SET last_seq = excluded.last_seq",
-                    (url, seq),
-                )
-                self._commit()
-            except self.errors as e:
-                self._rollback()
-                raise StoreWriteError(f"writing to {self.description} failed: {e}") from e
+        with self._transaction(self._write_failed) as cur:
+            cur.execute(
+                f"INSERT INTO webhooks (url, last_seq) VALUES ({p}, {p})"
+                " ON CONFLICT (url) DO UPDATE SET last_seq = excluded.last_seq",
+                (url, seq),
+            )
 
     def delete_finished_before(self, wall_time: float) -> list[str]:
         """Retention: drop finished jobs (and their output) that ended before ``wall_time``."""
         p = self.ph
-        with self.lock:
-            cur = self._cursor()
-            try:
-                self._begin(cur)
-                cur.execute(
-                    f"SELECT job_id FROM jobs WHERE finished_at IS NOT NULL AND finished_at < {p}",
-                    (wall_time,),
-                )
-                ids = [str(r[0]) for r in cur.fetchall()]
-                for job_id in ids:
-                    cur.execute(f"DELETE FROM output WHERE job_id = {p}", (job_id,))
-                    cur.execute(f"DELETE FROM jobs WHERE job_id = {p}", (job_id,))
-                self._commit()
-            except self.errors as e:
-                self._rollback()
-                raise StoreWriteError(f"writing to {self.description} failed: {e}") from e
+        with self._transaction(self._write_failed) as cur:
+            cur.execute(
+                f"SELECT job_id FROM jobs WHERE finished_at IS NOT NULL AND finished_at < {p}",
+                (wall_time,),
+            )
+            ids = [str(r[0]) for r in cur.fetchall()]
+            for job_id in ids:
+                cur.execute(f"DELETE FROM output WHERE job_id = {p}", (job_id,))
+                cur.execute(f"DELETE FROM jobs WHERE job_id = {p}", (job_id,))
         return ids
