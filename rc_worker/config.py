@@ -42,7 +42,6 @@ DEFAULT_SPOOL_MAX_BYTES = 10 * 2**30
 DEFAULT_GPU_HEALTH_INTERVAL = 60.0
 DEFAULT_KERNEL_LOG = "/dev/kmsg"
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
-GPU_HEALTH_ENABLED = ("auto", "true", "false")
 
 # Variables of the worker's own configuration. None of them ever reaches a
 # job, hook, probe or verify script (see child_environ).

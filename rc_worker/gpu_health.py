@@ -28,6 +28,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import attrs
 
+from rc_worker.config import DEFAULT_IGNORED_XIDS as _DEFAULT_IGNORED_XIDS
+
 # Fault kinds (the ``kind`` of a fault report).
 KIND_RESIDENT = "gpu_resident_process"
 KIND_MEMORY = "gpu_memory"
@@ -61,7 +63,8 @@ def kind_defaults(kind: str) -> tuple[str, str]:
     return KIND_DEFAULTS.get(kind, ("error", "clear"))
 
 
-DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+# The Xids NVIDIA's k8s device plugin ignores (config ``gpu_health.ignored_xids``).
+DEFAULT_IGNORED_XIDS = _DEFAULT_IGNORED_XIDS
 """NVIDIA's k8s device plugin ignores these: application errors, not the GPU's."""
 
 HEALTH_QUERY_FIELDS = (
@@ -90,6 +93,14 @@ LIST_ARGS = ("-L",)
 LSPCI_ARGS = ("-n", "-d", "10de:")
 
 _LOST_RE = re.compile(r"unable to determine the device handle|gpu is lost", re.IGNORECASE)
+
+
+def mentions_lost_gpu(text: str) -> bool:
+    """Whether nvidia-smi's output names a GPU it lost ("Unable to determine the
+    device handle", "GPU is lost")."""
+    return _LOST_RE.search(text) is not None
+
+
 _UINT_RE = re.compile(r"[0-9]+")
 _HEADER_RE = re.compile(r"^(?P<name>[^\[]*?)\s*(?:\[(?P<unit>[^\]]*)\])?$")
 _XID_RE = re.compile(

@@ -52,6 +52,7 @@ from rc_worker.gpu_health import (
     decide_resident,
     decide_xid,
     listed_count,
+    mentions_lost_gpu,
     parse_compute_apps,
     parse_gpu_list,
     parse_health_query,
@@ -186,7 +187,9 @@ class GpuHealthMonitor:
             raise CheckFailed(f"{tool} {args[0]} timed out after {limit:g}s")
         if result.exit_code is None:
             raise CheckFailed(f"{tool} could not run: {result.error or result.signal}")
-        if result.exit_code != 0 and not _lost_only(text):
+        # nvidia-smi exits non-zero when a GPU is lost but still lists the
+        # others: that is an answer (``gpu_missing``), not a failure to answer.
+        if result.exit_code != 0 and not mentions_lost_gpu(text):
             raise CheckFailed(f"{tool} exit status {result.exit_code}: {text_tail(text)}")
         return text
 
@@ -301,10 +304,7 @@ class GpuHealthMonitor:
         verdicts: dict[str, DeviceVerdict],
         expected_uuid: Mapping[str, str],
     ) -> None:
-        async def read() -> list[ComputeApp]:
-            return parse_compute_apps(await self._run(NVIDIA_SMI, COMPUTE_APPS_ARGS))
-
-        apps = await self._query(CHECK_RESIDENT, targets, verdicts, read)
+        apps = await self._query(CHECK_RESIDENT, targets, verdicts, self.list_apps)
         if apps is None:
             return
         for t in targets:
@@ -440,12 +440,6 @@ class GpuHealthMonitor:
         if self._kmsg_fd is not None:
             os.close(self._kmsg_fd)
             self._kmsg_fd = None
-
-
-def _lost_only(text: str) -> bool:
-    """nvidia-smi exits non-zero when a GPU is lost but still lists the others:
-    that is an answer (``gpu_missing``), not a failure to answer."""
-    return "unable to determine the device handle" in text.lower() or "gpu is lost" in text.lower()
 
 
 def _label(value: object) -> str:

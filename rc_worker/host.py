@@ -289,7 +289,9 @@ class LinuxHost:
             # one at a time, or a child could be born in another's cgroup.
             self._spawn_lock = trio.Lock()
         async with self._spawn_lock:
-            home = self.own_cgroup()
+            # Where the worker lives was settled at start (``Containment.home``):
+            # no need to read /proc/self/cgroup again at every spawn.
+            home = self.containment.home if self.containment is not None else self.own_cgroup()
             self.cgroup_write(cgroup, "cgroup.procs", str(os.getpid()))
             try:
                 return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty, run_as)
