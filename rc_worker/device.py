@@ -35,7 +35,7 @@ from rc_worker.model import (
     effective_limit,
     job_key,
 )
-from rc_worker.reports import finish_report, not_run_report
+from rc_worker.reports import finish_report, not_run_report, stale_offer_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
 from rc_worker.sweep import unproven
@@ -273,6 +273,8 @@ class DeviceSupervisor:
         if cleared & self.lease.faults:
             log.info("device %s: faults %s cleared", self.name, sorted(cleared & self.lease.faults))
         nxt = self.lease.clear_faults(cleared)
+        for fault_id in cleared:
+            self.fault_notes.pop(fault_id, None)
         if nxt is not None:
             self.lease.to(nxt)
             self._poke()
@@ -299,12 +301,9 @@ class DeviceSupervisor:
         reason, and the attempt it runs, so a controller that lost its store learns them."""
         claims: dict[str, Any] = {
             "faults": [
-                {
-                    "fault_id": f,
-                    "kind": self.fault_notes.get(f, ("fault", ""))[0],
-                    "reason": self.fault_notes.get(f, ("fault", ""))[1],
-                }
+                {"fault_id": f, "kind": kind, "reason": reason}
                 for f in sorted(self.lease.faults)
+                for kind, reason in [self.fault_notes.get(f, ("fault", ""))]
             ]
         }
         if self.lease.job is not None and self.lease.state is S.RUNNING:
@@ -388,6 +387,7 @@ class DeviceSupervisor:
             self.ctx.outbox.fault(
                 self.name, {"fault_id": fault_id, "kind": "dirty", "reason": detail}
             )
+            self.fault_notes[fault_id] = ("dirty", detail)  # for register's claims
             self.lease.fail(fault_id)
             self._handle = None
             self._acquire_scope = None
@@ -430,8 +430,7 @@ class DeviceSupervisor:
             # Taken just before the worker was told to stop: not started, so
             # hand it back; a refused attempt is requeued as a new one, and the
             # refusal is the device's state, not the job's: a stale offer.
-            report = not_run_report(a, "refused", "stale offer: the worker is shutting down")
-            report["stale_offer"] = True
+            report = stale_offer_report(a, "the worker is shutting down")
             await self.ctx.report(a, report)
             self._settle()
             return
@@ -580,7 +579,9 @@ class DeviceSupervisor:
             "RC_JOB_EXIT_CODE": "" if result.exit_code is None else str(result.exit_code),
         }
         # After the sweep, before verify: what is still resident on the GPU.
-        await self._health_gate(a.job_id, grace=a.grace_s)
+        # The job's own grace, as capped by max_grace: the after-job sweep must not
+        # wait longer than the job's teardown was allowed to.
+        await self._health_gate(a.job_id, grace=self._grace(a))
         with self.ctx.metrics.verify_seconds.time():
             verify = await run_verify(
                 self.ctx.config.verify_dir,

@@ -308,7 +308,13 @@ class Outbox:
                     # worker's crash, nor keep the controller from hearing it.
                     log.error("cannot write fault %s (%s); holding it in memory", path.name, e)
                     self._in_memory[path] = dict(record)
-            data = self._in_memory.get(path) or read_json(path)
+            # What was just written is in hand: read the disk only for a report
+            # a previous process left there.
+            data = (
+                dict(record)
+                if record is not None
+                else (self._in_memory.get(path) or read_json(path))
+            )
             problem = _fault_problem(data)
             if problem is not None:
                 if data is not None:

@@ -62,6 +62,14 @@ def finish_report(
     }
 
 
+def stale_offer_report(a: Assignment | tuple[str, int, str], why: str) -> dict[str, Any]:
+    """``refused`` because the device's state was in the way, not the assignment:
+    the controller requeues it without counting it against the job (docs/protocol.md)."""
+    report = not_run_report(a, "refused", f"stale offer: {why}")
+    report["stale_offer"] = True
+    return report
+
+
 def not_run_report(
     a: Assignment | tuple[str, int, str], outcome: str, reason: str, *, error: str | None = None
 ) -> dict[str, Any]:

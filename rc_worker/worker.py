@@ -43,7 +43,7 @@ from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
-from rc_worker.device import DeviceSupervisor, new_fault_id
+from rc_worker.device import DeviceSupervisor
 from rc_worker.durable import Committer
 from rc_worker.errors import AssignmentError, ConfigError, ControllerError
 from rc_worker.gpu_health_coord import GpuHealthCoordinator
@@ -64,7 +64,7 @@ from rc_worker.operator_errors import register_refused
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Damaged, Recovered, recover
-from rc_worker.reports import not_run_report
+from rc_worker.reports import not_run_report, stale_offer_report
 from rc_worker.sheets import SheetReader
 from rc_worker.spool import JobDir, ensure_state_dir
 from rc_worker.statelock import StateDirLock
@@ -752,12 +752,7 @@ class Worker:
         assert self._ctx is not None
         names = [device] if device in self.devices else list(self.devices)
         for name in names:
-            fault_id = new_fault_id(self._ctx.rng)
-            self.metrics.quarantines.labels("damaged_state").inc()
-            self._ctx.outbox.fault(
-                name, {"fault_id": fault_id, "kind": "damaged_state", "reason": why}
-            )
-            self.devices[name].add_fault(fault_id, why, kind="damaged_state")
+            self.devices[name].raise_fault("damaged_state", why)
 
     def _known_attempt(self, job_id: str, attempt: int) -> bool:
         """This worker process was handed the attempt before, or its files are on disk."""
@@ -772,10 +767,13 @@ class Worker:
         why: str,
         rejections: list[tuple[tuple[str, int, str], dict[str, Any]]],
     ) -> None:
-        reason = f"stale offer: {why}"
-        log.info("refusing job %s attempt %d: %s", assignment.job_id, assignment.attempt, reason)
-        report = not_run_report(assignment, "refused", reason)
-        report["stale_offer"] = True
+        report = stale_offer_report(assignment, why)
+        log.info(
+            "refusing job %s attempt %d: %s",
+            assignment.job_id,
+            assignment.attempt,
+            report["reason"],
+        )
         rejections.append(((assignment.job_id, assignment.attempt, assignment.device), report))
 
     def _reject(
