@@ -136,6 +136,8 @@ class Controller:
         self.changes = Changes()
         store.subscribe(self.changes.poke)
         self.loop_seen: float | None = None
+        # Since when the store beneath refuses writes (heartbeats are answered 503 then).
+        self.store_down_since: float | None = None
         # Stdin pipes live here, not in the store: they are flow control, not state.
         self.stdin = StdinPipes(self.changes)
         self.durability: Durability | None = None
@@ -177,6 +179,16 @@ class Controller:
         """Apply the store's due timers (lazily, on every request); returns ``now``."""
         now = self.now()
         self.check_loop(now)
+        if self.durability is not None and self.durability.failed is not None:
+            # Every heartbeat is answered 503 while the store is down: no host can be
+            # heard, so none is declared lost for it. The outage is credited once the
+            # store works again, as a pause of the controller's own is.
+            if self.store_down_since is None:
+                self.store_down_since = now
+            return now
+        if self.store_down_since is not None:
+            self.store.credit_pause(now - self.store_down_since)
+            self.store_down_since = None
         self.store.tick(now)
         return now
 

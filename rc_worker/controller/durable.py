@@ -50,7 +50,6 @@ class Durability:
         self.pending: list[Batch] = []
         self.failed: str | None = None
         """Why the last write failed; None while writes succeed."""
-        self.commits = 0
         self._lock: anyio.Lock | None = None
 
     def dirty(self) -> bool:
@@ -84,7 +83,6 @@ class Durability:
             self.failed = None
             self.pending.clear()
             self.written = batches[-1].generation
-            self.commits += 1
             # Committed output leaves memory: reads below it go to the backend.
             stored: dict[str, int] = {}
             for batch in batches:

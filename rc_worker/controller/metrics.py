@@ -66,7 +66,7 @@ class StoreCollector(Collector):
             free.add_metric([cls], n)
         yield free
         jobs = GaugeMetricFamily("rc_controller_jobs", "Jobs per state.", labels=["state"])
-        for state, n in sorted(Counter(j.state for j in self._store.jobs()).items()):
+        for state, n in sorted(self._store.job_state_counts().items()):
             jobs.add_metric([state], n)
         yield jobs
         faults = GaugeMetricFamily(

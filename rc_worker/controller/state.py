@@ -444,7 +444,8 @@ class StoreState:
         return self._wall()
 
     def next_seq(self) -> int:
-        return int(self._next_id("j").split("-")[1])
+        n = self._counters["j"] = self._counters.get("j", 0) + 1
+        return n
 
     def adopt_fault(self, d: Device, fault: Fault) -> None:
         if self._raise_fault(d, fault):
@@ -473,7 +474,8 @@ class StoreState:
     def counters(self) -> dict[str, int]:
         return dict(self._counters)
 
-    def last_event_seq_value(self) -> int:
+    @property
+    def last_event_seq(self) -> int:
         return self._event_seq
 
     def restore_counters(self, counters: dict[str, int], event_seq: int) -> None:

@@ -16,6 +16,7 @@ The rules implemented here are written down in docs/protocol.md.
 from __future__ import annotations
 
 import bisect
+import collections
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -338,9 +339,16 @@ class Store(StoreState):
         )
 
     def _jobs_for_pool(self) -> list[JobInfo]:
-        return [self.job(job_id) for job_id in self._live] + [
-            info for info in self.jobs() if info.terminal and info.finished_at is not None
+        # Only placed and ended jobs count here: no pending reasons to work out.
+        return [
+            job.info()
+            for job in self._jobs.values()
+            if job.job_id in self._live or job.finished_at is not None
         ]
+
+    def job_state_counts(self) -> dict[str, int]:
+        """How many jobs are in each state (for ``/metrics``): a count, no views built."""
+        return dict(collections.Counter(job.state for job in self._jobs.values()))
 
     def set_host_idle_behavior(
         self, host: str, behavior: str, *, by: str | None = None
@@ -408,10 +416,6 @@ class Store(StoreState):
                 break
             out.append(self._events[i])
         return out
-
-    @property
-    def last_event_seq(self) -> int:
-        return self._event_seq
 
     # --- worker side ------------------------------------------------------------------------
 

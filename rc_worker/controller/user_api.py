@@ -134,9 +134,22 @@ async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[by
         await ctl.wait_change(seen, None)
 
 
+def _owner_or_admin(ctl: Controller, user: User, job_id: str, what: str) -> None:
+    """A job is its submitter's (or an admin's) to cancel or to feed."""
+    owner = ctl.store.job(job_id).submitted_by
+    if owner != user.name and not user.admin:
+        raise Forbidden(
+            f"job {job_id} was submitted by {owner or 'nobody known'}; "
+            f"only they or an admin may {what}"
+        )
+
+
 async def put_stdin(request: Request) -> Response:
-    ctl = _user(request)
+    ctl = controller_of(request)
+    user = ctl.require_user(request)
+    ctl.tick()
     job_id = request.path_params["job_id"]
+    _owner_or_admin(ctl, user, job_id, "write its standard input")
     try:
         # Closed here, not left to the garbage collector, when the job ends mid-upload.
         async with aclosing(request.stream()) as body:
@@ -158,12 +171,7 @@ async def cancel(request: Request) -> Response:
     user = ctl.require_user(request)
     ctl.tick()
     job_id = request.path_params["job_id"]
-    owner = ctl.store.job(job_id).submitted_by
-    if owner != user.name and not user.admin:
-        raise Forbidden(
-            f"job {job_id} was submitted by {owner or 'nobody known'}; "
-            f"only they or an admin may cancel it"
-        )
+    _owner_or_admin(ctl, user, job_id, "cancel it")
     f = await json_body(request, empty_ok=True)
     reason = f.opt_str("reason") or "cancelled"
     return JSONResponse(ctl.store.cancel(job_id, reason, by=user.name).to_json())

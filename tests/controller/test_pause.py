@@ -49,6 +49,39 @@ def test_credit_pause_moves_every_timer() -> None:
     assert store.device("box1", "gpu0").host_state != "up"
 
 
+class _DownStore:
+    """Stands for a Durability whose writes fail (only ``failed`` is read by ``tick``)."""
+
+    failed: str | None = "disk I/O error"
+
+
+def test_a_store_outage_does_not_lose_hosts_that_could_not_be_heard() -> None:
+    # While the store refuses writes every heartbeat is answered 503: the hosts are
+    # silent through no fault of theirs, so the outage is credited like a pause.
+    store = Store(StoreConfig(heartbeat_interval_s=1.0, missed_heartbeats=3), instance="t")
+    now = [100.0]
+    ctl = Controller(
+        store, worker_tokens={}, user_tokens={"u": User("u")}, clock=lambda: now[0], webhooks=()
+    )
+    from rc_worker.controller.messages import DeviceDecl, RegisterRequest
+
+    store.register("box1", RegisterRequest("b", (DeviceDecl("gpu0"),)), now=100.0)
+    down = _DownStore()
+    ctl.durability = down  # type: ignore[assignment]
+    now[0] = 101.0  # housekeeping ticks all along: the first tick sees the store down
+    ctl.tick()
+    now[0] = 160.0
+    ctl.tick()
+    assert store.device("box1", "gpu0").host_state == "up"
+    down.failed = None  # the store works again; the host is heard from now on
+    now[0] = 161.0
+    ctl.tick()
+    assert store.device("box1", "gpu0").host_state == "up"
+    now[0] = 165.0  # ordinary silence after the outage still counts
+    ctl.tick()
+    assert store.device("box1", "gpu0").host_state != "up"
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
 async def test_a_sigstopped_controller_does_not_lose_a_heartbeating_host() -> None:
     proc = await trio.lowlevel.open_process(

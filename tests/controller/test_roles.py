@@ -54,6 +54,18 @@ async def test_submitted_by_and_own_cancel_only(client: httpx.AsyncClient, store
         assert ("job_submitted", "bob") in events
 
 
+async def test_only_the_submitter_or_an_admin_feeds_a_jobs_stdin(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    with trio.fail_after(10):
+        alice, bob = auth(USER_TOKEN), auth(PLAIN_TOKEN)
+        body = {"command": ["cat"], "stdin": True}
+        job = (await client.post("/v1/jobs", json=body, headers=alice)).json()["job_id"]
+        r = await client.put(f"/v1/jobs/{job}/stdin", content=b"from bob", headers=bob)
+        assert r.status_code == 403
+        assert "alice" in r.json()["message"]
+
+
 async def test_clear_and_idle_need_admin(client: httpx.AsyncClient, store: Store) -> None:
     with trio.fail_after(10):
         w = FakeWorker(client)

@@ -10,7 +10,6 @@ load; wall-clock timestamps are kept as they were.
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -189,7 +188,7 @@ def batch_of(store: StoreState, marks: Marks, generation: int) -> Batch:
     meta = (
         ("instance", store.instance),
         ("counters", _dumps(store.counters())),
-        ("event_seq", str(store.last_event_seq_value())),
+        ("event_seq", str(store.last_event_seq)),
     )
     return Batch(
         generation, tuple(jobs), tuple(hosts), events, tuple(marks.output), meta, tuple(deleted)
@@ -337,7 +336,3 @@ def restore(
     store.restore_events(
         Event(seq, type_, time, json.loads(data)) for seq, type_, time, data in loaded.events
     )
-
-
-def insort_queue(queue: list[tuple[int, str]], job: Job) -> None:
-    bisect.insort(queue, (job.seq, job.job_id))
