@@ -352,7 +352,7 @@ async def test_a_child_that_clears_its_environment_and_leaves_its_session_is_kil
         assert escapee in result.sweep.found
         assert result.sweep.clean
         assert not alive(escapee)
-        assert result.usage["cpu_usec"] >= 0
+        assert "cpu_usec" in result.usage  # accounted from the job's cgroup
         assert real.containment is not None
         assert real.cgroup_children(real.containment.tree) == []  # removed
     finally:

@@ -55,7 +55,9 @@ async def test_a_job_that_fills_the_disk_costs_only_its_output(
             assert info.state == "failed"  # its own exit status, not an error of the worker
             assert info.exit_code == 3
             output = system.output(flood)
-            assert b"the worker could not write it to its disk (ENOSPC" in output
+            # The spool's own marker, built from its template, with the disk's error.
+            marker = DISK_ERROR_MARKER.split("{why}")[0].encode()
+            assert marker + b"ENOSPC" in output
             assert output.endswith(b"]\n")
             assert len(output) < 1_100_000
             # The worker carries on, on the same device, once that job's spool is gone.
@@ -99,9 +101,12 @@ async def test_recovery_on_a_full_disk_starts_and_quarantines(
             assert system.worker.registered.is_set()
             assert kinds("gpu1") == []
             ok = system.submit(["true"], device="test-host/gpu1")
-            # gpu1 has no disk to spool to either, but the job is reported, never a crash.
-            assert (await system.wait_job(ok)).terminal
-    assert DISK_ERROR_MARKER  # the marker the first test looks for is the spool's own
+            # gpu1 has no disk to spool to either, but the job is reported, never a crash:
+            # it ran (its output needs no disk) or it ended an error naming the disk.
+            info = await system.wait_job(ok)
+            assert info.state in ("succeeded", "error"), info
+            if info.state == "error":
+                assert "state_dir" in (info.error or ""), info
 
 
 async def test_a_job_the_disk_cannot_journal_is_an_error_not_a_quarantine(

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,6 +39,7 @@ else
   echo "parent: unreadable"
 fi
 ls "$STATE" > /dev/null 2>&1 && echo "state: readable" || echo "state: unreadable"
+ls "$PUBLIC" > /dev/null 2>&1 && echo "public: readable" || echo "public: unreadable"
 python3 -c "import urllib.request as u,sys; print('status:', u.urlopen(sys.argv[1]).read())" \
   "$STATUS"
 """
@@ -93,24 +96,33 @@ async def worker_process(tmp_path: Path, extra: str) -> AsyncIterator[tuple[Stor
             await _wait(store, lambda: any(d.host == "iso-host" for d in store.devices()))
             yield store, f"http://{status}/status"
         finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGQUIT)
-                with trio.move_on_after(15):
-                    await proc.wait()
+            # Shielded: a guard that fired must not leave the worker (and its
+            # jobs) running because the waits below were cancelled too.
+            with trio.CancelScope(shield=True):
                 if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
+                    proc.send_signal(signal.SIGQUIT)
+                    with trio.move_on_after(15):
+                        await proc.wait()
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
             nursery.cancel_scope.cancel()
 
 
 async def _spy(store: Store, tmp_path: Path, status: str) -> tuple[str, str]:
+    (tmp_path / "public").mkdir(mode=0o755, exist_ok=True)
+    (tmp_path / "public").chmod(0o755)
     victim = store.submit(["sleep", "60"], device="iso-host/gpu0", grace_s=0.5)
     await _wait(store, lambda: store.job(victim).state == "running")
     spy = store.submit(
         ["sh", "-c", SPY],
         device="iso-host/gpu1",
         cwd="/",
-        env={"STATE": str(tmp_path / "state"), "STATUS": status},
+        env={
+            "STATE": str(tmp_path / "state"),
+            "PUBLIC": str(tmp_path / "public"),
+            "STATUS": status,
+        },
     )
     await _wait(store, lambda: store.job(spy).terminal)
     store.cancel(victim)
@@ -136,14 +148,22 @@ async def test_a_job_finds_neither_token_nor_rc_variables(tmp_path: Path) -> Non
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs a root worker")
-async def test_job_user_runs_jobs_unprivileged(tmp_path: Path) -> None:
+async def test_job_user_runs_jobs_unprivileged() -> None:
     nobody = pwd.getpwnam("nobody")
-    await trio.Path(tmp_path).chmod(0o755)  # the job's user may pass through, not into state
-    with trio.fail_after(20):
-        async with worker_process(tmp_path, "job_user: nobody\n") as (store, status):
-            victim, out = await _spy(store, tmp_path, status)
+    # Not under pytest's tmp_path: its base (/tmp/pytest-of-root) is 0700, so the
+    # job's user could read nothing there whatever the state dir allowed, and the
+    # state check below could not fail. Here only state_dir itself is closed (0700).
+    base = Path(tempfile.mkdtemp(prefix="rc-isolation-"))
+    try:
+        os.chmod(base, 0o755)
+        with trio.fail_after(20):
+            async with worker_process(base, "job_user: nobody\n") as (store, status):
+                victim, out = await _spy(store, base, status)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
     assert f"uid={nobody.pw_uid}" in out
     assert "parent: unreadable" in out
+    assert "public: readable" in out  # the control: nobody does reach what is open
     assert "state: unreadable" in out
     assert TOKEN not in out
     assert victim not in out

@@ -8,6 +8,7 @@ of ``examples/``, and the example's ``status_listen`` is moved to port 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -32,6 +33,15 @@ def _blocks(after: str, lang: str) -> list[str]:
 def _without_venv(script: str) -> str:
     # The test's interpreter is already the venv's; PATH points at its bin.
     return "\n".join(line for line in script.splitlines() if ".venv/bin/activate" not in line)
+
+
+async def _stop_group(proc: trio.Process) -> None:
+    """Stop the script and what it started in the background: SIGQUIT first (a
+    worker then stops its jobs and exits), SIGKILL if anything is left."""
+    for sig, wait in ((signal.SIGQUIT, 10.0), (signal.SIGKILL, 0.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        await trio.sleep(wait)
 
 
 async def test_the_quickstart_works_as_pasted(tmp_path: Path) -> None:
@@ -66,6 +76,10 @@ async def test_the_quickstart_works_as_pasted(tmp_path: Path) -> None:
                 capture_stdout=True,
                 capture_stderr=True,
                 check=False,
+                # Its own process group, stopped whole if the guard fires: the
+                # script starts rc-worker in the background.
+                start_new_session=True,
+                deliver_cancel=_stop_group,
             )
     finally:
         serve.send_signal(signal.SIGTERM)

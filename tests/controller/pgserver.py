@@ -13,8 +13,10 @@ import itertools
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,8 +69,26 @@ class PgServer:
         )
 
     def stop(self) -> None:
-        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        try:
             self._run(str(BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            # pg_ctl could not stop it: end the postmaster this test started (its pid
+            # is the first line of postmaster.pid), so it never outlives its data.
+            self._kill_postmaster()
+
+    def _kill_postmaster(self) -> None:
+        try:
+            pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return  # never started, or already gone
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(100):  # bounded: up to 10 s for it to go
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
     def url(self, db: str) -> str:
         return f"postgresql:///{db}?host={self.base}&user=postgres"
