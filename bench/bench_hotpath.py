@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -110,12 +110,20 @@ class System:
         self.devices = devices
         self.serve: subprocess.Popen[bytes] | None = None
         self.worker: subprocess.Popen[bytes] | None = None
+        self.logs: list[IO[bytes]] = []
         self.http = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {USER_TOKEN}"}, timeout=60
         )
 
     def __enter__(self) -> System:
-        log = open(self.tmp / "serve.log", "wb")
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__()  # what started before the failure is stopped, not leaked
+            raise
+
+    def _start(self) -> System:
+        log = self._log("serve.log")
         self.serve = subprocess.Popen(
             [
                 *_profiled("rc", f"serve{self.devices}"),
@@ -126,6 +134,7 @@ class System:
                 WORKER_TOKEN,
                 "--user-token",
                 USER_TOKEN,
+                "--memory",  # the hot path itself; the stores have bench_persist.py
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -139,7 +148,7 @@ class System:
             f"devices:\n{names}state_dir: {state}\nprobe_dir: {self.tmp}/probe.d\n"
             f"verify_dir: {self.tmp}/verify.d\nsheet_dir: {self.tmp}/sheets\n"
         )
-        wlog = open(self.tmp / f"worker{self.devices}.log", "wb")
+        wlog = self._log(f"worker{self.devices}.log")
         self.worker = subprocess.Popen(
             [*_profiled("rc-worker", f"worker{self.devices}"), "run", "--config", str(config)],
             stdout=wlog,
@@ -147,6 +156,11 @@ class System:
         )
         self._wait(self._all_free)
         return self
+
+    def _log(self, name: str) -> IO[bytes]:
+        f = open(self.tmp / name, "wb")  # noqa: SIM115 - closed in __exit__
+        self.logs.append(f)
+        return f
 
     def __exit__(self, *exc: object) -> None:
         self.http.close()
@@ -158,6 +172,8 @@ class System:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        for f in self.logs:
+            f.close()
 
     def _all_free(self) -> bool:
         r = self.http.get("/v1/devices")

@@ -176,10 +176,11 @@ def main() -> int:
 
         if pgserver.available():
             server = pgserver.PgServer()
+    try:
+        if server is not None:
             server.init()
             url = server.new_database()
             places["postgres"] = lambda: open_backend(db=url)
-    try:
         results: dict[str, dict[str, float]] = {}
         for name, open_ in places.items():
             backend = None if open_ is None else open_()
