@@ -38,9 +38,9 @@ async def submit(request: Request) -> Response:
     ctl = controller_of(request)
     user = ctl.require_user(request)
     ctl.tick()
-    body = await json_body(request)
-    kwargs = wire.submit(body)
-    if body.flag("strict"):
+    req = wire.submit(await json_body(request))
+    kwargs = wire.submit_kwargs(req.spec)
+    if req.strict:
         # Checked and submitted with no await in between: the devices cannot change meanwhile.
         why = ctl.store.pending(kwargs["select"], kwargs["device"])
         if why.code == "no_match":
@@ -172,8 +172,7 @@ async def cancel(request: Request) -> Response:
     ctl.tick()
     job_id = request.path_params["job_id"]
     _owner_or_admin(ctl, user, job_id, "cancel it")
-    f = await json_body(request, empty_ok=True)
-    reason = f.opt_str("reason") or "cancelled"
+    reason = wire.cancel(await json_body(request, empty_ok=True)).reason
     return JSONResponse(ctl.store.cancel(job_id, reason, by=user.name).to_json())
 
 
@@ -208,7 +207,7 @@ async def clear_host(request: Request) -> Response:
 
 async def idle_behavior(request: Request) -> Response:
     ctl, user = _admin(request, "setting a device's idle behaviour")
-    behavior = (await json_body(request)).req_str("idle_behavior")
+    behavior = wire.idle_behavior(await json_body(request)).idle_behavior
     info = ctl.store.set_idle_behavior(*_address(request), behavior, by=user.name)
     return JSONResponse(info.to_json())
 
@@ -233,9 +232,9 @@ async def host_resume(request: Request) -> Response:
 
 async def host_retire(request: Request) -> Response:
     ctl, user = _admin(request, "retiring a host")
-    body = await json_body(request)
+    force = wire.retire(await json_body(request)).force
     host = request.path_params["host"]
-    ended = ctl.store.retire_host(host, force=body.flag("force"), by=user.name)
+    ended = ctl.store.retire_host(host, force=force, by=user.name)
     return JSONResponse({"host": host, "retired": True, "jobs_lost": ended})
 
 

@@ -21,6 +21,7 @@ from rc_worker.controller.context import (
 )
 from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
+from rc_worker.core.protocol import DeregisterRequest, PollReply, unstructure
 from rc_worker.model import PROTOCOL_VERSION
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
@@ -45,7 +46,7 @@ async def register(request: Request) -> Response:
             PROTOCOL_VERSION,
         )
     now = ctl.tick()
-    return JSONResponse(ctl.store.register(host, req, now=now).to_json())
+    return JSONResponse(unstructure(ctl.store.register(host, req, now=now)))
 
 
 async def heartbeat(request: Request) -> Response:
@@ -54,17 +55,22 @@ async def heartbeat(request: Request) -> Response:
     ctl.require_worker(request, host)
     req = wire.heartbeat(await json_body(request))
     now = ctl.tick()
-    return JSONResponse(ctl.store.heartbeat(host, req, now=now).to_json())
+    return JSONResponse(unstructure(ctl.store.heartbeat(host, req, now=now)))
 
 
 async def poll(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    fields = await json_body(request)
-    session, ready, wait_s, withdrawn = wire.poll(fields)
-    known = wire.known_cancels(fields)
-    watch = fields.flag("watch_cancels")
+    req = wire.poll(await json_body(request))
+    session, ready, wait_s, withdrawn = (
+        req.session,
+        list(req.ready),
+        req.wait_s,
+        list(req.withdrawn),
+    )
+    known = {(c.job_id, c.attempt) for c in req.known_cancels}
+    watch = req.watch_cancels
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
     deadline = ctl.now() + wait
@@ -94,19 +100,14 @@ async def poll(request: Request) -> Response:
         tg.cancel_scope.cancel()
     if error is not None:
         raise error
-    return JSONResponse(
-        {
-            "assignments": [a.to_json() for a in assignments],
-            "cancel": [c.to_json() for c in cancels],
-        }
-    )
+    return JSONResponse(unstructure(PollReply(tuple(assignments), tuple(cancels))))
 
 
 async def deregister(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    session = (await json_body(request)).req_str("session")
+    session = wire.parse(await json_body(request), DeregisterRequest).session
     now = ctl.tick()
     ctl.store.deregister(host, session, now=now)
     return _ok()
@@ -218,8 +219,8 @@ async def labels(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    f = await json_body(request)
-    session, update = f.req_str("session"), wire.labels_update(f)
+    req = wire.labels(await json_body(request))
+    session, update = req.session, req.update
     now = ctl.tick()
     ctl.store.put_labels(host, session, update, now=now)
     return _ok()
@@ -229,8 +230,8 @@ async def sheets(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    f = await json_body(request)
-    session, update = f.req_str("session"), wire.sheets_update(f)
+    req = wire.sheets(await json_body(request))
+    session, update = req.session, req.sheets
     now = ctl.tick()
     ctl.store.put_sheets(host, session, update, now=now)
     return _ok()
