@@ -16,7 +16,7 @@ one the other must still carry.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Final, TypeVar
+from typing import Final, TypeAlias, TypeVar
 
 import attrs
 
@@ -35,6 +35,7 @@ from rc_worker.core.jsonconv import (
 __all__ = [
     "NO_SESSION",
     "Assignment",
+    "AssignmentIdentity",
     "CancelOrder",
     "CancelRequest",
     "DeregisterRequest",
@@ -56,6 +57,8 @@ __all__ = [
     "KnownCancel",
     "LabelsRequest",
     "LabelsUpdate",
+    "Message",
+    "OutputReply",
     "PollReply",
     "PollRequest",
     "ProtocolError",
@@ -70,9 +73,11 @@ __all__ = [
     "StartRequest",
     "StdinRef",
     "SubmitRequest",
+    "Sweep",
     "Verify",
     "converter",
     "structure",
+    "to_wire",
     "unstructure",
 ]
 
@@ -193,7 +198,7 @@ class DeviceDecl:
         default=None, metadata={IF_NULL: (), OMIT: None}
     )
     """None: the worker did not say (protocol 1); else every fault it holds."""
-    running: RunningClaim | None = None
+    running: RunningClaim | None = attrs.field(default=None, metadata={OMIT: None})
 
 
 @attrs.frozen
@@ -246,10 +251,10 @@ class DeviceReport:
     """One device of a heartbeat, as the worker sees it."""
 
     state: str
-    job_id: str | None = None
-    attempt: int | None = None
-    faults: tuple[str, ...] = ()
-    held_for_health: str | None = None
+    job_id: str | None = attrs.field(default=None, metadata={OMIT: None})
+    attempt: int | None = attrs.field(default=None, metadata={OMIT: None})
+    faults: tuple[str, ...] = attrs.field(default=(), metadata={OMIT: ()})
+    held_for_health: str | None = attrs.field(default=None, metadata={OMIT: None})
     """Why the worker's GPU checks hold the device (not offered, not quarantined)."""
 
 
@@ -321,12 +326,12 @@ class FaultRequest:
     fault_id: str
     kind: str = attrs.field(default="fault", converter=_kind_or_fault)
     reason: str = ""
-    job_id: str | None = None
-    severity: str | None = None
-    action: str | None = None
-    scope: str | None = None
+    job_id: str | None = attrs.field(default=None, metadata={OMIT: None})
+    severity: str | None = attrs.field(default=None, metadata={OMIT: None})
+    action: str | None = attrs.field(default=None, metadata={OMIT: None})
+    scope: str | None = attrs.field(default=None, metadata={OMIT: None})
     """``host``: a fault of the whole host, raised on each of its GPU devices."""
-    parent_fault: str | None = None
+    parent_fault: str | None = attrs.field(default=None, metadata={OMIT: None})
     """For a MIG slice: the fault id of its physical GPU's fault."""
 
 
@@ -406,6 +411,19 @@ class StdinRef:
     url: str
 
 
+_SECONDS: Final = {EXPECTED: "a number of seconds or null"}
+
+
+@attrs.frozen
+class AssignmentIdentity:
+    """Where an assignment's answer goes, read from one that may be malformed otherwise: a
+    rejection needs it to address its ``finish``."""
+
+    job_id: str
+    attempt: int
+    device: object = None
+
+
 @attrs.frozen
 class Assignment:
     """One offer of a job to one device: an entry of a poll's ``assignments``."""
@@ -420,9 +438,9 @@ class Assignment:
     env: Mapping[str, str] = attrs.field(
         factory=dict, hash=False, metadata={EXPECTED: "an object mapping variable names to strings"}
     )
-    max_runtime_s: float | None = None
-    idle_timeout_s: float | None = None
-    grace_s: float = 10.0
+    max_runtime_s: float | None = attrs.field(default=None, metadata=_SECONDS)
+    idle_timeout_s: float | None = attrs.field(default=None, metadata=_SECONDS)
+    grace_s: float = attrs.field(default=10.0, metadata=_SECONDS)
     stdin: StdinRef | None = attrs.field(
         default=None, metadata={EXPECTED: 'null or {"url": "..."}'}
     )
@@ -452,6 +470,26 @@ class Assignment:
 
     def to_json(self) -> JsonObject:
         return unstructure(self)
+
+
+@attrs.frozen
+class Sweep:
+    """What was left of a job once its process group was torn down (``finish``, ``recovery``).
+    Carried as an object: the controller keeps and shows it as sent."""
+
+    scanned: bool
+    found: tuple[int, ...]
+    remaining: tuple[int, ...]
+    blind: bool
+    blind_pids: tuple[int, ...] = ()
+    method: str = "environ"
+
+
+@attrs.frozen
+class OutputReply:
+    """``output``'s answer, and its ``409 gap``'s: where the controller's copy ends."""
+
+    committed: int
 
 
 @attrs.frozen
@@ -616,6 +654,11 @@ def unstructure(message: object) -> JsonObject:
     return out
 
 
+def to_wire(body: object) -> object:
+    """``body`` as JSON-ready data: messages anywhere in it unstructured, the rest as it is."""
+    return plain(converter, body)
+
+
 def _structure_sheets(value: object, _: object) -> SheetsUpdate:
     # ``host`` missing keeps the host's sheet; ``host: null`` removes it.
     if not isinstance(value, dict):
@@ -705,3 +748,17 @@ converter.register_unstructure_hook(SubmitRequest, _unstructure_submit)
 converter.register_structure_hook(Event, _structure_event)
 converter.register_unstructure_hook(Event, _unstructure_event)
 converter.register_unstructure_hook(DeviceInfo, _unstructure_device)
+
+
+Message: TypeAlias = (
+    RegisterRequest
+    | HeartbeatRequest
+    | PollRequest
+    | DeregisterRequest
+    | StartRequest
+    | FinishRequest
+    | FaultRequest
+    | LabelsRequest
+    | SheetsRequest
+)
+"""A request a worker sends."""
