@@ -23,6 +23,7 @@ from rc_worker.core import protocol
 from rc_worker.core.protocol import (
     CancelOrder,
     DeviceReport,
+    ErrorReply,
     HeartbeatReply,
     KnownCancel,
     OutputReply,
@@ -446,8 +447,12 @@ def _decode(response: httpx.Response, data: bytes) -> dict[str, Any]:
     retry_after = parse_retry_after(response.headers.get("Retry-After"))
     if is_transient_status(status):
         raise _Transient(f"status {status}", retry_after, status)
-    code = str(body.get("error", "")) or f"http_{status}"
-    message = str(body.get("message", "")) or response.reason_phrase
+    try:
+        said = protocol.structure(body, ErrorReply)
+    except ProtocolError:
+        said = ErrorReply()
+    code = said.error or f"http_{status}"
+    message = said.message or response.reason_phrase
     if status == 409 and code == "unknown_session":
         raise UnknownSession(status, code, message, body)
     raise ControllerError(status, code, message, body)

@@ -121,6 +121,11 @@ def test_every_request_and_reply_is_covered() -> None:
         "DeviceInfo",
         "SheetInfo",
         "Event",
+        "EventsPage",
+        "JobsPage",
+        "ErrorReply",
+        "OutputReply",
+        "StateReply",
     ):
         assert name in names
 

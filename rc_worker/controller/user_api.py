@@ -13,6 +13,17 @@ from rc_worker.controller import wire
 from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
 from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
+from rc_worker.core.protocol import (
+    ClearReply,
+    DevicesReply,
+    EventsPage,
+    HostClearReply,
+    JobsPage,
+    RetireReply,
+    StdinReply,
+    SubmitReply,
+    unstructure,
+)
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
@@ -49,9 +60,7 @@ async def submit(request: Request) -> Response:
             )
     job_id = ctl.store.submit(**kwargs, submitted_by=user.name)
     job = ctl.store.job(job_id)
-    return JSONResponse(
-        {"job_id": job_id, "pending_reason": job.pending_reason, "pending_code": job.pending_code}
-    )
+    return JSONResponse(unstructure(SubmitReply(job_id, job.pending_reason, job.pending_code)))
 
 
 async def list_jobs(request: Request) -> Response:
@@ -60,7 +69,7 @@ async def list_jobs(request: Request) -> Response:
     q = request.query_params
     if not any(k in q for k in ("limit", "after", "order")):
         jobs = ctl.store.jobs(state)
-        return JSONResponse({"jobs": [j.to_json() for j in jobs], "next": None})
+        return JSONResponse(unstructure(JobsPage(tuple(jobs))))
     limit = query_int(request, "limit", MAX_JOBS_PER_PAGE)
     if not 1 <= limit <= MAX_JOBS_PER_PAGE:
         raise BadRequest(f"limit: must be between 1 and {MAX_JOBS_PER_PAGE}")
@@ -71,7 +80,7 @@ async def list_jobs(request: Request) -> Response:
     page, nxt = ctl.store.jobs_page_info(
         state, after=after, limit=limit, newest_first=order == "desc"
     )
-    return JSONResponse({"jobs": [j.to_json() for j in page], "next": nxt})
+    return JSONResponse(unstructure(JobsPage(tuple(page), nxt)))
 
 
 async def get_job(request: Request) -> Response:
@@ -163,7 +172,7 @@ async def put_stdin(request: Request) -> Response:
                 raise
     except ClientDisconnect:
         return JSONResponse({"error": "disconnected", "message": "upload dropped"}, 400)
-    return JSONResponse({"accepted": accepted})
+    return JSONResponse(unstructure(StdinReply(accepted)))
 
 
 async def cancel(request: Request) -> Response:
@@ -178,7 +187,7 @@ async def cancel(request: Request) -> Response:
 
 async def list_devices(request: Request) -> Response:
     ctl = _user(request)
-    return JSONResponse({"devices": [d.to_json() for d in ctl.store.devices()]})
+    return JSONResponse(unstructure(DevicesReply(tuple(ctl.store.devices()))))
 
 
 def _address(request: Request) -> tuple[str, str]:
@@ -194,15 +203,16 @@ async def clear(request: Request) -> Response:
     ctl, user = _admin(request, "clearing a device")
     host, device = _address(request)
     cleared = ctl.store.clear(host, device, by=user.name)
-    return JSONResponse({"cleared": cleared, "device": ctl.store.device(host, device).to_json()})
+    return JSONResponse(unstructure(ClearReply(tuple(cleared), ctl.store.device(host, device))))
 
 
 async def clear_host(request: Request) -> Response:
     ctl, user = _admin(request, "clearing a host")
     host = request.path_params["host"]
     cleared = ctl.store.clear_host(host, by=user.name)
-    devices = [d.to_json() for d in ctl.store.devices() if d.host == host]
-    return JSONResponse({"host": host, "cleared": cleared, "devices": devices})
+    devices = tuple(d for d in ctl.store.devices() if d.host == host)
+    cleared_ids = {name: tuple(ids) for name, ids in cleared.items()}
+    return JSONResponse(unstructure(HostClearReply(host, cleared_ids, devices)))
 
 
 async def idle_behavior(request: Request) -> Response:
@@ -221,13 +231,13 @@ async def pool(request: Request) -> Response:
 async def host_drain(request: Request) -> Response:
     ctl, user = _admin(request, "draining a host")
     devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain", by=user.name)
-    return JSONResponse({"devices": [d.to_json() for d in devices]})
+    return JSONResponse(unstructure(DevicesReply(tuple(devices))))
 
 
 async def host_resume(request: Request) -> Response:
     ctl, user = _admin(request, "resuming a host")
     devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run", by=user.name)
-    return JSONResponse({"devices": [d.to_json() for d in devices]})
+    return JSONResponse(unstructure(DevicesReply(tuple(devices))))
 
 
 async def host_retire(request: Request) -> Response:
@@ -235,7 +245,7 @@ async def host_retire(request: Request) -> Response:
     force = wire.retire(await json_body(request)).force
     host = request.path_params["host"]
     ended = ctl.store.retire_host(host, force=force, by=user.name)
-    return JSONResponse({"host": host, "retired": True, "jobs_lost": ended})
+    return JSONResponse(unstructure(RetireReply(host, tuple(ended))))
 
 
 async def events(request: Request) -> Response:
@@ -251,7 +261,7 @@ async def events(request: Request) -> Response:
         if found or now >= deadline:
             break
         await ctl.wait_change(seen, deadline)
-    return JSONResponse({"events": [e.to_json() for e in found], "last": ctl.store.last_event_seq})
+    return JSONResponse(unstructure(EventsPage(tuple(found), ctl.store.last_event_seq)))
 
 
 def routes() -> list[Route]:

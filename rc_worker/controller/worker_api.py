@@ -21,7 +21,14 @@ from rc_worker.controller.context import (
 )
 from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
-from rc_worker.core.protocol import DeregisterRequest, PollReply, unstructure
+from rc_worker.core.protocol import (
+    DeregisterRequest,
+    OkReply,
+    OutputReply,
+    PollReply,
+    StateReply,
+    unstructure,
+)
 from rc_worker.model import PROTOCOL_VERSION
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
@@ -30,7 +37,7 @@ log = logging.getLogger("rc_worker.controller")
 
 
 def _ok() -> JSONResponse:
-    return JSONResponse({"ok": True})
+    return JSONResponse(unstructure(OkReply()))
 
 
 async def register(request: Request) -> Response:
@@ -152,7 +159,7 @@ async def output(request: Request) -> Response:
     _check_optional_session(ctl, p, request)
     ctl.check_host(p, ctl.store.attempt_host(job_id, attempt))
     committed = await _append_as_read(ctl, request, job_id, attempt, offset)
-    return JSONResponse({"committed": committed})
+    return JSONResponse(unstructure(OutputReply(committed)))
 
 
 async def _append_as_read(
@@ -212,7 +219,7 @@ async def finish(request: Request) -> Response:
     _check_session_host(ctl, p, req.session)
     now = ctl.tick()
     job = ctl.store.finish(request.path_params["job_id"], req, now=now)
-    return JSONResponse({"ok": True, "state": job.state})
+    return JSONResponse(unstructure(StateReply(job.state)))
 
 
 async def labels(request: Request) -> Response:
@@ -244,7 +251,7 @@ async def fault(request: Request) -> Response:
     req = wire.fault(await json_body(request))
     now = ctl.tick()
     device = ctl.store.raise_fault(host, request.path_params["device"], req, now=now)
-    return JSONResponse({"ok": True, "state": device.state})
+    return JSONResponse(unstructure(StateReply(device.state)))
 
 
 async def stdin(request: Request) -> Response:

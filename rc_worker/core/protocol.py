@@ -38,26 +38,34 @@ __all__ = [
     "AssignmentIdentity",
     "CancelOrder",
     "CancelRequest",
+    "ClearReply",
     "DeregisterRequest",
     "DeviceDecl",
     "DeviceInfo",
     "DeviceReport",
     "DeviceStatus",
+    "DevicesReply",
+    "ErrorReply",
     "Event",
+    "EventsPage",
     "FaultInfo",
     "FaultRequest",
     "FinishRequest",
+    "HealthReply",
     "HeartbeatReply",
     "HeartbeatRequest",
     "HeldFault",
+    "HostClearReply",
     "IdleBehaviorRequest",
     "JobInfo",
     "JobSpec",
+    "JobsPage",
     "JsonObject",
     "KnownCancel",
     "LabelsRequest",
     "LabelsUpdate",
     "Message",
+    "OkReply",
     "OutputReply",
     "PollReply",
     "PollRequest",
@@ -65,13 +73,17 @@ __all__ = [
     "Recovery",
     "RegisterReply",
     "RegisterRequest",
+    "RetireReply",
     "RetireRequest",
     "RunningClaim",
     "SheetInfo",
     "SheetsRequest",
     "SheetsUpdate",
     "StartRequest",
+    "StateReply",
     "StdinRef",
+    "StdinReply",
+    "SubmitReply",
     "SubmitRequest",
     "Sweep",
     "Verify",
@@ -634,6 +646,92 @@ class Event:
 
     def to_json(self) -> JsonObject:
         return unstructure(self)
+
+
+# --- small replies and envelopes ------------------------------------------------------------
+
+
+@attrs.frozen
+class OkReply:
+    """``{"ok": true}``: deregister, start, labels, sheets."""
+
+    ok: bool = True
+
+
+@attrs.frozen
+class StateReply:
+    """``finish`` (the job's state) and ``fault`` (the device's) answers."""
+
+    state: str
+    ok: bool = True
+
+
+@attrs.frozen
+class HealthReply:
+    """``GET /v1/health``."""
+
+    protocol: int
+    store: str
+    ok: bool = True
+
+
+@attrs.frozen
+class ErrorReply:
+    """Every error answer: a machine code and a sentence for people (extra fields aside)."""
+
+    error: str = ""
+    message: str = ""
+
+
+@attrs.frozen
+class SubmitReply:
+    job_id: str
+    pending_reason: str | None = None
+    pending_code: str | None = None
+
+
+@attrs.frozen
+class JobsPage:
+    jobs: tuple[JobInfo, ...] = ()
+    next: int | None = None
+
+
+@attrs.frozen
+class DevicesReply:
+    """``GET /v1/devices``, and host drain and resume."""
+
+    devices: tuple[DeviceInfo, ...] = ()
+
+
+@attrs.frozen
+class ClearReply:
+    cleared: tuple[str, ...]
+    device: DeviceInfo
+
+
+@attrs.frozen
+class HostClearReply:
+    host: str
+    cleared: Mapping[str, tuple[str, ...]] = attrs.field(hash=False)
+    devices: tuple[DeviceInfo, ...] = ()
+
+
+@attrs.frozen
+class RetireReply:
+    host: str
+    jobs_lost: tuple[str, ...] = ()
+    retired: bool = True
+
+
+@attrs.frozen
+class StdinReply:
+    accepted: int
+
+
+@attrs.frozen
+class EventsPage:
+    events: tuple[Event, ...] = ()
+    last: int = 0
 
 
 # --- the converter --------------------------------------------------------------------------
