@@ -29,6 +29,7 @@ from rc_worker.controller.messages import Event
 from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import Batch, take_batch
 from rc_worker.controller.state import StoreState
+from rc_worker.core.protocol import ErrorReply, unstructure
 
 __all__ = ["Durability", "DurableMiddleware"]
 
@@ -119,7 +120,7 @@ class Durability:
 
 
 async def _send_503(send: Any, message: str) -> None:
-    body = json.dumps({"error": "store_unavailable", "message": message}).encode()
+    body = json.dumps(unstructure(ErrorReply("store_unavailable", message))).encode()
     await send(
         {
             "type": "http.response.start",
