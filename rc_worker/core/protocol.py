@@ -375,7 +375,8 @@ class SheetsRequest:
 class DeviceStatus:
     """A device's state as the register reply gives it."""
 
-    state: str
+    # A reply that leaves it out quarantines nothing, as before the types.
+    state: str = "free"
     reason: str | None = None
     fault_id: str | None = None
     faults: tuple[str, ...] = ()
