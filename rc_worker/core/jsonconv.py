@@ -27,7 +27,7 @@ import math
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Union
+from typing import Any, Final, TypeVar, Union
 
 import attrs
 import cattrs
@@ -305,3 +305,27 @@ def unstructure_fields(c: cattrs.Converter, cls: type) -> Callable[[object], Jso
         return out
 
     return hook
+
+
+T = TypeVar("T")
+
+converter = make_converter()
+"""The one converter of the wire: worker and controller both read and write through it.
+The protocol's modules register the hooks of their few irregular messages on it."""
+
+
+def structure(value: object, cls: type[T]) -> T:
+    """``value`` (decoded JSON) as a ``cls``; a malformed one raises :class:`ProtocolError`."""
+    return converter.structure(value, cls)
+
+
+def unstructure(message: object) -> JsonObject:
+    """``message`` as the JSON object the wire carries."""
+    out = converter.unstructure(message)
+    assert isinstance(out, dict)
+    return out
+
+
+def to_wire(body: object) -> object:
+    """``body`` as JSON-ready data: messages anywhere in it unstructured, the rest as it is."""
+    return plain(converter, body)
