@@ -7,9 +7,10 @@ on it: a drop-in unconfirms the devices it named the last time it worked in
 THIS process, and nvidia-smi missing from PATH matters only if it was there
 on this Prober's first pass (the seed's ``ProbeResult`` comment).
 
-Every probe runs through ``supervise.run_job``: its own process group, killed
-(SIGTERM, a short grace, SIGKILL) at ``probe_timeout`` or when the pass's
-``probe_pass_budget`` runs out, whichever comes first.
+Every probe runs through ``scripts.run_script``, as hooks and verify scripts
+do: its own process group, killed (SIGTERM, a short grace, SIGKILL) at
+``probe_timeout`` or when the pass's ``probe_pass_budget`` runs out, whichever
+comes first; drop-ins are found by the one listing rule (``list_scripts``).
 """
 
 from __future__ import annotations
