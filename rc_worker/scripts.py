@@ -138,7 +138,7 @@ class Limit:
     @property
     def from_budget(self) -> bool:
         """Whether the pass's budget, not the script's own timeout, sets this limit."""
-        return self.seconds < self.timeout
+        return self.budget is not None and self.seconds < self.timeout
 
 
 class Budget:

@@ -120,6 +120,7 @@ async def test_budget_gives_each_run_its_timeout_or_what_is_left(
     await trio.sleep(100)
     assert alone.next() == Limit(3, 3)
     assert not Limit(3, 3).from_budget
+    assert not Limit(1, 3).from_budget  # shorter, but no pass budget set it
 
 
 async def test_a_script_past_its_timeout_is_killed_with_its_group(tmp_path: Path) -> None:
