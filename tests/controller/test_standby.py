@@ -253,3 +253,42 @@ async def test_the_standby_takes_over_a_killed_controller_and_nothing_is_lost(
     assert not any(both for both in (x and y for x, y in samples)), "two active controllers"
     assert any(x for x, _ in samples)
     assert any(y for _, y in samples)
+
+
+async def test_a_controller_that_lost_the_lock_stops_with_one_line(
+    db: str, pg_server: PgServer, tmp_path: Path
+) -> None:
+    place = StorePlace("postgres", db=db, server=pg_server)
+    ctl = Controller(place, tmp_path)
+    try:
+        with trio.fail_after(GUARD):
+            await ctl.start()
+            assert (await status_of(ctl.url)) == 200
+
+            def take_the_lock_from_it() -> psycopg.Connection[object]:
+                thief: psycopg.Connection[object] = psycopg.connect(db, autocommit=True)
+                row = thief.execute(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                ).fetchone()
+                assert row is not None
+                thief.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                # Queued behind the dying session: the lock is ours as soon as it is gone.
+                thief.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
+                return thief
+
+            thief = await trio.to_thread.run_sync(take_the_lock_from_it)
+            try:
+                assert ctl.proc is not None
+                assert await ctl.proc.wait() == 3
+                assert ctl.proc.stderr is not None
+                said = b""
+                while chunk := await ctl.proc.stderr.receive_some(4096):
+                    said += chunk
+                lines = [line for line in said.decode().splitlines() if line.startswith("rc: ")]
+                assert "rc serve: lost the controllers' lock" in lines[-1], said
+                assert "Traceback" not in said.decode()
+            finally:
+                thief.close()
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctl.stop()
