@@ -53,6 +53,11 @@ AnswerFn = Callable[[str, str], None]
 Body = Mapping[str, Any] | protocol.Message
 Payload = Body | Callable[[], Body]
 T = TypeVar("T")
+# A heartbeat's device states, or a function giving them afresh at every try.
+DeviceStates = (
+    Mapping[str, DeviceReport | Mapping[str, Any]]
+    | Callable[[], Mapping[str, DeviceReport | Mapping[str, Any]]]
+)
 # Raw bytes, or a function giving a fresh stream of them at every try: a
 # streamed body cannot be replayed, so a retry starts a new one.
 Content = bytes | Callable[[], AsyncIterable[bytes]]
@@ -122,12 +127,9 @@ class ControllerClient:
         self._generation += 1
         return reply
 
-    async def heartbeat(
-        self,
-        devices: Mapping[str, DeviceReport | Mapping[str, Any]]
-        | Callable[[], Mapping[str, DeviceReport | Mapping[str, Any]]],
-    ) -> HeartbeatReply:
-        """Report device states; pass a callable to have them read afresh at every try.
+    async def heartbeat(self, devices: DeviceStates) -> dict[str, Any]:
+        """Report device states; the answer as it came (:meth:`heartbeat_reply` gives
+        it as its message). Pass a callable to have them read afresh at every try.
 
         A heartbeat retried through an outage, or resent after registering
         again, must not carry the states of before: the controller drops a
@@ -139,8 +141,12 @@ class ControllerClient:
         def body() -> Mapping[str, Any]:
             return {"devices": devices() if callable(devices) else devices}
 
-        answer = await self._call("POST", f"/v1/hosts/{self.host}/heartbeat", body)
-        return _reply("heartbeat", answer, HeartbeatReply)
+        return await self._call("POST", f"/v1/hosts/{self.host}/heartbeat", body)
+
+    async def heartbeat_reply(self, devices: DeviceStates) -> HeartbeatReply:
+        """:meth:`heartbeat`, its answer as the protocol's message (a malformed one is a
+        ``ControllerError`` naming the field)."""
+        return _reply("heartbeat", await self.heartbeat(devices), HeartbeatReply)
 
     async def poll(
         self, ready: list[str], wait_s: float, withdrawn: list[str] | None = None

@@ -536,7 +536,7 @@ class Worker:
             try:
                 # Read afresh at each try: a retried heartbeat must not carry
                 # the states of before the outage.
-                answer = await client.heartbeat(self._heartbeat_states)
+                answer = await client.heartbeat_reply(self._heartbeat_states)
             except ControllerError as e:
                 log.error("heartbeat refused: %s", e)
                 continue

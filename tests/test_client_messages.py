@@ -60,7 +60,7 @@ async def test_a_heartbeat_reply_comes_back_as_its_message() -> None:
     client, http = _client(answer, [])
     with trio.fail_after(10):
         async with http:
-            reply = await client.heartbeat({"gpu0": protocol.DeviceReport("free")})
+            reply = await client.heartbeat_reply({"gpu0": protocol.DeviceReport("free")})
     assert reply == protocol.HeartbeatReply(
         (protocol.CancelOrder("j-1", 1, "cancelled by alice"),),
         {"gpu0": "drain"},
@@ -73,4 +73,4 @@ async def test_a_malformed_reply_is_one_error_naming_the_field() -> None:
     with trio.fail_after(10):
         async with http:
             with pytest.raises(ControllerError, match=r"cancel\[0\]\.attempt: expected an integer"):
-                await client.heartbeat({})
+                await client.heartbeat_reply({})
