@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 
 from rc_worker.controller import Store, StoreConfig, create_app
 from rc_worker.controller.durable import Durability
+from rc_worker.controller.messages import JobInfo
 from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import Batch, Loaded
 from rc_worker.controller.persist.opening import open_backend, open_store
@@ -60,6 +61,17 @@ class Breakable:
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         return self.inner.read_events(after, limit)
 
+    def read_job(self, job_id: str) -> tuple[str, int] | None:
+        return self.inner.read_job(job_id)
+
+    def read_finished(
+        self, state: str | None, after: int | None, limit: int, newest_first: bool
+    ) -> list[tuple[str, int]]:
+        return self.inner.read_finished(state, after, limit, newest_first)
+
+    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
+        return self.inner.delete_finished_before(wall_time)
+
     def webhook_cursors(self) -> dict[str, int]:
         return self.inner.webhook_cursors()
 
@@ -88,6 +100,12 @@ def open_controller(
         store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS, durability=durability
     )
     return Opened(store, app, durability, backend, had)
+
+
+async def all_jobs(opened: Opened) -> list[JobInfo]:
+    """Every job of the store, in memory or only in the database beneath."""
+    jobs, _ = await opened.durability.jobs_page(None, after=None, limit=None, newest_first=False)
+    return jobs
 
 
 @contextlib.asynccontextmanager
