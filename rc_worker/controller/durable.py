@@ -126,7 +126,8 @@ class Durability:
     async def ensure_jobs(self, job_ids: Iterable[str]) -> None:
         """Bring the named jobs the store beneath holds back into memory, so that a decision
         about them is made on their record (ids nobody stored are left unknown)."""
-        for job_id in dict.fromkeys(job_ids):
+        wanted = list(dict.fromkeys(job_ids))
+        for job_id in wanted:
             if self.store.in_memory(job_id):
                 continue
             try:
@@ -137,7 +138,9 @@ class Durability:
                 ) from None
             if row is not None and not self.store.in_memory(job_id):
                 self.store.readmit(stored_job(row[0], row[1], anyio.current_time()))
-        self.store.evict_finished(self.keep_finished, self.busy)
+        # Room for them, but they stay until the caller's decision (the next commit's
+        # eviction, or the request's end, may drop them then).
+        self.store.evict_finished(self.keep_finished, [*self.busy, *wanted])
 
     async def job_info(self, job_id: str) -> JobInfo:
         """A job's record: from memory, else from the store beneath (never brought back)."""
@@ -266,6 +269,8 @@ class DurableMiddleware:
                 d.busy[job_id] -= 1
                 if d.busy[job_id] <= 0:
                     del d.busy[job_id]
+                    # Kept while the request used it: it may leave now (if stored).
+                    d.store.evict_finished(d.keep_finished, d.busy)
 
     async def _answer_when_stored(self, scope: Any, receive: Any, send: Any) -> None:
         d = self.durability

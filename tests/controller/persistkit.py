@@ -12,7 +12,7 @@ import trio
 from starlette.applications import Starlette
 
 from rc_worker.controller import Store, StoreConfig, create_app
-from rc_worker.controller.durable import Durability
+from rc_worker.controller.durable import KEEP_FINISHED, Durability
 from rc_worker.controller.messages import JobInfo
 from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import Batch, Loaded
@@ -92,10 +92,14 @@ class Opened:
 
 
 def open_controller(
-    backend: Backend, config: StoreConfig | None = None, *, grace: float | None = 300.0
+    backend: Backend,
+    config: StoreConfig | None = None,
+    *,
+    grace: float | None = 300.0,
+    keep_finished: int = KEEP_FINISHED,
 ) -> Opened:
     store, had = open_store(backend, config, now=trio.current_time(), recovery_grace_s=grace)
-    durability = Durability(store, backend)
+    durability = Durability(store, backend, keep_finished=keep_finished)
     app = create_app(
         store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS, durability=durability
     )
