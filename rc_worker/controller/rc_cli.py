@@ -20,8 +20,9 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Final, cast
 
+import attrs
 import httpx
 import trio
 
@@ -608,6 +609,10 @@ def serve_settings(
     return worker, users
 
 
+PERSISTED_MAX_EVENTS: Final = 10_000
+"""Events ``rc serve`` keeps in memory over a database (all of them stay in the database)."""
+
+
 async def run_serve(
     argv: Sequence[str],
     *,
@@ -634,6 +639,9 @@ async def run_serve(
     try:
         durability = None
         if not isinstance(backend, MemoryBackend):
+            # Older events are read from the store when asked for (GET /v1/events, webhooks):
+            # memory holds only the most recent, and a restart loads only those.
+            config = attrs.evolve(config, max_events=PERSISTED_MAX_EVENTS)
             grace, now = args.recovery_grace, trio.current_time()
             store, _ = await trio.to_thread.run_sync(
                 lambda: open_store(backend, config, now=now, recovery_grace_s=grace)
