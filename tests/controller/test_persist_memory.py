@@ -8,7 +8,7 @@ on their record, and does not rewrite a record it only read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -16,10 +16,12 @@ import pytest
 import trio
 
 from rc_worker.controller import rc_cli
+from rc_worker.controller.errors import StoreUnavailable
 from rc_worker.controller.persist import Backend, MemoryBackend
+from rc_worker.controller.persist.codec import Batch
 
 from .helpers import USER_TOKEN, FakeWorker
-from .persistkit import StorePlace, clients, open_controller
+from .persistkit import Breakable, StorePlace, all_jobs, clients, open_controller
 from .pgserver import PgServer
 
 GUARD = 60
@@ -170,4 +172,41 @@ async def test_a_restart_loads_no_finished_job(store_place: StorePlace) -> None:
             listed = (await user.get("/v1/jobs")).json()["jobs"]
             assert [j["job_id"] for j in listed] == [*ids, queued["job_id"]]
             assert (await user.get(f"/v1/jobs/{ids[2]}/output")).content == b"output of 2\n"
+        reopened.backend.close()
+
+
+async def test_a_failing_store_keeps_one_batch_however_long_it_fails(
+    store_place: StorePlace,
+) -> None:
+    """Changes made while the store fails are written in one commit when it works again,
+    each record once, as it is then: no batch per failed try piles up meanwhile."""
+    with trio.fail_after(GUARD):
+        writes: list[list[Batch]] = []
+
+        class Counting(Breakable):
+            def write(self, batches: Sequence[Batch]) -> None:
+                super().write(batches)
+                writes.append(list(batches))
+
+        backend = Counting(store_place.open())
+        opened = open_controller(backend)
+        store = opened.store
+        backend.broken = True
+        ids = []
+        for i in range(5):
+            ids.append(store.submit(["echo", str(i)]))
+            with pytest.raises(StoreUnavailable):
+                await opened.durability.flush()
+        store.cancel(ids[0], "changed while failing")
+        with pytest.raises(StoreUnavailable):
+            await opened.durability.flush()
+        assert writes == []
+        backend.broken = False
+        await opened.durability.flush()
+        [[batch]] = writes
+        assert sorted(row.job_id for row in batch.jobs) == sorted(ids)
+        assert [row.state for row in batch.jobs if row.job_id == ids[0]] == ["killed"]
+        opened.backend.close()
+        reopened = open_controller(store_place.open())
+        assert {j.job_id for j in await all_jobs(reopened)} == set(ids)
         reopened.backend.close()
