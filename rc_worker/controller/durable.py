@@ -40,6 +40,7 @@ from rc_worker.controller.errors import NotFound, StoreUnavailable
 from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import batch_of, stored_job
+from rc_worker.controller.records import Job
 from rc_worker.controller.store import Store
 
 __all__ = ["Durability", "DurableMiddleware"]
@@ -69,7 +70,6 @@ class Durability:
         self.failed: str | None = None
         """Why the last write failed; None while writes succeed."""
         self._lock: anyio.Lock | None = None
-
         self.busy: collections.Counter[str] = collections.Counter()
         """Jobs a request in flight uses: never evicted meanwhile."""
 
@@ -116,12 +116,13 @@ class Durability:
 
     # --- finished jobs, read from the backend -----------------------------------------------
 
-    async def _read_job(self, job_id: str) -> JobInfo | None:
+    async def _read_job(self, job_id: str) -> Job | None:
+        """A job the store beneath holds, read in a thread; None if it holds none."""
         try:
             row = await anyio.to_thread.run_sync(self.backend.read_job, job_id)
         except StoreWriteError as e:
             raise StoreUnavailable(f"the controller could not read job {job_id} ({e})") from None
-        return None if row is None else stored_job(row[0], row[1], 0.0).info()
+        return None if row is None else stored_job(row[0], row[1], anyio.current_time())
 
     async def ensure_jobs(self, job_ids: Iterable[str]) -> None:
         """Bring the named jobs the store beneath holds back into memory, so that a decision
@@ -130,14 +131,9 @@ class Durability:
         for job_id in wanted:
             if self.store.in_memory(job_id):
                 continue
-            try:
-                row = await anyio.to_thread.run_sync(self.backend.read_job, job_id)
-            except StoreWriteError as e:
-                raise StoreUnavailable(
-                    f"the controller could not read job {job_id} ({e})"
-                ) from None
-            if row is not None and not self.store.in_memory(job_id):
-                self.store.readmit(stored_job(row[0], row[1], anyio.current_time()))
+            job = await self._read_job(job_id)
+            if job is not None and not self.store.in_memory(job_id):
+                self.store.readmit(job)
         # Room for them, but they stay until the caller's decision (the next commit's
         # eviction, or the request's end, may drop them then).
         self.store.evict_finished(self.keep_finished, [*self.busy, *wanted])
@@ -146,12 +142,12 @@ class Durability:
         """A job's record: from memory, else from the store beneath (never brought back)."""
         if self.store.in_memory(job_id):
             return self.store.job(job_id)
-        info = await self._read_job(job_id)
-        if info is None:
+        job = await self._read_job(job_id)
+        if job is None:
             if self.store.in_memory(job_id):  # submitted or brought back meanwhile
                 return self.store.job(job_id)
             raise NotFound(f"no job {job_id!r}", code="unknown_job")
-        return info
+        return job.info()
 
     async def jobs_page(
         self, state: str | None, *, after: int | None, limit: int | None, newest_first: bool
@@ -206,7 +202,8 @@ class Durability:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """While the store is failing, retry the kept batch every second; runs until cancelled."""
+        """Store what is not stored yet (changes kept while the store failed, changes no
+        request waited for) every second; runs until cancelled."""
         task_status.started()
         while True:
             await anyio.sleep(RETRY_INTERVAL_S)
