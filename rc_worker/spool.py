@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from rc_worker import boundedjson
+from rc_worker.core import boundedjson
 
 log = logging.getLogger("rc_worker.spool")
 

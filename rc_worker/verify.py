@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 import trio
 
+from rc_worker.core.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.dropins import TailBuffer, list_executables
 from rc_worker.hooks import HOOK_GRACE, describe_failure
 from rc_worker.host import Host, RunAs
-from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.supervise import JobSpec, run_job
 
 log = logging.getLogger("rc_worker.verify")
