@@ -179,11 +179,13 @@ THIS_MACHINE = config_convert.ConfigMachine(
 def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
     changes: dict[str, Any] = {}
     if env.get(ENV_CONTROLLER_URL):
-        url = env[ENV_CONTROLLER_URL]
-        problem = controller_url_problem(url)
-        if problem:
-            raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
-        changes["controller_url"] = url
+        # One URL, or several separated by commas (a standby controller's after the active's).
+        urls = [u.strip() for u in env[ENV_CONTROLLER_URL].split(",")]
+        for url in urls:
+            problem = controller_url_problem(url)
+            if problem:
+                raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
+        changes["controller_url"] = urls[0] if len(urls) == 1 else tuple(urls)
     if env.get(ENV_TOKEN, "").strip():
         changes["token"] = env[ENV_TOKEN].strip()
     if env.get(ENV_HOST):

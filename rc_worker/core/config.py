@@ -116,7 +116,9 @@ class Config:
     """
 
     devices: tuple[DeviceConfig, ...]
-    controller_url: str | None = None
+    controller_url: str | tuple[str, ...] | None = None
+    """One URL, or several (a list in the file, commas in ``RC_CONTROLLER_URL``):
+    the active controller's and its standbys'. See :attr:`controller_urls`."""
     token: str | None = None
     token_file: str | None = None
     host: str = ""
@@ -152,6 +154,15 @@ class Config:
             if dev.name == name:
                 return dev
         raise KeyError(name)
+
+    @property
+    def controller_urls(self) -> tuple[str, ...]:
+        """Every controller to try, in order: the worker starts with the first and
+        moves to the next on a refused connection or a standby's ``503``."""
+        url = self.controller_url
+        if url is None:
+            return ()
+        return (url,) if isinstance(url, str) else url
 
     @property
     def device_names(self) -> tuple[str, ...]:
