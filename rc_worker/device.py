@@ -21,14 +21,10 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rc_worker.changed import Changed
-from rc_worker.config import DeviceConfig
-from rc_worker.errors import ControllerError
-from rc_worker.gpu_health import Fault, kind_defaults
-from rc_worker.hooks import run_hook
-from rc_worker.host import RunAs
-from rc_worker.lease import Lease
-from rc_worker.logs import log_context, set_log_context
-from rc_worker.model import (
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.errors import ControllerError
+from rc_worker.core.lease import Lease
+from rc_worker.core.model import (
     Assignment,
     DeviceState,
     IdleBehavior,
@@ -36,7 +32,11 @@ from rc_worker.model import (
     effective_limit,
     job_key,
 )
-from rc_worker.reports import finish_report, not_run_report, stale_offer_report
+from rc_worker.core.reports import finish_report, not_run_report, stale_offer_report
+from rc_worker.gpu_health import Fault, kind_defaults
+from rc_worker.hooks import run_hook
+from rc_worker.host import RunAs
+from rc_worker.logs import log_context, set_log_context
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
 from rc_worker.sweep import unproven

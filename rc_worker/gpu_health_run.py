@@ -25,7 +25,8 @@ from typing import TypeVar
 import attrs
 import trio
 
-from rc_worker.config import Config, DeviceConfig, child_environ
+from rc_worker.core.config import Config, DeviceConfig, child_environ
+from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
 from rc_worker.gpu_health import (
     CHECK_MEMORY,
     CHECK_MIG,
@@ -60,7 +61,6 @@ from rc_worker.gpu_health import (
     resolve_mig_uuid,
 )
 from rc_worker.host import Host
-from rc_worker.labels import NVIDIA_SMI, gpu_scope
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
 from rc_worker.scripts import Budget, describe, run_script

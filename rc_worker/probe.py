@@ -1,6 +1,7 @@
 """One probe pass: built-in host facts, nvidia-smi, and the drop-ins of ``probe_dir``.
 
-The Trio shell around ``labels.py``: it runs the sources, times them on
+The Trio shell around ``core/labels.py``, ``core/gpu_query.py`` and
+``core/dropin_output.py``: it runs the sources, times them on
 Trio's clock, and hands their outcomes to ``merge_sources``. A ``Prober``
 lives as long as the worker process, because what a failure means depends
 on it: a drop-in unconfirms the devices it named the last time it worked in
@@ -23,22 +24,11 @@ from collections.abc import Callable, Mapping
 import attrs
 import trio
 
-from rc_worker.config import Config, probe_environ
+from rc_worker.core.config import Config, probe_environ
+from rc_worker.core.dropin_output import DROPIN_PREFIX, DROPIN_STDOUT_CAP, parse_dropin_output
+from rc_worker.core.gpu_query import NVIDIA_SMI, NVIDIA_SMI_ARGS, gpu_scope, nvidia_smi_facts
+from rc_worker.core.labels import BUILTIN, History, ProbeResult, SourceFacts, merge_sources
 from rc_worker.host import Host, LinuxHost
-from rc_worker.labels import (
-    BUILTIN,
-    DROPIN_PREFIX,
-    DROPIN_STDOUT_CAP,
-    NVIDIA_SMI,
-    NVIDIA_SMI_ARGS,
-    History,
-    ProbeResult,
-    SourceFacts,
-    gpu_scope,
-    merge_sources,
-    nvidia_smi_facts,
-    parse_dropin_output,
-)
 from rc_worker.scripts import (
     Budget,
     Limit,

@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import attrs
 import trio
 
+from rc_worker.core.gpu_query import text_tail
 from rc_worker.host import Host, RunAs
-from rc_worker.labels import text_tail
 from rc_worker.supervise import REASON_MAX_RUNTIME, JobHandle, JobSpec, Result, run_job
 
 log = logging.getLogger("rc_worker.scripts")

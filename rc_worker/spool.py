@@ -26,8 +26,8 @@ from typing import Any
 
 import trio
 
-from rc_worker import boundedjson
 from rc_worker.changed import Changed
+from rc_worker.core import boundedjson
 
 log = logging.getLogger("rc_worker.spool")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from rc_worker.core.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.hooks import HOOK_GRACE
 from rc_worker.host import Host, RunAs
-from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.scripts import Budget, describe, list_scripts, log_skipped, run_script
 
 log = logging.getLogger("rc_worker.verify")

@@ -42,18 +42,11 @@ from rc_worker.cgroup import clear_strays, start_containment, state_tag
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.changed import Changed
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
-from rc_worker.device import DeviceSupervisor
-from rc_worker.durable import Committer
-from rc_worker.errors import AssignmentError, ConfigError, ControllerError
-from rc_worker.gpu_health_coord import GpuHealthCoordinator
-from rc_worker.gpu_health_run import GpuHealthMonitor
-from rc_worker.health import not_ready_reason, tree_bytes
-from rc_worker.host import Host, LinuxHost
-from rc_worker.labels import ProbeResult, labels_payload
-from rc_worker.metrics import StateSnapshot, WorkerMetrics
-from rc_worker.model import (
+from rc_worker.core.config import Config, cgroup_needs
+from rc_worker.core.errors import AssignmentError, ConfigError, ControllerError
+from rc_worker.core.labels import ProbeResult, labels_payload
+from rc_worker.core.model import (
     PROTOCOL_VERSION,
     Assignment,
     IdleBehavior,
@@ -61,11 +54,18 @@ from rc_worker.model import (
     job_key,
     parse_assignment,
 )
+from rc_worker.core.reports import not_run_report, stale_offer_report
+from rc_worker.device import DeviceSupervisor
+from rc_worker.durable import Committer
+from rc_worker.gpu_health_coord import GpuHealthCoordinator
+from rc_worker.gpu_health_run import GpuHealthMonitor
+from rc_worker.health import not_ready_reason, tree_bytes
+from rc_worker.host import Host, LinuxHost
+from rc_worker.metrics import StateSnapshot, WorkerMetrics
 from rc_worker.operator_errors import register_refused
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Damaged, Recovered, recover
-from rc_worker.reports import not_run_report, stale_offer_report
 from rc_worker.sheets import SheetReader
 from rc_worker.spool import JobDir, ensure_state_dir
 from rc_worker.statelock import StateDirLock
