@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import attrs
 import trio
 
-from rc_worker.cgroup_parse import parse_mountinfo, parse_proc_cgroup
+from rc_worker.core.cgroup_parse import parse_mountinfo, parse_proc_cgroup
 from rc_worker.procfs import PidfdPin, StatPin, boot_ticks, parse_environ, read_proc_stat
 from rc_worker.procfs import ProcessInfo as ProcessInfo
 from rc_worker.procfs import ProcessPin as ProcessPin

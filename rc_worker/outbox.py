@@ -24,10 +24,10 @@ import trio
 
 from rc_worker import client as client_module
 from rc_worker.client import ControllerClient
+from rc_worker.core.errors import ControllerError
+from rc_worker.core.retry import Backoff
 from rc_worker.durable import Committer
-from rc_worker.errors import ControllerError
 from rc_worker.logs import set_log_context
-from rc_worker.retry import Backoff
 from rc_worker.spool import JobDir, OutputSpool, job_dirs, move_aside, read_json
 
 log = logging.getLogger("rc_worker.outbox")

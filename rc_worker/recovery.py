@@ -28,10 +28,10 @@ import attrs
 
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.cgroup import sweep_cgroup
+from rc_worker.core.model import Claim
+from rc_worker.core.reports import lost_report, sweep_json
 from rc_worker.durable import Committer
 from rc_worker.host import Host
-from rc_worker.model import Claim
-from rc_worker.reports import lost_report, sweep_json
 from rc_worker.spool import JobDir, job_dirs, move_aside, read_json
 from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors, unproven
 
