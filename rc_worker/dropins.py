@@ -8,17 +8,18 @@ forgot ``chmod +x`` finds out from the log rather than from a silent no-op.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
+
+from rc_worker.statestore import LINUX_STORE, StateStore
 
 log = logging.getLogger("rc_worker.dropins")
 
 
-def list_executables(directory: str | Path) -> list[Path]:
+def list_executables(directory: str | Path, store: StateStore = LINUX_STORE) -> list[Path]:
     """The executables in ``directory`` in name order; a missing directory has none."""
     root = Path(directory)
     try:
-        entries = sorted(root.iterdir(), key=lambda p: p.name)
+        entries = [root / name for name in store.listdir(root)]
     except FileNotFoundError:
         return []
     except NotADirectoryError:
@@ -28,9 +29,13 @@ def list_executables(directory: str | Path) -> list[Path]:
     for entry in entries:
         if entry.name.startswith("."):
             continue
-        if entry.is_dir():
+        try:
+            found_entry = store.entry(entry)
+        except OSError:
+            found_entry = None
+        if found_entry is not None and found_entry.kind == "dir":
             log.warning("skipping %s: it is a directory", entry)
-        elif not os.access(entry, os.X_OK):
+        elif found_entry is None or not found_entry.executable:
             log.warning("skipping %s: it is not executable (chmod +x to enable it)", entry)
         else:
             found.append(entry)

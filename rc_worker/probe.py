@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import stat
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import attrs
 import trio
@@ -166,7 +165,7 @@ class Prober:
             builtin = self._builtin()
             facts.append(builtin[0])
             outcomes.append(builtin[1])
-            smi_path = shutil.which(NVIDIA_SMI, path=self._environ.get("PATH", os.defpath))
+            smi_path = self._host.store.which(NVIDIA_SMI, self._environ.get("PATH", os.defpath))
             smi = await self._nvidia_smi(smi_path, deadline)
             if smi is not None:
                 facts.append(smi[0])
@@ -300,8 +299,9 @@ class Prober:
 
     def _list_probe_dir(self) -> list[_DropIn]:
         directory = self._config.probe_dir
+        store = self._host.store
         try:
-            names = sorted(os.listdir(directory))
+            names = store.listdir(Path(directory))
         except FileNotFoundError:
             return []  # no probe_dir: no drop-ins, and nothing wrong
         entries = []
@@ -311,15 +311,18 @@ class Prober:
             path = os.path.join(directory, name)
             source = DROPIN_PREFIX + name
             try:
-                st = os.stat(path)
+                entry = store.entry(Path(path))
             except OSError as e:
                 entries.append(_DropIn(source, path, f"could not stat: {e.strerror or e}"))
                 continue
-            if stat.S_ISDIR(st.st_mode):
+            if entry is None:
+                entries.append(_DropIn(source, path, "could not stat: No such file or directory"))
+                continue
+            if entry.kind == "dir":
                 self._skip(path, "it is a directory")
-            elif not stat.S_ISREG(st.st_mode):
+            elif entry.kind != "file":
                 self._skip(path, "it is not a regular file")
-            elif not os.access(path, os.X_OK):
+            elif not entry.executable:
                 self._skip(path, "it is not executable (chmod +x to enable it)")
             else:
                 entries.append(_DropIn(source, path))

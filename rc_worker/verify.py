@@ -17,6 +17,7 @@ from rc_worker.dropins import TailBuffer, list_executables
 from rc_worker.hooks import HOOK_GRACE, describe_failure
 from rc_worker.host import Host, RunAs
 from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
+from rc_worker.statestore import LINUX_STORE
 from rc_worker.supervise import JobSpec, run_job
 
 log = logging.getLogger("rc_worker.verify")
@@ -32,7 +33,7 @@ async def run_verify(
     run_as: RunAs | None = None,
 ) -> VerifyResult:
     """Run the verify pass over ``verify_dir``; ``env`` is each script's whole environment."""
-    scripts = list_executables(verify_dir)
+    scripts = list_executables(verify_dir, host.store if host is not None else LINUX_STORE)
     deadline = trio.current_time() + pass_budget
     for script in scripts:
         left = deadline - trio.current_time()

@@ -46,6 +46,7 @@ threads, no real I/O.
 from __future__ import annotations
 
 import errno
+import random
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -56,6 +57,7 @@ import trio
 
 from rc_worker.cgroup import Containment
 from rc_worker.host import HostProcess, ProcessInfo, ProcessPin, RunAs
+from rc_worker.statestore import LINUX_STORE, StateStore
 from rc_worker.testing.sim_cgroup import SimCgroupFs
 
 T = TypeVar("T")
@@ -772,6 +774,11 @@ class SimHost(SimCgroupFs):
 
     def own_pid(self) -> int:
         return self.worker_pid
+
+    store: StateStore = LINUX_STORE
+
+    def new_rng(self) -> random.Random:
+        return random.Random()
 
     async def run_blocking(self, fn: Callable[[], T]) -> T:
         # Inline: a real thread would leave every task blocked for a moment,
