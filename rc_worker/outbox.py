@@ -380,6 +380,20 @@ class Outbox:
                 committed = await self._client.output(d.job_id, d.attempt, 0, b"")
             while True:
                 size = _spooled(d)
+                if committed < size and not d.job_dir.store.exists(d.job_dir.output):
+                    # Its directory vanished (an operator's rm, a lost mount): what is
+                    # not yet shipped cannot be read back. Without this, an empty body
+                    # every retry, for ever; the finish still goes.
+                    log.error(
+                        "job %s: its output file %s is gone; %d bytes cannot be sent",
+                        d.job_dir.key,
+                        d.job_dir.output,
+                        size - committed,
+                    )
+                    if d.spool is not None:
+                        while not d.spool.closed:
+                            await d.spool.wait_changed()
+                    return committed
                 if committed < size:
                     answer = await self._client.output(
                         d.job_id, d.attempt, committed, functools.partial(_stream, d, committed)
