@@ -162,7 +162,7 @@ class LinuxStore:
         if stat.S_ISDIR(st.st_mode):
             return Entry("dir")
         if not stat.S_ISREG(st.st_mode):
-            return Entry("other")
+            return Entry("other", 0, os.access(path, os.X_OK))
         return Entry("file", st.st_size, os.access(path, os.X_OK))
 
     def listdir(self, path: Path) -> list[str]:
