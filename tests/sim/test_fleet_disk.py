@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 from rc_worker.controller.messages import TERMINAL_STATES
 from rc_worker.spool import DISK_ERROR_MARKER
@@ -166,3 +168,34 @@ def test_a_vanished_job_directory_costs_that_job_only() -> None:
     # What it wrote before its directory vanished at most: the rest could not be read back.
     assert b"epoch 1\ndone\n".startswith(found["output"])
     assert found["after"] == ("succeeded", b"hi\n")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    at=st.floats(0.5, 80, allow_nan=False).map(lambda t: round(t, 1)),
+    torn=st.booleans(),
+    down_for=st.sampled_from([0.0, 5.0, 60.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_power_loss_at_any_moment_keeps_the_invariants(
+    at: float, torn: bool, down_for: float, seed: int
+) -> None:
+    async def scenario(fleet: Fleet) -> list[str]:
+        fleet.program("train", Script.printing((3, b"a\n"), (20, b"b\n"), (40, b"c\n")))
+        fleet.program("quick", Script.printing((0, b"q\n")))
+        for _ in range(3):
+            fleet.submit(["train"])
+            fleet.submit(["quick"])
+        node = fleet.nodes["h0"]
+        node.host.disk.torn_writes = torn
+        await trio.sleep(at)
+        await fleet.crash("h0")
+        node.host.power_loss()
+        await trio.sleep(down_for)
+        fleet.restart("h0")
+        await fleet.settle()
+        await fleet.drain()
+        note("\n".join(f"{t:8.2f} {line}" for t, line in fleet.log))
+        return fleet.check()
+
+    assert simulate(scenario, hosts=1, devices=("gpu0", "gpu1"), seed=seed) == []
