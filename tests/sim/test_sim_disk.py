@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import trio
@@ -13,12 +15,16 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rc_worker.durable import Committer
+from rc_worker.recovery import Damaged, recover
+from rc_worker.spool import JobDir, ensure_state_dir, write_json_durably
 from rc_worker.statelock import StateDirLocked
 from rc_worker.statestore import Entry, LinuxStore, StateStore
 from rc_worker.testing.sim import Script, SimHost
 from rc_worker.testing.simdisk import SimDisk
 
 ROOT = Path("/state")
+T = TypeVar("T")
 
 
 def _durable_write(disk: StateStore, path: Path, data: bytes) -> None:
@@ -251,3 +257,47 @@ def test_the_simulated_disk_answers_as_the_real_one(ops: list[tuple[object, ...]
         for op in ops:
             assert _apply(real, real_base, op) == _apply(sim, sim_base, op), op
         assert _tree(real, real_base) == _tree(sim, sim_base)
+
+
+async def _inline(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+async def _recover_on(store: StateStore, root: Path) -> tuple[object, ...]:
+    """Leave what a crash leaves, recover from it, and say what came of it."""
+    ensure_state_dir(str(root), store)
+    spawned = JobDir(root, "j-1.1", store)
+    spawned.create()
+    write_json_durably(
+        spawned.journal,
+        {"job_id": "j-1", "attempt": 1, "device": "gpu0", "boot_id": "old", "spawned": True},
+        store,
+    )
+    out = store.open_append(spawned.output)
+    out.write(memoryview(b"before the crash\n"))
+    out.close()
+    garbage = JobDir(root, "j-2.1", store)
+    garbage.create()
+    store.write_synced(garbage.journal, b"{not json")
+    never_ran = JobDir(root, "j-3.1", store)
+    never_ran.create()
+    write_json_durably(never_ran.finish, {"outcome": "rejected"}, store)
+    damaged: list[Damaged] = []
+    committer = Committer(_inline, store=store)
+    found = await recover(
+        root, boot_id="new", require_manual_clear=False, committer=committer, damaged=damaged
+    )
+    return found, [(d.device, d.why) for d in damaged], _tree(store, root)
+
+
+async def test_recovery_comes_to_the_same_on_both_disks(tmp_path: Path) -> None:
+    real = await _recover_on(LinuxStore(), tmp_path / "state")
+    simulated = await _recover_on(SimDisk(), Path("/srv/rc/state"))
+    assert real == simulated
+    found, damaged, tree = real
+    assert [(r.job_id, r.claim.value, r.reboot) for r in found] == [("j-1", "gone", True)]
+    assert damaged == [(None, "job directory j-2.1: journal.json is not a JSON object")]
+    assert isinstance(tree, dict)
+    assert sorted(tree["jobs"]) == ["j-1.1", "j-3.1"]
+    assert sorted(tree["damaged"]) == ["j-2.1"]
+    assert b'"outcome": "lost"' in tree["jobs"]["j-1.1"]["finish.json"][0]
