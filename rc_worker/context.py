@@ -100,7 +100,7 @@ class WorkerContext:
         job_id, attempt, device = (
             (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
         )
-        job_dir = JobDir(self.root, job_key(job_id, attempt))
+        job_dir = JobDir(self.root, job_key(job_id, attempt), self.host.store)
         try:
             await self.outbox.report(
                 job_dir,

@@ -309,7 +309,7 @@ class DeviceSupervisor:
         }
         if self.lease.job is not None and self.lease.state is S.RUNNING:
             job_id, attempt = self.lease.job
-            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt))
+            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt), self.ctx.host.store)
             claims["running"] = {
                 "job_id": job_id,
                 "attempt": attempt,
@@ -398,7 +398,9 @@ class DeviceSupervisor:
         report = not_run_report(a, "error", "", error=detail)
         try:
             if self.ctx.outbox.tracking(key):
-                report["output_bytes"] = JobDir(self.ctx.root, key).output_size()
+                report["output_bytes"] = JobDir(
+                    self.ctx.root, key, self.ctx.host.store
+                ).output_size()
                 await self.ctx.outbox.finish(key, report)
             else:
                 await self.ctx.report(a, report)
@@ -536,7 +538,7 @@ class DeviceSupervisor:
         return True
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
-        job_dir = JobDir(self.ctx.root, key)
+        job_dir = JobDir(self.ctx.root, key, self.ctx.host.store)
         try:
             cgroup = await self.ctx.journal(job_dir, a)
             spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -116,7 +115,7 @@ class Prober:
             builtin = self._builtin()
             facts.append(builtin[0])
             outcomes.append(builtin[1])
-            smi_path = shutil.which(NVIDIA_SMI, path=self._environ.get("PATH", os.defpath))
+            smi_path = self._host.store.which(NVIDIA_SMI, self._environ.get("PATH", os.defpath))
             smi = await self._nvidia_smi(smi_path, budget)
             if smi is not None:
                 facts.append(smi[0])
@@ -225,7 +224,7 @@ class Prober:
 
     async def _dropins(self, budget: Budget) -> list[tuple[SourceFacts, SourceOutcome]]:
         try:
-            listing = list_scripts(self._config.probe_dir)
+            listing = list_scripts(self._config.probe_dir, self._host.store)
         except OSError as e:
             # The directory exists but cannot be read: every drop-in that
             # has worked before is failing to run, not gone.
