@@ -16,8 +16,8 @@ from collections.abc import Callable
 import trio
 
 from rc_worker.client import ControllerClient
+from rc_worker.core.errors import ControllerError
 from rc_worker.core.protocol import CancelOrder
-from rc_worker.errors import ControllerError
 
 log = logging.getLogger("rc_worker.cancel_watch")
 

@@ -21,8 +21,18 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rc_worker.changed import Changed
-from rc_worker.config import DeviceConfig
 from rc_worker.core import protocol
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.errors import ControllerError
+from rc_worker.core.lease import Lease
+from rc_worker.core.model import (
+    Assignment,
+    DeviceState,
+    IdleBehavior,
+    VerifyResult,
+    effective_limit,
+    job_key,
+)
 from rc_worker.core.protocol import (
     NO_SESSION,
     DeviceDecl,
@@ -31,21 +41,11 @@ from rc_worker.core.protocol import (
     HeldFault,
     RunningClaim,
 )
-from rc_worker.errors import ControllerError
+from rc_worker.core.reports import finish_report, not_run_report, stale_offer_report
 from rc_worker.gpu_health import Fault, kind_defaults
 from rc_worker.hooks import run_hook
 from rc_worker.host import RunAs
-from rc_worker.lease import Lease
 from rc_worker.logs import log_context, set_log_context
-from rc_worker.model import (
-    Assignment,
-    DeviceState,
-    IdleBehavior,
-    VerifyResult,
-    effective_limit,
-    job_key,
-)
-from rc_worker.reports import finish_report, not_run_report, stale_offer_report
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
 from rc_worker.sweep import unproven
@@ -305,7 +305,7 @@ class DeviceSupervisor:
         running = None
         if self.lease.job is not None and self.lease.state is S.RUNNING:
             job_id, attempt = self.lease.job
-            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt))
+            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt), self.ctx.host.store)
             running = RunningClaim(job_id, attempt, job_dir.output_size(), self._started_at)
         return DeviceDecl(
             self.name,
@@ -401,7 +401,9 @@ class DeviceSupervisor:
         report = not_run_report(a, "error", "", error=detail)
         try:
             if self.ctx.outbox.tracking(key):
-                report["output_bytes"] = JobDir(self.ctx.root, key).output_size()
+                report["output_bytes"] = JobDir(
+                    self.ctx.root, key, self.ctx.host.store
+                ).output_size()
                 await self.ctx.outbox.finish(key, report)
             else:
                 await self.ctx.report(a, report)
@@ -539,7 +541,7 @@ class DeviceSupervisor:
         return True
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
-        job_dir = JobDir(self.ctx.root, key)
+        job_dir = JobDir(self.ctx.root, key, self.ctx.host.store)
         try:
             cgroup = await self.ctx.journal(job_dir, a)
             spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)

@@ -13,7 +13,7 @@ import trio
 
 from rc_worker.client import ControllerClient
 from rc_worker.core import protocol
-from rc_worker.errors import ControllerError
+from rc_worker.core.errors import ControllerError
 
 
 def _client(

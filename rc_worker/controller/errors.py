@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from rc_worker.core.errors import RcWorkerError
 from rc_worker.core.protocol import ErrorReply, unstructure
-from rc_worker.errors import RcWorkerError
 
 __all__ = [
     "ApiError",

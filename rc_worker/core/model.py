@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import attrs
 
 from rc_worker.core import protocol
+from rc_worker.core.errors import AssignmentError
 from rc_worker.core.protocol import Assignment, ProtocolError
-from rc_worker.errors import AssignmentError
 
 __all__ = [
     "JOB_ID_RE",
