@@ -27,7 +27,7 @@ from rc_worker.controller.messages import Event, HeartbeatRequest, RegisterReque
 from rc_worker.controller.state import OutputElsewhere
 from rc_worker.controller.stdin import StdinPipes
 from rc_worker.controller.store import Store
-from rc_worker.controller.wire import Fields, decode
+from rc_worker.controller.wire import decode
 
 log = logging.getLogger("rc_worker.controller")
 
@@ -316,7 +316,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(chunks)
 
 
-async def json_body(request: Request, *, empty_ok: bool = False) -> Fields:
+async def json_body(request: Request, *, empty_ok: bool = False) -> object:
+    """The body as decoded JSON (bounded); :mod:`~rc_worker.controller.wire` gives it its type."""
     return decode(await read_body(request, MAX_JSON_BYTES), empty_ok=empty_ok)
 
 

@@ -42,6 +42,7 @@ from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import batch_of, stored_job
 from rc_worker.controller.records import Job
 from rc_worker.controller.store import Store
+from rc_worker.core.protocol import ErrorReply, unstructure
 
 __all__ = ["Durability", "DurableMiddleware"]
 
@@ -213,7 +214,7 @@ class Durability:
 
 
 async def _send_503(send: Any, message: str) -> None:
-    body = json.dumps({"error": "store_unavailable", "message": message}).encode()
+    body = json.dumps(unstructure(ErrorReply("store_unavailable", message))).encode()
     await send(
         {
             "type": "http.response.start",

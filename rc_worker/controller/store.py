@@ -663,7 +663,7 @@ class Store(StoreState):
             self.journal.job(job.job_id)
             d.job = job
             self._live[job.job_id] = job
-            out.append(Assignment(job.job_id, att.number, name, job.spec))
+            out.append(Assignment.offer(job.job_id, att.number, name, job.spec))
             changed = True
         if changed:
             self._changed()
