@@ -57,7 +57,15 @@ async def housekeeping(
 ) -> None:
     """Apply the store's timers as they fall due; runs until cancelled."""
     ctl = _controller(app)
+    ctl.housekeeping = True
     task_status.started()
+    try:
+        await _housekeep(ctl)
+    finally:
+        ctl.housekeeping = False
+
+
+async def _housekeep(ctl: Controller) -> None:
     while True:
         seen = ctl.changes.version
         now = ctl.tick()

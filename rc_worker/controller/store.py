@@ -55,7 +55,7 @@ from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
 from rc_worker.controller.selectors import SelectorError, parse_selector
-from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState
+from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState, job_topic
 from rc_worker.controller.validate import check_job
 from rc_worker.model import PROTOCOL_VERSION
 
@@ -162,6 +162,8 @@ class Store(StoreState):
         self._jobs[job_id] = job
         self.journal.job(job_id)
         bisect.insort(self._queue, (job.seq, job_id))
+        self._touch_job(job)
+        self._queued_new.append(job)
         if submitted_by is not None:
             self._emit("job_submitted", job_id=job_id, by=submitted_by)
         self._changed()
@@ -214,7 +216,7 @@ class Store(StoreState):
         return [
             Candidate(
                 address=f"{h.name}/{d.name}",
-                labels=d.labels(h),
+                labels=self.label_view(h, d),
                 present=d.present,
                 host_lost=h.lost,
                 fault=None if (f := d.first_fault()) is None else f.describe(),
@@ -259,9 +261,13 @@ class Store(StoreState):
             # cut off: the cancel is kept for that worker's heartbeats; the state stays.
             if job.state == "lost" and job.finished_by == "controller":
                 job.cancel_reason = reason or "cancelled"
+                self._touch_job(job)
                 self._changed()
             return job.info()
         job.cancel_reason = reason or "cancelled"
+        self._touch_job(job)
+        if job.job_id in self._live:
+            self._cancelled[job.job_id] = job
         if job.state != "running":
             self._terminate(job, "killed", reason=job.cancel_reason, killed=True, by="controller")
         self._changed()
@@ -316,6 +322,7 @@ class Store(StoreState):
         h, d = self._device(host, name)
         if d.idle_behavior != behavior:
             d.idle_behavior = behavior
+            self._touch_host(host)
             if by is not None:
                 self._emit(
                     "idle_behavior_set", host=host, device=name, idle_behavior=behavior, by=by
@@ -366,6 +373,7 @@ class Store(StoreState):
                 d.idle_behavior = behavior
                 changed = True
         if changed:
+            self._touch_host(host)
             who = {} if by is None else {"by": by}
             self._emit("host_idle_behavior", host=host, idle_behavior=behavior, **who)
             self._changed()
@@ -399,6 +407,8 @@ class Store(StoreState):
         for key in [k for k in self._poll_gen if k[0] == host]:
             del self._poll_gen[key]
         del self._hosts[host]
+        self._unindex_host(host)
+        self._touch_host(host)
         self.journal.host(host)  # gone from the store beneath too
         who = {} if by is None else {"by": by}
         self._emit("host_retired", host=host, forced=bool(busy), jobs=ended, **who)
@@ -454,6 +464,10 @@ class Store(StoreState):
             d.declared = dict(decl.declared_labels)
         self._apply_labels(h, req.labels)
         self._apply_sheets(h, req.sheets)
+        self._reindex_host(h)
+        self._touch_host(host)
+        self._claimed = {a for a in self._claimed if a[0] != host}
+        self._listed.pop(host, None)
         for job in list(self._live.values()):
             cur = job.current
             if cur is None or cur.host != host or cur.status != "assigned" or same_process:
@@ -464,6 +478,10 @@ class Store(StoreState):
         h.boot_id = req.boot_id
         self._changed()
         h.heartbeat_interval_s = self.heartbeat_interval_now()
+        self._arm_host(h)
+        for d in h.devices.values():
+            if d.job is not None:
+                self._arm_job(d.job)  # carried over the registration: owes a report
         return RegisterReply(
             protocol=PROTOCOL_VERSION,
             session=h.session,
@@ -518,7 +536,7 @@ class Store(StoreState):
             # output is still taken, and its device stays quarantined until cleared anyway.
             if why is not None:
                 cancel[(job.job_id, report.attempt)] = CancelOrder(job.job_id, report.attempt, why)
-        for job in self._live.values():
+        for job in self._live_cancelled():
             cur = job.current
             if cur is not None and cur.host == host and job.cancel_reason is not None:
                 cancel[(job.job_id, cur.number)] = CancelOrder(
@@ -537,11 +555,17 @@ class Store(StoreState):
         self._session(session, host)
         return [
             CancelOrder(job.job_id, cur.number, job.cancel_reason)
-            for job in self._live.values()
+            for job in self._live_cancelled()
             if (cur := job.current) is not None
             and cur.host == host
             and job.cancel_reason is not None
         ]
+
+    def _live_cancelled(self) -> list[Job]:
+        """Live jobs with a cancel to deliver: a few, never every running job of the fleet."""
+        for job_id in [j for j in self._cancelled if j not in self._live]:
+            del self._cancelled[job_id]
+        return list(self._cancelled.values())
 
     def deregister(self, host: str, session: str, *, now: float) -> None:
         """A draining worker leaves: forget its session without losing the host.
@@ -558,6 +582,9 @@ class Store(StoreState):
         del self._sessions[h.session]
         h.session = None
         h.left = True
+        self._touch_host(host)
+        self._listed.pop(host, None)
+        self._claimed = {a for a in self._claimed if a[0] != host}
         for d in h.devices.values():
             job = d.job
             cur = None if job is None else job.current
@@ -596,6 +623,7 @@ class Store(StoreState):
         gens: dict[str, int] = {}
         h = self._hosts.get(host)
         bumped = False
+        listed = self._listed.setdefault(host, {}) if h is not None else {}
         for name in dict.fromkeys([*ready, *withdrawn]):
             if h is None or name not in h.devices:
                 continue  # poll() skips it anyway; keep the table to known devices
@@ -605,9 +633,26 @@ class Store(StoreState):
             gen = self._poll_gen[key] = old + 1
             if name in ready:
                 gens[name] = gen
+                listed[name] = gen
+            else:
+                listed.pop(name, None)
         if bumped:
+            self._touch_host(host)
             self._changed()  # wake the superseded poll, so that it answers now
         return gens
+
+    def close_poll(self, host: str, offers: Mapping[str, int]) -> None:
+        """A long poll answered: its devices are no longer parked (unless a newer poll
+        lists them), so no queued job is aimed at them."""
+        listed = self._listed.get(host)
+        if listed is None:
+            return
+        for name, gen in offers.items():
+            if listed.get(name) == gen:
+                del listed[name]
+                self._claimed.discard((host, name))
+        if not listed:
+            del self._listed[host]
 
     def superseded(self, host: str, offers: Mapping[str, int]) -> bool:
         """Whether a newer poll has listed or withdrawn any device of this one's offers."""
@@ -630,45 +675,63 @@ class Store(StoreState):
         h = self._session(session, host)
         out: list[Assignment] = []
         changed = False
+        missed = False
         for name in dict.fromkeys(ready):
             d = h.devices.get(name)
             if d is None or not d.present:
                 continue
             if offers is not None and self._poll_gen.get((host, name)) != offers.get(name):
                 continue
-            held = d.job
-            cur = None if held is None else held.current
-            if held is not None and cur is not None and cur.status == "assigned":
-                # Ready again with an unstarted offer outstanding: the offer never reached
-                # the worker (a lost poll response). Offer it again as a new attempt.
-                self._requeue(held, "the device was reported ready again; offered again")
-                changed = True
-            if d.job is not None or d.faults or d.worker_faults or d.idle_behavior != "run":
-                continue
-            job = self._pick(h, d)
-            if job is None:
-                continue
-            self._queue.remove((job.seq, job.job_id))
-            att = Attempt(job.attempt + 1, host, name, "assigned", last_heard=now)
-            job.attempts.append(att)
-            job.state = "assigned"
-            self.journal.job(job.job_id)
-            d.job = job
-            self._live[job.job_id] = job
-            out.append(Assignment(job.job_id, att.number, name, job.spec))
+            aimed = (host, name) in self._claimed
+            self._claimed.discard((host, name))
+            got, touched = self._poll_device(h, d, now)
+            if got is not None:
+                out.append(got)
+            changed = changed or touched
+            if got is None and aimed:
+                missed = True
+        if missed and self._queue:
+            # A job was aimed at a device here that took nothing: aim the queue again.
+            self._wake_queue_again()
             changed = True
         if changed:
             self._changed()
         return out
 
+    def _poll_device(self, h: Host, d: Device, now: float) -> tuple[Assignment | None, bool]:
+        """Offer one ready device the first queued job it matches; (assignment, changed)."""
+        changed = False
+        held = d.job
+        cur = None if held is None else held.current
+        if held is not None and cur is not None and cur.status == "assigned":
+            # Ready again with an unstarted offer outstanding: the offer never reached
+            # the worker (a lost poll response). Offer it again as a new attempt.
+            self._requeue(held, "the device was reported ready again; offered again")
+            changed = True
+        if d.job is not None or d.faults or d.worker_faults or d.idle_behavior != "run":
+            return None, changed
+        job = self._pick(h, d)
+        if job is None:
+            return None, changed
+        self._queue.remove((job.seq, job.job_id))
+        att = Attempt(job.attempt + 1, h.name, d.name, "assigned", last_heard=now)
+        job.attempts.append(att)
+        job.state = "assigned"
+        self.journal.job(job.job_id)
+        d.job = job
+        self._live[job.job_id] = job
+        self._touch_job(job)
+        self._arm_job(job)
+        return Assignment(job.job_id, att.number, d.name, job.spec), True
+
     def _pick(self, h: Host, d: Device) -> Job | None:
-        labels = d.labels(h)
-        address = f"{h.name}/{d.name}"
+        """The first queued job this device may run: a set lookup per job, against each
+        job's candidate devices from the label index (never a selector match per poll)."""
+        addr = (h.name, d.name)
         for _, job_id in self._queue:
             job = self._jobs[job_id]
-            if job.spec.device is not None and job.spec.device != address:
-                continue
-            if job.selector.matches(labels):
+            cands = self._job_candidates(job)
+            if cands is None or addr in cands:
                 return job
         return None
 
@@ -693,6 +756,7 @@ class Store(StoreState):
             cur.last_heard = now
             job.state = "running"
             job.started_at = self._wall()
+            self._touched.add(job_topic(job_id))  # its followers; no poll cares
             self._changed()
         return job.info()
 
@@ -733,6 +797,7 @@ class Store(StoreState):
             if new:
                 self.journal.output(job_id, job.stored_bytes, new)
                 job.output += new
+            self._touched.add(job_topic(job_id))  # wakes only this job's followers
             self._changed()
         return job.stored_bytes + job.dropped_bytes
 
@@ -843,11 +908,15 @@ class Store(StoreState):
         return d.info(h)
 
     def put_labels(self, host: str, session: str, update: LabelsUpdate, *, now: float) -> None:
-        self._apply_labels(self._session(session, host), update)
+        h = self._session(session, host)
+        self._apply_labels(h, update)
+        self._reindex_host(h)  # the label views are rebuilt only here and at register
+        self._touch_host(host)
         self._changed()
 
     def put_sheets(self, host: str, session: str, update: SheetsUpdate, *, now: float) -> None:
         self._apply_sheets(self._session(session, host), update)
+        self._touch_host(host)
         self._changed()
 
     @staticmethod

@@ -13,6 +13,7 @@ from rc_worker.controller import wire
 from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
 from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
+from rc_worker.controller.state import job_topic
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
@@ -131,7 +132,7 @@ async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[by
             continue
         if ended:
             return
-        await ctl.wait_change(seen, None)
+        await ctl.wait_change(seen, None, job_topic(job_id))  # its output or state only
 
 
 def _owner_or_admin(ctl: Controller, user: User, job_id: str, what: str) -> None:

@@ -21,6 +21,7 @@ from rc_worker.controller.context import (
 )
 from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
+from rc_worker.controller.state import host_topic
 from rc_worker.model import PROTOCOL_VERSION
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
@@ -63,12 +64,28 @@ async def poll(request: Request) -> Response:
     ctl.require_worker(request, host)
     fields = await json_body(request)
     session, ready, wait_s, withdrawn = wire.poll(fields)
-    known = wire.known_cancels(fields)
-    watch = fields.flag("watch_cancels")
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
-    deadline = ctl.now() + wait
     offers = ctl.store.open_poll(host, ready, withdrawn)
+    try:
+        return await _long_poll(ctl, request, host, session, ready, offers, fields, wait)
+    finally:
+        ctl.store.close_poll(host, offers)
+
+
+async def _long_poll(
+    ctl: Controller,
+    request: Request,
+    host: str,
+    session: str,
+    ready: list[str],
+    offers: dict[str, int],
+    fields: wire.Fields,
+    wait: float,
+) -> Response:
+    known = wire.known_cancels(fields)
+    watch = fields.flag("watch_cancels")
+    deadline = ctl.now() + wait
     assignments: list[Assignment] = []
     cancels: list[CancelOrder] = []
     error: ApiError | None = None
@@ -87,7 +104,8 @@ async def poll(request: Request) -> Response:
                     # Superseded: the worker polled again with an updated ready set
                     # (a device it listed here stopped being offerable): answer now.
                     break
-                await ctl.wait_change(seen, deadline)
+                # Woken only by a change to this host (or a job aimed at its devices).
+                await ctl.wait_change(seen, deadline, host_topic(host))
         except ApiError as e:
             # Caught here, not outside: out of the task group it would arrive wrapped.
             error = e
