@@ -173,7 +173,8 @@ def test_a_new_job_wakes_one_host_that_can_run_it_and_no_other() -> None:
     store, _ = _three_hosts()
     job = store.submit(["true"], select="product=H100")
     assert _woken_hosts(store) == {"b"}
-    assert store.last_wake is not None and {ANY, job_topic(job)} <= store.last_wake
+    assert store.last_wake is not None
+    assert {ANY, job_topic(job)} <= store.last_wake
 
 
 def test_a_burst_spreads_over_parked_devices_and_stops_when_none_is_left() -> None:
@@ -237,7 +238,8 @@ def test_a_requeued_job_is_aimed_at_a_parked_device_again() -> None:
     store.tick(6.0)  # never started: back in the queue
     assert store.job(job).state == "queued"
     assert _woken_hosts(store) == {"a"}
-    assert store.last_wake is not None and job_topic(job) in store.last_wake
+    assert store.last_wake is not None
+    assert job_topic(job) in store.last_wake
 
 
 def test_an_aimed_device_that_took_nothing_aims_the_queue_again() -> None:
@@ -320,4 +322,5 @@ def test_an_unstarted_offer_is_requeued_by_its_timer_not_by_a_scan() -> None:
     assert store.next_deadline() == 6.0
     store.tick(6.0)
     assert store.job(job).state == "queued"
-    assert store.last_wake is not None and host_topic("a") in store.last_wake
+    assert store.last_wake is not None
+    assert host_topic("a") in store.last_wake
