@@ -59,7 +59,10 @@ from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState,
 from rc_worker.controller.validate import check_job
 from rc_worker.model import PROTOCOL_VERSION
 
-__all__ = ["Store", "StoreConfig"]
+__all__ = ["DEVICE_STATES", "Store", "StoreConfig"]
+
+DEVICE_STATES = ("free", "busy", "quarantined", "absent")
+"""What :attr:`DeviceInfo.state` can be (``GET /v1/devices?state=``)."""
 
 
 def _check_name(kind: str, name: str) -> None:
@@ -277,6 +280,55 @@ class Store(StoreState):
 
     def devices(self) -> list[DeviceInfo]:
         return [d.info(h) for h in self._hosts.values() for d in h.devices.values()]
+
+    def devices_page(
+        self,
+        *,
+        state: str | None = None,
+        host: str | None = None,
+        select: str = "",
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[DeviceInfo], str | None]:
+        """Devices filtered server-side, in address order (``host/device``), from after the
+        cursor ``after`` (an address); returns the page and the next cursor, None at the end.
+
+        ``select`` is a selector over the devices' labels, answered from the label index;
+        ``host`` looks at one host only: neither reads the whole fleet.
+        """
+        if state is not None and state not in DEVICE_STATES:
+            raise BadRequest(f"state: {state!r} is not one of {', '.join(DEVICE_STATES)}")
+        try:
+            selector = parse_selector(select)
+        except SelectorError as e:
+            raise BadRequest(f"select: {e}") from None
+        start: tuple[str, str] | None = None
+        if after is not None:
+            h_name, sep, d_name = after.partition("/")
+            if not sep or not h_name or not d_name:
+                raise BadRequest(f"after: {after!r} is not a cursor (host/device from 'next')")
+            start = (h_name, d_name)
+        if selector.terms:
+            addrs = self._index.candidates(selector)
+            if host is not None:
+                addrs = {a for a in addrs if a[0] == host}
+        elif host is not None:
+            h = self._hosts.get(host)
+            addrs = set() if h is None else {(host, n) for n in h.devices}
+        else:
+            addrs = {(h.name, n) for h in self._hosts.values() for n in h.devices}
+        out: list[DeviceInfo] = []
+        nxt = None
+        for addr in sorted(a for a in addrs if start is None or a > start):
+            h = self._hosts.get(addr[0])
+            d = None if h is None else h.devices.get(addr[1])
+            if h is None or d is None or (state is not None and d.state != state):
+                continue
+            if limit is not None and len(out) >= limit:
+                nxt = f"{out[-1].host}/{out[-1].name}"
+                break
+            out.append(d.info(h))
+        return out, nxt
 
     def device(self, host: str, name: str) -> DeviceInfo:
         h, d = self._device(host, name)

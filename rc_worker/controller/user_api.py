@@ -17,6 +17,7 @@ from rc_worker.controller.state import job_topic
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
+MAX_DEVICES_PER_PAGE = 10_000
 MAX_EVENTS_WAIT_S = 60.0
 STREAM_CHUNK = 64 * 1024
 
@@ -180,7 +181,20 @@ async def cancel(request: Request) -> Response:
 
 async def list_devices(request: Request) -> Response:
     ctl = _user(request)
-    return JSONResponse({"devices": [d.to_json() for d in ctl.store.devices()]})
+    q = request.query_params
+    limit = None
+    if "limit" in q:
+        limit = query_int(request, "limit")
+        if not 1 <= limit <= MAX_DEVICES_PER_PAGE:
+            raise BadRequest(f"limit: must be between 1 and {MAX_DEVICES_PER_PAGE}")
+    page, nxt = ctl.store.devices_page(
+        state=q.get("state"),
+        host=q.get("host"),
+        select=q.get("select", ""),
+        after=q.get("after"),
+        limit=limit,
+    )
+    return JSONResponse({"devices": [d.to_json() for d in page], "next": nxt})
 
 
 def _address(request: Request) -> tuple[str, str]:
