@@ -69,7 +69,15 @@ async def _health(request: Request) -> Response:
     ctl: Controller = request.app.state.controller
     d = ctl.durability
     store = "memory" if d is None else ("failing" if d.failed else "ok")
-    return JSONResponse({"ok": True, "protocol": PROTOCOL_VERSION, "store": store})
+    body: dict[str, object] = {"ok": store != "failing", "protocol": PROTOCOL_VERSION}
+    body["store"] = store
+    if d is not None:
+        # The store's own health: what it is, whether writes work, what the last one cost.
+        body["store_backend"] = d.backend.description
+        body["store_error"] = d.failed
+        body["store_pending"] = d.dirty()
+        body["last_commit_s"] = d.last_commit_s
+    return JSONResponse(body)
 
 
 def create_app(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from typing import Any, Final
 
 import anyio
@@ -51,6 +52,8 @@ class Durability:
         self.failed: str | None = None
         """Why the last write failed; None while writes succeed."""
         self._lock: anyio.Lock | None = None
+        self.last_commit_s: float | None = None
+        """How long the last successful commit took to write (for /v1/health)."""
 
     def dirty(self) -> bool:
         return bool(self.pending) or self.store.journal.generation > self.written
@@ -70,7 +73,12 @@ class Durability:
             try:
                 # Shielded: a request cancelled mid-commit must not leave the outcome unknown.
                 with anyio.CancelScope(shield=True):
+                    began = time.perf_counter()
                     await anyio.to_thread.run_sync(self.backend.write, batches)
+                    self.last_commit_s = time.perf_counter() - began
+                    stats = getattr(self.store, "stats", None)
+                    if stats is not None:
+                        stats.commit_latency.observe(self.last_commit_s)
             except StoreWriteError as e:
                 if self.failed is None:
                     log.error("%s; answering 503 until it works again", e)

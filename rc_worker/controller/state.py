@@ -24,6 +24,7 @@ from rc_worker.controller.journal import Journal
 from rc_worker.controller.matching import Address, LabelIndex
 from rc_worker.controller.messages import Event, FaultRequest
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
+from rc_worker.controller.stats import Stats
 from rc_worker.controller.timers import Deadlines
 
 __all__ = ["ANY", "OutputElsewhere", "StoreConfig", "StoreState", "host_topic", "job_topic"]
@@ -132,6 +133,10 @@ class StoreState:
         self._listed: dict[str, dict[str, int]] = {}
         self._claimed: set[Address] = set()
         self._timers = Deadlines()
+        self._queued_since: dict[str, float] = {}
+        """Wall-clock time each queued job was (re)queued: its queue wait, for /metrics."""
+        self.stats = Stats()
+        """The controller's counters and histograms (rc_worker.controller.stats)."""
         self._cancelled: dict[str, Job] = {}
         """Live jobs with a cancel to deliver (the heartbeat and the poll look only here)."""
         self.journal = Journal()
@@ -471,6 +476,7 @@ class StoreState:
         self.journal.job(job.job_id)
         self._touch_job(job)
         self._queued_new.append(job)
+        self._queued_since[job.job_id] = self._wall()
         cur = job.current
         if cur is not None:
             cur.status = "requeued"
@@ -503,6 +509,7 @@ class StoreState:
         self._touch_job(job)
         self._cancelled.pop(job.job_id, None)
         self._job_cands.pop(job.job_id, None)
+        self._queued_since.pop(job.job_id, None)
         if job.state == "queued":
             self._queue.remove((job.seq, job.job_id))
         job.state = outcome

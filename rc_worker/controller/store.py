@@ -167,6 +167,7 @@ class Store(StoreState):
         bisect.insort(self._queue, (job.seq, job_id))
         self._touch_job(job)
         self._queued_new.append(job)
+        self._queued_since[job_id] = job.submitted_at
         if submitted_by is not None:
             self._emit("job_submitted", job_id=job_id, by=submitted_by)
         self._changed()
@@ -483,16 +484,27 @@ class Store(StoreState):
 
     def register(self, host: str, req: RegisterRequest, *, now: float) -> RegisterReply:
         """A worker process (re)registers: a new session, and the rules of docs/protocol.md."""
-        _check_name("host", host)
-        names = [decl.name for decl in req.devices]
-        for name in names:
-            _check_name("device", name)
-            if "." in name:
-                raise BadRequest(f"devices: device name {name!r} must not contain '.'")
-        if len(set(names)) != len(names):
-            raise BadRequest("devices: device names must be unique")
+        try:
+            _check_name("host", host)
+            names = [decl.name for decl in req.devices]
+            for name in names:
+                _check_name("device", name)
+                if "." in name:
+                    raise BadRequest(f"devices: device name {name!r} must not contain '.'")
+            if len(set(names)) != len(names):
+                raise BadRequest("devices: device names must be unique")
+        except BadRequest:
+            self.stats.registrations["refused"] += 1
+            raise
         h = self._hosts.get(host)
-        same_process = h is not None and _same_process(h, req, self.running_on(host))
+        carried = [] if h is None else self.running_on(host)
+        same_process = h is not None and _same_process(h, req, carried)
+        # The seed's boot outcomes: "recovered" when this start carries anything over (jobs
+        # the controller had running here, recovery entries, claimed attempts or faults).
+        recovered = bool(carried or req.recovery) or any(
+            decl.running is not None or decl.faults for decl in req.devices
+        )
+        self.stats.registrations["recovered" if recovered else "registered"] += 1
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
         self.journal.host(host)
@@ -774,6 +786,9 @@ class Store(StoreState):
         self._live[job.job_id] = job
         self._touch_job(job)
         self._arm_job(job)
+        since = self._queued_since.pop(job.job_id, None)
+        if since is not None:
+            self.stats.queue_wait.observe(self._wall() - since)
         return Assignment(job.job_id, att.number, d.name, job.spec), True
 
     def _pick(self, h: Host, d: Device) -> Job | None:
@@ -808,6 +823,7 @@ class Store(StoreState):
             cur.last_heard = now
             job.state = "running"
             job.started_at = self._wall()
+            self.stats.dispatch_latency.observe(job.started_at - job.submitted_at)
             self._touched.add(job_topic(job_id))  # its followers; no poll cares
             self._changed()
         return job.info()

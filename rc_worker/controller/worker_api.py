@@ -36,8 +36,12 @@ def _ok() -> JSONResponse:
 async def register(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
-    ctl.require_worker(request, host)
-    req = wire.register(await json_body(request))
+    try:
+        ctl.require_worker(request, host)
+        req = wire.register(await json_body(request))
+    except ApiError:
+        ctl.store.stats.registrations["refused"] += 1  # the store counts its own refusals
+        raise
     if req.protocol != PROTOCOL_VERSION:
         log.warning(
             "host %s registered with protocol %d, this controller speaks %d; upgrade the older one",
@@ -67,9 +71,11 @@ async def poll(request: Request) -> Response:
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
     offers = ctl.store.open_poll(host, ready, withdrawn)
+    ctl.store.stats.polls_parked += 1
     try:
         return await _long_poll(ctl, request, host, session, ready, offers, fields, wait)
     finally:
+        ctl.store.stats.polls_parked -= 1
         ctl.store.close_poll(host, offers)
 
 
