@@ -34,6 +34,11 @@ ANY = "any"
 feed, webhooks, housekeeping)."""
 
 
+FEW_CANDIDATES = 64
+"""A queued job with at most this many candidate devices is aimed by looking at them, not at
+the parked polls (a job that matches nothing then costs nothing to queue)."""
+
+
 def host_topic(name: str) -> str:
     """Wakes the long polls of host ``name``: its devices, sessions or cancels changed, or a
     queued job was aimed at one of its parked devices."""
@@ -247,21 +252,34 @@ class StoreState:
                 continue
             cands = self._job_candidates(job)
             found = None
-            for host, names in self._listed.items():
-                for name in names:
-                    addr = (host, name)
-                    if (
-                        (cands is None or addr in cands)
-                        and addr not in self._claimed
-                        and self._offerable(addr)
-                    ):
-                        found = addr
+            if cands is not None and len(cands) <= FEW_CANDIDATES:
+                # Few devices can run it: look at those (the least address, for replays).
+                found = min(
+                    (a for a in cands if self._aimable(a)),
+                    default=None,
+                )
+            else:
+                for host, names in self._listed.items():
+                    for name in names:
+                        addr = (host, name)
+                        if (cands is None or addr in cands) and self._aimable(addr):
+                            found = addr
+                            break
+                    if found is not None:
                         break
-                if found is not None:
-                    break
             if found is not None:
                 self._claimed.add(found)
                 self._touch_host(found[0])
+
+    def _aimable(self, addr: Address) -> bool:
+        """Listed by a parked poll, not aimed at already, and able to take work now."""
+        listed = self._listed.get(addr[0])
+        return (
+            listed is not None
+            and addr[1] in listed
+            and addr not in self._claimed
+            and self._offerable(addr)
+        )
 
     def _wake_queue_again(self) -> None:
         """A device aimed at took nothing: aim every queued job again (rare)."""

@@ -54,7 +54,7 @@ from rc_worker.controller.pending import Candidate, Pending, explain
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
-from rc_worker.controller.selectors import SelectorError, parse_selector
+from rc_worker.controller.selectors import Selector, SelectorError, parse_selector
 from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState, job_topic
 from rc_worker.controller.validate import check_job
 from rc_worker.model import PROTOCOL_VERSION
@@ -204,33 +204,80 @@ class Store(StoreState):
             selector = parse_selector(select)
         except SelectorError as e:
             raise BadRequest(f"select: {e}") from None
-        return explain(selector, device, self._candidates())
+        return self._explain(selector, device)
 
     def _view(self, job: Job, candidates: list[Candidate] | None = None) -> JobInfo:
         # Computed on every read, so a queued job's reason is always the current one.
         info = job.info()
         if job.state != "queued":
             return info
-        why = explain(
-            job.selector, job.spec.device, self._candidates() if candidates is None else candidates
-        )
+        if candidates is None:
+            why = self._explain(job.selector, job.spec.device)
+        else:
+            why = explain(job.selector, job.spec.device, candidates)
         return attrs.evolve(info, pending_reason=why.reason, pending_code=why.code)
 
     def _candidates(self) -> list[Candidate]:
-        return [
-            Candidate(
-                address=f"{h.name}/{d.name}",
-                labels=self.label_view(h, d),
-                present=d.present,
-                host_lost=h.lost,
-                fault=None if (f := d.first_fault()) is None else f.describe(),
-                idle_behavior=d.idle_behavior,
-                job_id=None if d.job is None else d.job.job_id,
-                worker_state=d.worker_state,
+        return [self._candidate(h, d) for h in self._hosts.values() for d in h.devices.values()]
+
+    def _candidate(self, h: Host, d: Device) -> Candidate:
+        return Candidate(
+            address=f"{h.name}/{d.name}",
+            labels=self.label_view(h, d),
+            present=d.present,
+            host_lost=h.lost,
+            fault=None if (f := d.first_fault()) is None else f.describe(),
+            idle_behavior=d.idle_behavior,
+            job_id=None if d.job is None else d.job.job_id,
+            worker_state=d.worker_state,
+        )
+
+    def _present(self, addr: tuple[str, str]) -> bool:
+        h = self._hosts.get(addr[0])
+        d = None if h is None else h.devices.get(addr[1])
+        return d is not None and d.present
+
+    def _explain(self, selector: Selector, pinned: str | None) -> Pending:
+        """:func:`explain` over the devices that matter only, found through the label index:
+        the same answer as over the whole fleet (a property test checks it), at the cost
+        of the matching devices, not of every device (a submit's answer carries it)."""
+        if pinned is not None:
+            host, _, name = pinned.partition("/")
+            h = self._hosts.get(host)
+            d = None if h is None else h.devices.get(name)
+            return explain(
+                selector, pinned, [] if h is None or d is None else [self._candidate(h, d)]
             )
+        addrs = self._index.candidates(selector)
+        by_host: dict[str, set[str]] = {}
+        for host, name in addrs:
+            by_host.setdefault(host, set()).add(name)
+        # In fleet order (hosts, then devices, as registered), as explain() would see them.
+        matching = [
+            self._candidate(h, d)
             for h in self._hosts.values()
+            if h.name in by_host
             for d in h.devices.values()
+            if d.name in by_host[h.name] and d.present
         ]
+        if matching:
+            return explain(selector, None, matching)
+        return Pending("no_match", self._no_match(selector))
+
+    def _no_match(self, selector: Selector) -> str:
+        """Which term the present devices run out at (as :func:`pending._no_match` says it),
+        from the index: the candidates of each prefix of the selector."""
+        if not any(d.present for h in self._hosts.values() for d in h.devices.values()):
+            return "no device is registered"
+        for i, term in enumerate(selector.terms):
+            if any(map(self._present, self._index.candidates(Selector(selector.terms[: i + 1])))):
+                continue
+            alone = self._index.candidates(Selector((term,)))
+            if i == 0 or not any(map(self._present, alone)):
+                return f"no registered device satisfies {str(term)!r}"
+            before = ",".join(str(t) for t in selector.terms[:i])
+            return f"no registered device that satisfies {before!r} also satisfies {str(term)!r}"
+        raise AssertionError("some device satisfies every term")  # pragma: no cover
 
     def output(self, job_id: str, offset: int = 0, limit: int | None = None) -> bytes:
         """The job's committed output from ``offset`` (at most ``limit`` bytes).

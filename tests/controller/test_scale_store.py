@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rc_worker.controller.matching import LabelIndex, brute_force
 from rc_worker.controller.messages import LabelsUpdate, SheetsUpdate
+from rc_worker.controller.pending import explain
 from rc_worker.controller.selectors import Selector, Term, parse_selector
 from rc_worker.controller.state import ANY, host_topic, job_topic
 from rc_worker.controller.store import Store, StoreConfig
@@ -324,3 +325,42 @@ def test_an_unstarted_offer_is_requeued_by_its_timer_not_by_a_scan() -> None:
     assert store.job(job).state == "queued"
     assert store.last_wake is not None
     assert host_topic("a") in store.last_wake
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=fleets,
+    selector=selectors,
+    pin=st.sampled_from([None, "a/g0", "b/g1", "c/g0", "zz/g0"]),
+    shrink=st.sampled_from(["a", "b", "c"]),
+    hold=st.sampled_from(["a", "b", "c"]),
+    busy=st.booleans(),
+)
+def test_indexed_pending_reason_equals_the_reason_over_the_whole_fleet(
+    fleet: dict[str, dict[str, dict[str, str]]],
+    selector: Selector,
+    pin: str | None,
+    shrink: str,
+    hold: str,
+    busy: bool,
+) -> None:
+    """A queued job's reason, worked out over the devices the index names, is exactly the
+    one worked out over every device (absent, held and busy devices included)."""
+    store = Store()
+    _fleet(store, fleet)
+    if shrink in fleet and len(fleet[shrink]) > 1:
+        # Re-registered with one device fewer: that device is absent.
+        first = next(iter(fleet[shrink]))
+        register(store, shrink, [first], boot="boot-2")
+    if hold in fleet:
+        store.set_idle_behavior(hold, next(iter(fleet[hold])), "hold")
+    if busy:
+        store.submit(["true"])
+        for host in fleet:
+            h = store.known_host(host)
+            assert h is not None
+            ready = [n for n, d in h.devices.items() if d.present]
+            if h.session is not None and store.poll(host, h.session, ready, now=0):
+                break
+    expected = explain(selector, pin, store._candidates())
+    assert store._explain(selector, pin) == expected
