@@ -56,6 +56,7 @@ DEVICES = 8
 RUN_LIMIT_S = 3600.0
 """The whole run stops by itself after this long, whatever it was asked."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+CONNECT_TRIES = 8
 
 
 def cpu_seconds(pid: int) -> float:
@@ -121,21 +122,24 @@ class Conn:
         self.buf = bytearray()
 
     async def request(self, method: str, target: str, body: bytes, headers: bytes) -> Reply:
-        for attempt in (1, 2):
-            if self.stream is None:
-                self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
-                self.buf.clear()
-            head = (
-                f"{method} {target} HTTP/1.1\r\nHost: rc\r\nContent-Length: {len(body)}\r\n"
-            ).encode()
+        head = (
+            f"{method} {target} HTTP/1.1\r\nHost: rc\r\nContent-Length: {len(body)}\r\n"
+        ).encode()
+        for attempt in range(1, CONNECT_TRIES + 1):
             try:
+                if self.stream is None:
+                    self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+                    self.buf.clear()
                 await self.stream.send_all(head + headers + b"\r\n" + body)
                 return await self._response()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
-                # The server closed an idle keep-alive connection: once more on a new one.
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
+                # An idle keep-alive connection the server closed, or a connection reset
+                # while a thousand others opened at once (the listen backlog): again, on a
+                # new connection, after a pause. Every request of the swarm is idempotent.
                 await self.close()
-                if attempt == 2:
+                if attempt == CONNECT_TRIES:
                     raise
+                await trio.sleep(min(2.0, 0.05 * 2**attempt))
         raise AssertionError("unreachable")
 
     async def _fill(self) -> None:
@@ -420,9 +424,11 @@ async def _measure_fleet(
             for h in swarm.hosts:
                 reg.start_soon(register, h)
         out["register_s"] = time.perf_counter() - t0
-        for h in swarm.hosts:
+        for i, h in enumerate(swarm.hosts):
             nursery.start_soon(h.heartbeats)
             h.kick(nursery)
+            if i % 50 == 49:
+                await trio.sleep(0.1)  # not a thousand connections at once
         await trio.sleep(3)  # every poll parked
 
         # Idle: heartbeats and parked polls only.
