@@ -492,8 +492,17 @@ async def _measure_fleet(
         latencies: list[float] = []
         sent: dict[str, float] = {}
 
+        submitting = trio.CapacityLimiter(16)
+
         async def one(t: float) -> None:
-            job_id = await swarm.submit(["true"], select="product=H100")
+            # At most 16 submits in flight, like a few busy users; a submit queued here
+            # behind a slow controller still counts from its planned time ``t``.
+            async with submitting:
+                try:
+                    job_id = await swarm.submit(["true"], select="product=H100")
+                except (OSError, trio.BrokenResourceError, EOFError, RuntimeError):
+                    swarm.errors += 1  # not retried: a submit is not idempotent
+                    return
             sent[job_id] = t
 
         c0, w0 = cpu_seconds(proc.pid), time.perf_counter()

@@ -43,6 +43,8 @@ class LabelIndex:
         self._by_key: dict[str, set[Address]] = {}
         self.epoch = 0
         """Moves with every change of any view: cached candidate sets older than it are stale."""
+        self._cache: dict[str, set[Address]] = {}
+        self._cache_epoch = 0
 
     def __len__(self) -> int:
         return len(self.views)
@@ -72,6 +74,18 @@ class LabelIndex:
         for k, v in view.items():
             _discard(self._by_pair, (k, v), addr)
             _discard(self._by_key, k, addr)
+
+    def cached(self, selector: Selector) -> set[Address]:
+        """:meth:`candidates`, kept per selector until any view changes: jobs submitted with
+        the same selector (the usual case) cost one set lookup each. Do not mutate it."""
+        if self._cache_epoch != self.epoch:
+            self._cache.clear()
+            self._cache_epoch = self.epoch
+        key = str(selector)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = self.candidates(selector)
+        return found
 
     def candidates(self, selector: Selector) -> set[Address]:
         """Exactly the devices whose view ``selector`` matches."""

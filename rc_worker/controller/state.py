@@ -222,7 +222,7 @@ class StoreState:
         elif not job.selector.terms:
             cands = None
         else:
-            cands = self._index.candidates(job.selector)
+            cands = self._index.cached(job.selector)
         self._job_cands[job.job_id] = (self._index.epoch, cands)
         return cands
 

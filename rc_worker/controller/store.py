@@ -50,7 +50,7 @@ from rc_worker.controller.messages import (
     SheetsUpdate,
     StartRequest,
 )
-from rc_worker.controller.pending import Candidate, Pending, explain
+from rc_worker.controller.pending import Candidate, Pending, explain, waiting_reason
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
@@ -248,21 +248,32 @@ class Store(StoreState):
             return explain(
                 selector, pinned, [] if h is None or d is None else [self._candidate(h, d)]
             )
-        addrs = self._index.candidates(selector)
+        addrs = self._index.cached(selector)
         by_host: dict[str, set[str]] = {}
         for host, name in addrs:
             by_host.setdefault(host, set()).add(name)
         # In fleet order (hosts, then devices, as registered), as explain() would see them.
         matching = [
-            self._candidate(h, d)
+            (h, d)
             for h in self._hosts.values()
             if h.name in by_host
             for d in h.devices.values()
             if d.name in by_host[h.name] and d.present
         ]
-        if matching:
-            return explain(selector, None, matching)
-        return Pending("no_match", self._no_match(selector))
+        if not matching:
+            return Pending("no_match", self._no_match(selector))
+        # The common answer (a matching device is free) needs only the first free one and a
+        # count; Candidates for every matching device are built only when none is free.
+        free = [
+            (h, d)
+            for h, d in matching
+            if not h.lost and not d.faults and d.idle_behavior == "run" and d.job is None
+        ]
+        if free:
+            return Pending(
+                "waiting_for_worker", waiting_reason(self._candidate(*free[0]), len(free))
+            )
+        return explain(selector, None, [self._candidate(h, d) for h, d in matching])
 
     def _no_match(self, selector: Selector) -> str:
         """Which term the present devices run out at (as :func:`pending._no_match` says it),
