@@ -50,7 +50,13 @@ from rc_worker.controller.messages import (
     SheetsUpdate,
     StartRequest,
 )
-from rc_worker.controller.pending import Candidate, Pending, explain, waiting_reason
+from rc_worker.controller.pending import (
+    MAX_COUNTED,
+    Candidate,
+    Pending,
+    explain,
+    waiting_reason,
+)
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
@@ -232,6 +238,11 @@ class Store(StoreState):
             worker_state=d.worker_state,
         )
 
+    @staticmethod
+    def _is_free(h: Host, d: Device) -> bool:
+        """Present and able to take a job now, as :func:`pending.explain` judges it."""
+        return not h.lost and not d.faults and d.idle_behavior == "run" and d.job is None
+
     def _present(self, addr: tuple[str, str]) -> bool:
         h = self._hosts.get(addr[0])
         d = None if h is None else h.devices.get(addr[1])
@@ -249,6 +260,19 @@ class Store(StoreState):
                 selector, pinned, [] if h is None or d is None else [self._candidate(h, d)]
             )
         addrs = self._index.cached(selector)
+        if len(addrs) > MAX_COUNTED:
+            # Many devices match: walk the fleet in order and stop at the count a reason shows.
+            nfree = 0
+            first: tuple[Host, Device] | None = None
+            for h in self._hosts.values():
+                for d in h.devices.values():
+                    if (h.name, d.name) in addrs and d.present and self._is_free(h, d):
+                        nfree += 1
+                        first = first or (h, d)
+                if nfree > MAX_COUNTED + 1:
+                    break
+            if first is not None:
+                return Pending("waiting_for_worker", waiting_reason(self._candidate(*first), nfree))
         by_host: dict[str, set[str]] = {}
         for host, name in addrs:
             by_host.setdefault(host, set()).add(name)
@@ -264,11 +288,7 @@ class Store(StoreState):
             return Pending("no_match", self._no_match(selector))
         # The common answer (a matching device is free) needs only the first free one and a
         # count; Candidates for every matching device are built only when none is free.
-        free = [
-            (h, d)
-            for h, d in matching
-            if not h.lost and not d.faults and d.idle_behavior == "run" and d.job is None
-        ]
+        free = [(h, d) for h, d in matching if self._is_free(h, d)]
         if free:
             return Pending(
                 "waiting_for_worker", waiting_reason(self._candidate(*free[0]), len(free))

@@ -364,3 +364,20 @@ def test_indexed_pending_reason_equals_the_reason_over_the_whole_fleet(
                 break
     expected = explain(selector, pin, store._candidates())
     assert store._explain(selector, pin) == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(held=st.sets(st.integers(0, 159)), lost=st.sets(st.integers(0, 19), max_size=3))
+def test_a_large_fleets_pending_reason_equals_the_reason_over_the_whole_fleet(
+    held: set[int], lost: set[int]
+) -> None:
+    """Past MAX_COUNTED matching devices the store stops counting free ones early; the
+    reason is still exactly explain()'s over every device."""
+    store = Store(StoreConfig(heartbeat_interval_s=1.0, missed_heartbeats=1))
+    for i in range(20):
+        register(store, f"h{i:02d}", [f"g{k}" for k in range(8)], now=0.0 if i in lost else 5.0)
+    store.tick(5.5)  # the hosts registered at 0 are lost
+    for n in sorted(held):
+        store.set_idle_behavior(f"h{n // 8:02d}", f"g{n % 8}", "hold")
+    selector = parse_selector("device!=none")
+    assert store._explain(selector, None) == explain(selector, None, store._candidates())
