@@ -57,6 +57,7 @@ RUN_LIMIT_S = 3600.0
 """The whole run stops by itself after this long, whatever it was asked."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CONNECT_TRIES = 8
+TRANSPORT_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, EOFError)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -282,10 +283,16 @@ class Host:
         await trio.sleep(self.swarm.rng_offset(self.name) * self.interval)
         while True:
             devices = {d: {"state": "idle" if d in self.free else "running"} for d in self.devices}
-            r = await self.post(
-                f"/v1/hosts/{self.name}/heartbeat", {"session": self.session, "devices": devices}
-            )
-            self.swarm.errors += r.status != 200
+            try:
+                r = await self.post(
+                    f"/v1/hosts/{self.name}/heartbeat",
+                    {"session": self.session, "devices": devices},
+                )
+                if r.status in (401, 404, 409):
+                    await self.reregister()
+                self.swarm.errors += r.status != 200
+            except TRANSPORT_ERRORS:
+                self.swarm.errors += 1
             await trio.sleep(self.interval)
 
     def kick(self, nursery: trio.Nursery) -> None:
@@ -305,17 +312,34 @@ class Host:
                     f"/v1/hosts/{self.name}/poll",
                     {"session": self.session, "ready": ready, "wait_s": 30},
                 )
+            except TRANSPORT_ERRORS:
+                r = Reply(0, b"")
             finally:
                 self.listed.difference_update(ready)
             assignments = r.json().get("assignments", []) if r.status == 200 else []
             if r.status != 200:
                 self.swarm.errors += 1
+                if r.status in (401, 404, 409):
+                    await self.reregister()  # lost meanwhile: register again, as a worker does
                 await trio.sleep(1)
             for a in assignments:
                 self.free.discard(a["device"])
                 self.nursery.start_soon(self.run_job, a)
 
+    async def reregister(self) -> None:
+        self.swarm.reregistered += 1
+        with contextlib.suppress(*TRANSPORT_ERRORS, RuntimeError):
+            await self.register()
+
     async def run_job(self, a: dict[str, Any]) -> None:
+        try:
+            await self._run_job(a)
+        except TRANSPORT_ERRORS:
+            self.swarm.errors += 1
+            self.free.add(a["device"])
+            self.kick(self.nursery)
+
+    async def _run_job(self, a: dict[str, Any]) -> None:
         job_id = a["job_id"]
         body = {
             "session": self.session,
@@ -376,6 +400,7 @@ class Swarm:
         self.held: dict[str, trio.Event] = {}
         self.errors = 0
         self.stale = 0
+        self.reregistered = 0
         """Starts and output chunks refused as stale (the job was offered again meanwhile)."""
         self.progress = trio.Event()
         """Set (and replaced) whenever a job starts."""
@@ -532,6 +557,7 @@ async def _measure_fleet(
         out["hosts_lost"] = lost
         out["client_errors"] = swarm.errors
         out["stale"] = swarm.stale
+        out["reregistered"] = swarm.reregistered
         nursery.cancel_scope.cancel()
 
 
@@ -554,7 +580,7 @@ def main(argv: list[str]) -> int:
     header = (
         f"{'store':<7}{'hosts':>6}{'reg s':>7}{'idle cpu':>9}{'submit ms':>10}{'clear ms':>9}"
         f"{'chunk ms':>9}{'load cpu':>9}{'job ms':>7}{'p50 ms':>8}{'p99 ms':>8}"
-        f"{'lost':>5}{'done':>6}{'stale':>6}"
+        f"{'lost':>5}{'done':>6}{'stale':>6}{'rereg':>6}{'errs':>6}"
     )
 
     async def run() -> None:
@@ -571,7 +597,8 @@ def main(argv: list[str]) -> int:
                         f"{r['load_cpu']:>8.1%} {r['job_ms']:>6.2f}"
                         f"{r.get('p50_ms', math.nan):>8.1f}"
                         f"{r.get('p99_ms', math.nan):>8.1f}{r['hosts_lost']:>5.0f}"
-                        f"{r['dispatched']:>6.0%}{r['stale']:>6.0f}",
+                        f"{r['dispatched']:>6.0%}{r['stale']:>6.0f}"
+                        f"{r['reregistered']:>6.0f}{r['client_errors']:>6.0f}",
                         flush=True,
                     )
                     if n != sizes[0]:
