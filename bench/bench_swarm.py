@@ -543,7 +543,9 @@ async def _measure_fleet(
                 await swarm.progress.wait()
         load_cpu = cpu_seconds(proc.pid) - c0
         out["load_cpu"] = load_cpu / (time.perf_counter() - w0)
-        out["job_ms"] = load_cpu / max(len(sent), 1) * 1000
+        # Net of the fleet's own background (heartbeats, poll timeouts), as the costs above.
+        net = load_cpu - idle_rate * (time.perf_counter() - w0)
+        out["job_ms"] = max(net, 0.0) / max(len(sent), 1) * 1000
         latencies = [swarm.started[j] - t for j, t in sent.items() if j in swarm.started]
         out["dispatched"] = len(latencies) / max(len(sent), 1)
         if latencies:
