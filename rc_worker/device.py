@@ -20,14 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from rc_worker.config import DeviceConfig
-from rc_worker.errors import ControllerError
-from rc_worker.gpu_health import Fault, kind_defaults
-from rc_worker.hooks import run_hook
-from rc_worker.host import RunAs
-from rc_worker.lease import Lease
-from rc_worker.logs import log_context, set_log_context
-from rc_worker.model import (
+from rc_worker.changed import Changed
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.errors import ControllerError
+from rc_worker.core.lease import Lease
+from rc_worker.core.model import (
     Assignment,
     DeviceState,
     IdleBehavior,
@@ -35,7 +32,11 @@ from rc_worker.model import (
     effective_limit,
     job_key,
 )
-from rc_worker.reports import finish_report, not_run_report, stale_offer_report
+from rc_worker.core.reports import finish_report, not_run_report, stale_offer_report
+from rc_worker.gpu_health import Fault, kind_defaults
+from rc_worker.hooks import run_hook
+from rc_worker.host import RunAs
+from rc_worker.logs import log_context, set_log_context
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
 from rc_worker.sweep import unproven
@@ -80,7 +81,7 @@ class DeviceSupervisor:
         # Which of the worker's polls offers it (the newest), while ``offered``.
         self.poll_id: int | None = None
         self._pending: tuple[Assignment, bool] | None = None
-        self._changed = trio.Event()
+        self._changed = Changed()
         self._acquire_scope: trio.CancelScope | None = None
         self._delivery_scope: trio.CancelScope | None = None
         self._cancel_text: str | None = None
@@ -308,7 +309,7 @@ class DeviceSupervisor:
         }
         if self.lease.job is not None and self.lease.state is S.RUNNING:
             job_id, attempt = self.lease.job
-            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt))
+            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt), self.ctx.host.store)
             claims["running"] = {
                 "job_id": job_id,
                 "attempt": attempt,
@@ -331,8 +332,7 @@ class DeviceSupervisor:
         return self._linger_until if self.lease.state is S.LINGERING else math.inf
 
     def _poke(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
         # Any change to this device may change what is offerable; the poll
         # loop re-reads readiness on every wake, so an extra wake costs a scan.
         self.ctx.poke_poller()
@@ -398,7 +398,9 @@ class DeviceSupervisor:
         report = not_run_report(a, "error", "", error=detail)
         try:
             if self.ctx.outbox.tracking(key):
-                report["output_bytes"] = JobDir(self.ctx.root, key).output_size()
+                report["output_bytes"] = JobDir(
+                    self.ctx.root, key, self.ctx.host.store
+                ).output_size()
                 await self.ctx.outbox.finish(key, report)
             else:
                 await self.ctx.report(a, report)
@@ -413,7 +415,7 @@ class DeviceSupervisor:
         return trio.current_time() >= self._linger_until and not self.offered
 
     async def _wait_for_change(self) -> None:
-        changed = self._changed
+        changed = self._changed.watch()
         deadline = self.linger_deadline()
         if self.lease.idle_behavior is not IdleBehavior.RUN or deadline <= trio.current_time():
             # A linger already over waits for the poll that offered the device
@@ -536,7 +538,7 @@ class DeviceSupervisor:
         return True
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
-        job_dir = JobDir(self.ctx.root, key)
+        job_dir = JobDir(self.ctx.root, key, self.ctx.host.store)
         try:
             cgroup = await self.ctx.journal(job_dir, a)
             spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)

@@ -1,7 +1,7 @@
 """The Trio shell of the GPU health checks: run the tools, read the kernel log.
 
 Decisions are in ``gpu_health.py``; this module runs nvidia-smi and lspci
-exactly as a probe runs (``supervise.run_job`` through the ``Host`` seam: its
+exactly as a probe runs (``scripts.run_script`` through the ``Host`` seam: its
 own process group, killed at ``gpu_health.check_timeout``), reads the new
 lines of the kernel log, and turns each outcome into a ``DeviceVerdict``:
 faults to raise, and per check whether it could be read.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -25,7 +24,8 @@ from typing import TypeVar
 import attrs
 import trio
 
-from rc_worker.config import Config, DeviceConfig, child_environ
+from rc_worker.core.config import Config, DeviceConfig, child_environ
+from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
 from rc_worker.gpu_health import (
     CHECK_MEMORY,
     CHECK_MIG,
@@ -60,10 +60,9 @@ from rc_worker.gpu_health import (
     resolve_mig_uuid,
 )
 from rc_worker.host import Host
-from rc_worker.labels import NVIDIA_SMI, gpu_scope, text_tail
 from rc_worker.metrics import WorkerMetrics
-from rc_worker.probe import NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE, Capture
-from rc_worker.supervise import REASON_MAX_RUNTIME, JobHandle, JobSpec, run_job
+from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
+from rc_worker.scripts import Budget, describe, run_script
 
 T = TypeVar("T")
 
@@ -140,7 +139,7 @@ class GpuHealthMonitor:
     # -- whether to run at all ---------------------------------------------
 
     def _smi(self) -> str | None:
-        return shutil.which(NVIDIA_SMI, path=self._environ.get("PATH", os.defpath))
+        return self._host.store.which(NVIDIA_SMI, self._environ.get("PATH", os.defpath))
 
     def enabled(self) -> bool:
         """``true``: always; ``false``: never; ``auto``: once nvidia-smi was seen here.
@@ -155,42 +154,38 @@ class GpuHealthMonitor:
             return False
         marker = None if self._state_dir is None else self._state_dir / SEEN_MARKER
         if self._smi() is not None:
-            if marker is not None and not marker.exists():
+            if marker is not None and not self._host.store.exists(marker):
                 try:
-                    marker.touch()
+                    self._host.store.touch(marker)
                 except OSError as e:
                     log.warning("cannot record that nvidia-smi was seen (%s): %s", marker, e)
             return True
-        return marker is not None and marker.exists()
+        return marker is not None and self._host.store.exists(marker)
 
     # -- running tools -------------------------------------------------------
 
     async def _run(self, tool: str, args: Sequence[str]) -> str:
         """Run ``tool args`` like a probe; its output, or ``CheckFailed`` with why."""
-        path = shutil.which(tool, path=self._environ.get("PATH", os.defpath))
+        path = self._host.store.which(tool, self._environ.get("PATH", os.defpath))
         if path is None:
             raise CheckFailed(f"{tool} not found on PATH")
-        limit = self._settings.check_timeout or self._config.probe_timeout
-        handle = JobHandle()
-        out = Capture(NVIDIA_SMI_OUTPUT_CAP, lambda: handle.stop("output cap"))
-        spec = JobSpec(
-            command=(path, *args),
+        limit = Budget(self._settings.check_timeout or self._config.probe_timeout).next()
+        assert limit is not None  # a budget of None is never spent
+        run = await run_script(
+            (path, *args),
             env=child_environ(self._environ),
-            grace_ceiling=PROBE_GRACE,
-            max_runtime=limit,
+            limit=limit,
+            grace=PROBE_GRACE,
+            host=self._host,
+            output_cap=NVIDIA_SMI_OUTPUT_CAP,
+            merge_stderr=True,
         )
-        result = await run_job(spec, out, host=self._host, handle=handle)
-        text = out.data.decode("utf-8", "replace")
-        if out.overflowed:
-            raise CheckFailed(f"{tool} printed more than {NVIDIA_SMI_OUTPUT_CAP} bytes")
-        if result.killed and result.reason == REASON_MAX_RUNTIME:
-            raise CheckFailed(f"{tool} {args[0]} timed out after {limit:g}s")
-        if result.exit_code is None:
-            raise CheckFailed(f"{tool} could not run: {result.error or result.signal}")
+        text = run.output.decode("utf-8", "replace")
         # nvidia-smi exits non-zero when a GPU is lost but still lists the
         # others: that is an answer (``gpu_missing``), not a failure to answer.
-        if result.exit_code != 0 and not mentions_lost_gpu(text):
-            raise CheckFailed(f"{tool} exit status {result.exit_code}: {text_tail(text)}")
+        why = describe(run, tool, exit_label=EXIT_LABEL, exit_ok=mentions_lost_gpu(text))
+        if why:
+            raise CheckFailed(why)
         return text
 
     def _count(self, check: str, result: str) -> None:
@@ -400,7 +395,7 @@ class GpuHealthMonitor:
     async def _check_pci(
         self, targets: Sequence[GpuTarget], verdicts: dict[str, DeviceVerdict]
     ) -> None:
-        if shutil.which(LSPCI, path=self._environ.get("PATH", os.defpath)) is None:
+        if self._host.store.which(LSPCI, self._environ.get("PATH", os.defpath)) is None:
             return  # no lspci: nothing to compare with, and nothing wrong
 
         async def read() -> tuple[int, int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
-from rc_worker.controller.selectors import Selector
+from rc_worker.core.selectors import Selector
 
 __all__ = ["Address", "LabelIndex", "brute_force"]
 
@@ -32,6 +32,9 @@ Address = tuple[str, str]
 """``(host, device)``."""
 
 _K = TypeVar("_K")
+
+MAX_CACHED = 1024
+"""Selectors whose candidate sets :meth:`LabelIndex.cached` keeps at once."""
 
 
 class LabelIndex:
@@ -84,6 +87,8 @@ class LabelIndex:
         key = str(selector)
         found = self._cache.get(key)
         if found is None:
+            if len(self._cache) >= MAX_CACHED:
+                self._cache.clear()  # bounded: many distinct selectors are computed again
             found = self._cache[key] = self.candidates(selector)
         return found
 

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from rc_worker.controller.matching import LabelIndex, brute_force
 from rc_worker.controller.messages import LabelsUpdate, SheetsUpdate
 from rc_worker.controller.pending import explain
-from rc_worker.controller.selectors import Selector, Term, parse_selector
 from rc_worker.controller.state import ANY, host_topic, job_topic
 from rc_worker.controller.store import Store, StoreConfig
 from rc_worker.controller.timers import Deadlines
+from rc_worker.core.selectors import Selector, Term, parse_selector
 
 from .storekit import assign, heartbeat, register, start
 
