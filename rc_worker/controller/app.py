@@ -13,6 +13,7 @@ import logging
 import secrets
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -71,7 +72,17 @@ async def _health(request: Request) -> Response:
     ctl: Controller = request.app.state.controller
     d = ctl.durability
     store = "memory" if d is None else ("failing" if d.failed else "ok")
-    return JSONResponse(unstructure(HealthReply(PROTOCOL_VERSION, store)))
+    # The store's own health: what it is, whether writes work, what the last one cost.
+    reply = HealthReply(PROTOCOL_VERSION, store, ok=store != "failing")
+    if d is not None:
+        reply = attrs.evolve(
+            reply,
+            store_backend=d.backend.description,
+            store_error=d.failed,
+            store_pending=d.dirty(),
+            last_commit_s=d.last_commit_s,
+        )
+    return JSONResponse(unstructure(reply))
 
 
 def create_app(

@@ -14,6 +14,7 @@ from rc_worker.controller.context import Controller, User, controller_of, json_b
 from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
 from rc_worker.controller.messages import JOB_STATES
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
+from rc_worker.controller.state import job_topic
 from rc_worker.core.protocol import (
     ClearReply,
     DevicesReply,
@@ -28,6 +29,7 @@ from rc_worker.core.protocol import (
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
+MAX_DEVICES_PER_PAGE = 10_000
 MAX_EVENTS_WAIT_S = 60.0
 STREAM_CHUNK = 64 * 1024
 
@@ -154,7 +156,7 @@ async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[by
             continue
         if ended:
             return
-        await ctl.wait_change(seen, None)
+        await ctl.wait_change(seen, None, job_topic(job_id))  # its output or state only
 
 
 def _owner_or_admin(ctl: Controller, user: User, job_id: str, what: str) -> None:
@@ -201,7 +203,20 @@ async def cancel(request: Request) -> Response:
 
 async def list_devices(request: Request) -> Response:
     ctl = _user(request)
-    return JSONResponse(unstructure(DevicesReply(tuple(ctl.store.devices()))))
+    q = request.query_params
+    limit = None
+    if "limit" in q:
+        limit = query_int(request, "limit")
+        if not 1 <= limit <= MAX_DEVICES_PER_PAGE:
+            raise BadRequest(f"limit: must be between 1 and {MAX_DEVICES_PER_PAGE}")
+    page, nxt = ctl.store.devices_page(
+        state=q.get("state"),
+        host=q.get("host"),
+        select=q.get("select", ""),
+        after=q.get("after"),
+        limit=limit,
+    )
+    return JSONResponse(unstructure(DevicesReply(tuple(page), next=nxt)))
 
 
 def _address(request: Request) -> tuple[str, str]:

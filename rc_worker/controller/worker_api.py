@@ -23,6 +23,7 @@ from rc_worker.controller.context import (
 )
 from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
+from rc_worker.controller.state import host_topic
 from rc_worker.core.model import PROTOCOL_VERSION
 from rc_worker.core.protocol import (
     DeregisterRequest,
@@ -45,8 +46,12 @@ def _ok() -> JSONResponse:
 async def register(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
-    ctl.require_worker(request, host)
-    req = wire.register(await json_body(request))
+    try:
+        ctl.require_worker(request, host)
+        req = wire.register(await json_body(request))
+    except ApiError:
+        ctl.store.stats.registrations["refused"] += 1  # the store counts its own refusals
+        raise
     if req.protocol != PROTOCOL_VERSION:
         log.warning(
             "host %s registered with protocol %d, this controller speaks %d; upgrade the older one",
@@ -84,8 +89,27 @@ async def poll(request: Request) -> Response:
     watch = req.watch_cancels
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
-    deadline = ctl.now() + wait
     offers = ctl.store.open_poll(host, ready, withdrawn)
+    ctl.store.stats.polls_parked += 1
+    try:
+        return await _long_poll(ctl, request, host, session, ready, offers, known, watch, wait)
+    finally:
+        ctl.store.stats.polls_parked -= 1
+        ctl.store.close_poll(host, offers)
+
+
+async def _long_poll(
+    ctl: Controller,
+    request: Request,
+    host: str,
+    session: str,
+    ready: list[str],
+    offers: dict[str, int],
+    known: set[tuple[str, int]],
+    watch: bool,
+    wait: float,
+) -> Response:
+    deadline = ctl.now() + wait
     assignments: list[Assignment] = []
     cancels: list[CancelOrder] = []
     error: ApiError | None = None
@@ -104,7 +128,8 @@ async def poll(request: Request) -> Response:
                     # Superseded: the worker polled again with an updated ready set
                     # (a device it listed here stopped being offerable): answer now.
                     break
-                await ctl.wait_change(seen, deadline)
+                # Woken only by a change to this host (or a job aimed at its devices).
+                await ctl.wait_change(seen, deadline, host_topic(host))
         except ApiError as e:
             # Caught here, not outside: out of the task group it would arrive wrapped.
             error = e

@@ -248,6 +248,8 @@ class DevicesReply:
     """``GET /v1/devices``, and host drain and resume."""
 
     devices: tuple[DeviceInfo, ...] = ()
+    next: str | None = None
+    """The cursor of the next page (``after``), or null on the last one."""
 
 
 @attrs.frozen
@@ -261,6 +263,8 @@ class HostClearReply:
     host: str
     cleared: Mapping[str, tuple[str, ...]] = attrs.field(hash=False)
     devices: tuple[DeviceInfo, ...] = ()
+    next: str | None = None
+    """The cursor of the next page (``after``), or null on the last one."""
 
 
 @attrs.frozen
