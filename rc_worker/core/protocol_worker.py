@@ -397,8 +397,8 @@ class HealthReply:
     """False while writes to the controller's store fail."""
     store_backend: str | None = attrs.field(default=None, metadata={OMIT: None})
     """Where the state is kept (a persisted store only)."""
-    # "" stands for "no persisted store" and is left out; null is a store that works.
-    store_error: str | None = attrs.field(default="", metadata={OMIT: ""})
+    store_error: str | None = attrs.field(default=None, metadata={OMIT: None})
+    """Why the last write failed; absent while writes work."""
     store_pending: bool | None = attrs.field(default=None, metadata={OMIT: None})
     last_commit_s: float | None = attrs.field(default=None, metadata={OMIT: None})
 

@@ -130,7 +130,7 @@ async def test_commit_latency_and_health_of_a_persisted_store(tmp_path: Path) ->
                 health = (await bare.get("/v1/health")).json()
                 assert health["ok"] is True
                 assert health["store"] == "ok"
-                assert health["store_error"] is None
+                assert "store_error" not in health  # absent while writes work
                 assert str(tmp_path / "state") in health["store_backend"]
                 r = await user.post("/v1/jobs", json={"command": ["true"]})
                 assert r.status_code == 200, r.text
