@@ -20,9 +20,9 @@ from hypothesis import given, note, settings
 from rc_worker.config import DeviceConfig
 from rc_worker.retry import Backoff
 from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
+from rc_worker.testing.plans import FleetPlan, describe, play
 from rc_worker.testing.sim import Fork, Hang, Script, Sleep, Write
-
-from .plans import FleetPlan, describe, fleet_plans, play
+from rc_worker.testing.strategies import fleet_plans
 
 TIME_LIMIT = 4 * 3600.0  # virtual seconds: invariant 6, everything ends
 
