@@ -121,6 +121,8 @@ class FaultyTransport(httpx.AsyncBaseTransport):
     sees every request that reaches the controller, and returns the one to send;
     ``on_send(endpoint, request)`` sees every request the worker makes, faulted or
     not; ``on_answer`` every answer that reaches the worker, with its JSON body.
+    ``buffer_streams``: a streamed body (output) is read whole before it goes on,
+    as through a buffering proxy; by default it streams through.
     While ``down`` (the worker process is dead) nothing is sent at all.
     """
 
@@ -132,8 +134,10 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         name: str = "",
         on_request: RequestHook | None = None,
         timeout_s: float = TIMEOUT_S,
+        buffer_streams: bool = False,
     ) -> None:
         self._inner = inner
+        self.buffer_streams = buffer_streams
         self.name = name
         self.on_request = on_request
         self.on_send: RequestHook | None = None
@@ -207,10 +211,11 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         try:
             content = request.content
         except httpx.RequestNotRead:
-            # A streamed body (output): counted as the controller reads it, so
-            # that it still streams (a body that waits for a job's next bytes).
-            content = b""
-            if isinstance(request.stream, httpx.AsyncByteStream):
+            # A streamed body (output). Buffered: read whole before it goes on,
+            # as a buffering proxy does (httpx keeps what was read). Otherwise
+            # counted as the controller reads it, so that it still streams.
+            content = await request.aread() if self.buffer_streams else b""
+            if not self.buffer_streams and isinstance(request.stream, httpx.AsyncByteStream):
                 counted = _Counted(request.stream)
                 request.stream = counted
         status: int | None = None
