@@ -260,6 +260,7 @@ class Fleet:
         if node.incarnations:
             node.host.worker_started()
         self._note(f"start worker {node.incarnations + 1} on {name} (pid {node.host.worker_pid})")
+        self._watch.new_process(name)
         node.transport.down = False
         node.running = True
         node._scope = trio.CancelScope()

@@ -179,12 +179,22 @@ class Watch:
         # Finishes a worker process has sent and not yet had a final answer to,
         # by (host, device): such a device must not be listed ready.
         self._unacked: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
+        # Finishes the current worker process of a host has had a final answer
+        # to, by (host, path, attempt): that process must not report them again.
+        self._answered: dict[tuple[str, str, object], int] = {}
 
     def forget(self, host: str) -> None:
         """The worker of ``host`` died: what it was owed dies with it. Its successor
         resends from disk, and those sends are tracked afresh."""
         for key in [k for k in self._unacked if k[0] == host]:
             del self._unacked[key]
+        self.new_process(host)
+
+    def new_process(self, host: str) -> None:
+        """A new worker process on ``host``: a finish whose answer its predecessor
+        got, but which it did not live to forget, may be resent once (idempotent)."""
+        for key in [k for k in self._answered if k[0] == host]:
+            del self._answered[key]
 
     def on_request(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
         if endpoint == "register":
@@ -260,9 +270,18 @@ class Watch:
 
     def on_send(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
         if endpoint == "finish":
-            device = _json(request).get("device")
+            body = _json(request)
+            device = body.get("device")
             if isinstance(device, str):
                 self._unacked[(node.name, device)].add(request.url.path)
+            status = self._answered.get((node.name, request.url.path, body.get("attempt")))
+            if status is not None:
+                # The process had the controller's final answer: reporting the
+                # job's end again is a second finish (exactly one terminal state).
+                self._violation(
+                    f"{node.name} reported the finish {request.url.path} (attempt "
+                    f"{body.get('attempt')}) twice: it already had the final answer {status}"
+                )
         return request
 
     def on_answer(
@@ -275,7 +294,9 @@ class Watch:
     ) -> None:
         if endpoint != "finish" or not _final(status, body):
             return
-        device = _json(request).get("device")
+        sent = _json(request)
+        self._answered[(node.name, request.url.path, sent.get("attempt"))] = status
+        device = sent.get("device")
         if isinstance(device, str):
             self._unacked[(node.name, device)].discard(request.url.path)
 
