@@ -56,7 +56,7 @@ import trio.testing
 
 from rc_worker.config import Config, DeviceConfig
 from rc_worker.controller import create_app
-from rc_worker.controller.messages import Event, JobInfo
+from rc_worker.controller.messages import TERMINAL_STATES, Event, JobInfo
 from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
 from rc_worker.testing import invariants
@@ -342,7 +342,7 @@ class Fleet:
         interval = math.inf if operator_every is None else operator_every
         while True:
             with trio.move_on_after(interval):
-                await self.wait_until(lambda: all(j.terminal for j in self.store.jobs()))
+                await self.wait_until(self._all_ended)
                 return
             self.clear_clean_devices()
 
@@ -388,6 +388,11 @@ class Fleet:
         return await play(self, plan)
 
     # -- internals --
+
+    def _all_ended(self) -> bool:
+        # Counted, not viewed: a queued job's view explains why it waits, for every
+        # candidate device, and this runs at every change of the controller.
+        return set(self.store.job_state_counts()) <= TERMINAL_STATES
 
     def _select(self, hosts: Iterable[str] | None) -> list[SimNode]:
         return list(self.nodes.values()) if hosts is None else [self.nodes[h] for h in hosts]

@@ -19,6 +19,7 @@ Needs hypothesis (the ``test`` extra).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -46,6 +47,7 @@ from rc_worker.testing.transport import Fault
 __all__ = ["fault_plans", "fleet_plans", "job_plans", "job_scripts", "seconds"]
 
 
+@functools.cache
 def seconds(low: float, high: float) -> st.SearchStrategy[float]:
     """Half-second steps: readable plans, and instants that coincide now and then."""
     return st.integers(int(low * 2), int(high * 2)).map(lambda n: n / 2)
@@ -64,27 +66,38 @@ WRITES = st.one_of(
 )
 
 
+WRITTEN = st.lists(st.tuples(seconds(0, 15), WRITES), max_size=4)
+EXTRAS = {
+    extras: st.lists(
+        st.sampled_from(["escape", "holder", "hang", "hung child"] if extras else []),
+        max_size=2,
+        unique=True,
+    )
+    for extras in (True, False)
+}
+EXIT_CODES = st.sampled_from([0, 0, 1, 3])
+
+
 @st.composite
 def job_scripts(draw: st.DrawFn, *, extras: bool = True) -> Script:
     steps: list[Step] = []
-    for gap, write in draw(st.lists(st.tuples(seconds(0, 15), WRITES), max_size=4)):
+    for gap, write in draw(WRITTEN):
         if gap:
             steps.append(Sleep(gap))
         steps.append(write)
     tail = draw(seconds(0, 30))
     if tail:
         steps.append(Sleep(tail))
-    kinds = ["escape", "holder", "hang", "hung child"] if extras else []
-    for kind in draw(st.lists(st.sampled_from(kinds), max_size=2, unique=True)):
-        where = draw(st.integers(0, len(steps)))
+    for kind in draw(EXTRAS[extras]):
+        where = draw(_integers(0, len(steps)))
         steps.insert(where, draw(_extra(kind)))
-    return Script(
-        steps,
-        exit_code=draw(st.sampled_from([0, 0, 1, 3])),
-        on_sigterm=draw(SIGTERM_POLICIES),
-    )
+    return Script(steps, exit_code=draw(EXIT_CODES), on_sigterm=draw(SIGTERM_POLICIES))
 
 
+_integers = functools.cache(st.integers)
+
+
+@functools.cache
 def _extra(kind: str) -> st.SearchStrategy[Step]:
     if kind == "escape":
         # A child that calls setsid(2): out of the group, still carrying RC_JOB_ID.
@@ -108,6 +121,9 @@ def _extra(kind: str) -> st.SearchStrategy[Step]:
     return st.builds(Fork, child, setsid=st.booleans())
 
 
+_SCRIPTS = {extras: job_scripts(extras=extras) for extras in (True, False)}
+
+
 @st.composite
 def job_plans(draw: st.DrawFn, *, extras: bool = True) -> JobPlan:
     fields: dict[str, Any] = {"grace_s": draw(seconds(0, 15))}
@@ -115,7 +131,7 @@ def job_plans(draw: st.DrawFn, *, extras: bool = True) -> JobPlan:
         fields["max_runtime_s"] = draw(seconds(1, 60))
     if draw(st.booleans()):
         fields["idle_timeout_s"] = draw(seconds(1, 30))
-    return JobPlan(draw(seconds(0, 60)), draw(job_scripts(extras=extras)), fields)
+    return JobPlan(draw(seconds(0, 60)), draw(_SCRIPTS[extras]), fields)
 
 
 HOOK_SCRIPTS = st.one_of(
@@ -130,6 +146,97 @@ HOOKS = st.builds(
     seconds(0, 20),
     seconds(1, 30),
 )
+
+
+@attrs.frozen
+class _Kinds:
+    """The strategies of a fleet's size, built once: hypothesis validates every
+    new strategy object, which cost a third of drawing a plan when they were
+    built afresh for each one."""
+
+    outages: st.SearchStrategy[list[OutagePlan]]
+    injections: st.SearchStrategy[list[InjectPlan]]
+    crashes: st.SearchStrategy[list[CrashPlan]]
+    idles: st.SearchStrategy[list[IdlePlan]]
+    unoffers: st.SearchStrategy[list[UnofferPlan]]
+    smi: st.SearchStrategy[list[SmiPlan]]
+    disks: st.SearchStrategy[list[DiskPlan]]
+
+
+@functools.cache
+def _kinds(hosts: int, devices: int) -> _Kinds:
+    names = [f"h{i}" for i in range(hosts)]
+    gpus = [f"gpu{i}" for i in range(devices)]
+    outage_plans = st.builds(
+        OutagePlan,
+        seconds(0, 120),
+        seconds(0.5, 60),
+        st.sampled_from(ENDPOINTS),
+        st.sampled_from(FAULTS),
+        st.sampled_from([None, *names]),
+    ).filter(lambda o: not (o.endpoint == "register" and o.fault is Fault.UNKNOWN_SESSION))
+    injects = {
+        endpoint: st.builds(
+            InjectPlan,
+            seconds(0, 120),
+            st.just(endpoint),
+            st.lists(
+                st.sampled_from(REGISTER_FAULTS if endpoint == "register" else FAULTS),
+                min_size=1,
+                max_size=3,
+            ).map(tuple),
+            st.sampled_from([None, *names]),
+        )
+        for endpoint in ENDPOINTS
+    }
+    inject_plans = st.sampled_from(ENDPOINTS).flatmap(injects.__getitem__)
+    crash_plans = st.builds(
+        CrashPlan,
+        seconds(0, 90),
+        st.sampled_from(names),
+        seconds(0, 90),
+        st.sampled_from(["kill", "kill", "reboot", "drain", "stop", "rereg"]),
+    )
+    idle_plans = st.builds(
+        IdlePlan,
+        seconds(0, 90),
+        seconds(1, 60),
+        st.sampled_from(names),
+        st.sampled_from(gpus),
+        st.sampled_from(["hold", "drain"]),
+    )
+    unoffer_plans = st.builds(
+        UnofferPlan, seconds(0, 90), st.sampled_from(names), st.sampled_from(gpus)
+    )
+    smi_plans = st.builds(
+        SmiPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(["fails", "hangs"])
+    )
+    disk_plans = st.builds(DiskPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(names))
+    return _Kinds(
+        outages=st.lists(outage_plans, max_size=3),
+        injections=st.lists(inject_plans, max_size=3),
+        crashes=st.lists(crash_plans, max_size=2),
+        idles=st.lists(idle_plans, max_size=2),
+        unoffers=st.lists(unoffer_plans, max_size=2),
+        smi=st.lists(smi_plans, max_size=2),
+        disks=st.lists(disk_plans, max_size=2),
+    )
+
+
+@functools.cache
+def _jobs(extras: bool, max_jobs: int) -> st.SearchStrategy[list[JobPlan]]:
+    return st.lists(job_plans(extras=extras), min_size=1, max_size=max_jobs)
+
+
+@functools.cache
+def _cancels(jobs: int) -> st.SearchStrategy[list[CancelPlan]]:
+    return st.lists(st.builds(CancelPlan, seconds(0, 120), st.integers(0, jobs - 1)), max_size=2)
+
+
+ONE_OR_TWO = st.integers(1, 2)
+MAYBE_HOOKS = st.none() | HOOKS
+MAYBE_VERIFY = st.none() | HOOK_SCRIPTS
+BOOLEANS = st.booleans()
 
 
 @st.composite
@@ -148,84 +255,29 @@ def fleet_plans(
     """Fault plans, each kind switched on or off; ``hosts`` and ``devices`` per host
     fixed, or drawn (one or two) when ``None``. :func:`fault_plans` has every kind on."""
     if hosts is None:
-        hosts = draw(st.integers(1, 2))
-    names = [f"h{i}" for i in range(hosts)]
-    outage_plans = st.builds(
-        OutagePlan,
-        seconds(0, 120),
-        seconds(0.5, 60),
-        st.sampled_from(ENDPOINTS),
-        st.sampled_from(FAULTS),
-        st.sampled_from([None, *names]),
-    ).filter(lambda o: not (o.endpoint == "register" and o.fault is Fault.UNKNOWN_SESSION))
-    inject_plans = st.sampled_from(ENDPOINTS).flatmap(
-        lambda endpoint: st.builds(
-            InjectPlan,
-            seconds(0, 120),
-            st.just(endpoint),
-            st.lists(
-                st.sampled_from(REGISTER_FAULTS if endpoint == "register" else FAULTS),
-                min_size=1,
-                max_size=3,
-            ).map(tuple),
-            st.sampled_from([None, *names]),
-        )
-    )
-    crash_plans = st.builds(
-        CrashPlan,
-        seconds(0, 90),
-        st.sampled_from(names),
-        seconds(0, 90),
-        st.sampled_from(["kill", "kill", "reboot", "drain", "stop", "rereg"]),
-    )
+        hosts = draw(ONE_OR_TWO)
     if devices is None:
-        devices = draw(st.integers(1, 2))
-    idle_plans = st.builds(
-        IdlePlan,
-        seconds(0, 90),
-        seconds(1, 60),
-        st.sampled_from(names),
-        st.sampled_from([f"gpu{i}" for i in range(devices)]),
-        st.sampled_from(["hold", "drain"]),
-    )
-    unoffer_plans = st.builds(
-        UnofferPlan,
-        seconds(0, 90),
-        st.sampled_from(names),
-        st.sampled_from([f"gpu{i}" for i in range(devices)]),
-    )
-    smi_plans = st.builds(
-        SmiPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(["fails", "hangs"])
-    )
-    disk_plans = st.builds(DiskPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(names))
-    jobs = draw(st.lists(job_plans(extras=extras), min_size=1, max_size=max_jobs))
-    hooks = draw(st.none() | HOOKS) if extras else None
+        devices = draw(ONE_OR_TWO)
+    kinds = _kinds(hosts, devices)
+    jobs = draw(_jobs(extras, max_jobs))
+    hooks = draw(MAYBE_HOOKS) if extras else None
     return FleetPlan(
         hosts=hosts,
         devices=devices,
         jobs=tuple(jobs),
-        outages=tuple(draw(st.lists(outage_plans, max_size=3))) if outages else (),
-        injections=tuple(draw(st.lists(inject_plans, max_size=3))) if outages else (),
-        crashes=tuple(draw(st.lists(crash_plans, max_size=2))) if crashes else (),
-        cancels=tuple(
-            draw(
-                st.lists(
-                    st.builds(CancelPlan, seconds(0, 120), st.integers(0, len(jobs) - 1)),
-                    max_size=2,
-                )
-            )
-        )
-        if cancels
-        else (),
-        idles=tuple(draw(st.lists(idle_plans, max_size=2))) if extras else (),
-        unoffers=tuple(draw(st.lists(unoffer_plans, max_size=2))) if extras else (),
-        smi=tuple(draw(st.lists(smi_plans, max_size=2))) if extras else (),
+        outages=tuple(draw(kinds.outages)) if outages else (),
+        injections=tuple(draw(kinds.injections)) if outages else (),
+        crashes=tuple(draw(kinds.crashes)) if crashes else (),
+        cancels=tuple(draw(_cancels(len(jobs)))) if cancels else (),
+        idles=tuple(draw(kinds.idles)) if extras else (),
+        unoffers=tuple(draw(kinds.unoffers)) if extras else (),
+        smi=tuple(draw(kinds.smi)) if extras else (),
         hooks=hooks,
-        verify=draw(st.none() | HOOK_SCRIPTS) if extras else None,
-        require_manual_clear=draw(st.booleans()),
-        foreign_process=draw(st.booleans()),
-        cgroups=draw(st.booleans()),
-        disks=tuple(draw(st.lists(disk_plans, max_size=2))) if disks else (),
+        verify=draw(MAYBE_VERIFY) if extras else None,
+        require_manual_clear=draw(BOOLEANS),
+        foreign_process=draw(BOOLEANS),
+        cgroups=draw(BOOLEANS),
+        disks=tuple(draw(kinds.disks)) if disks else (),
     )
 
 
