@@ -4,7 +4,8 @@ Two kinds. :class:`Watch` sits in every worker's transport and judges what must
 be seen at the moment it happens: a device offered ready while a process of its
 job lives, or while its own finish is unacknowledged; a ``gone`` claim under
 ``require_manual_clear``; facts sent for GPUs whose ``nvidia-smi`` failed; a
-failed verify pass without the worker's own quarantine. :func:`check` judges the
+failed verify pass without the worker's own quarantine; a finish sent again by
+a process that already had its final answer. :func:`check` judges the
 whole run at the end: exactly one terminal state, output committed once and in
 order, a job that exited on its own reported as it exited, hooks that failed
 treated as failed.
