@@ -83,6 +83,8 @@ TIME_LIMIT = 4 * 3600.0
 
 @attrs.frozen
 class JobPlan:
+    """A job submitted at ``at`` (virtual seconds): its script and ``Store.submit`` fields."""
+
     at: float
     script: Script
     fields: dict[str, Any] = attrs.field(factory=dict, hash=False)
@@ -90,6 +92,8 @@ class JobPlan:
 
 @attrs.frozen
 class OutagePlan:
+    """Every request to ``endpoint`` meets ``fault`` from ``at`` for ``duration``."""
+
     at: float
     duration: float
     endpoint: str
@@ -99,6 +103,8 @@ class OutagePlan:
 
 @attrs.frozen
 class InjectPlan:
+    """At ``at``, the next requests to ``endpoint`` meet ``faults``, one each."""
+
     at: float
     endpoint: str
     faults: tuple[Fault, ...]
@@ -107,6 +113,8 @@ class InjectPlan:
 
 @attrs.frozen
 class CrashPlan:
+    """The worker of ``host`` goes down at ``at`` (``how``), and comes back ``down_for`` later."""
+
     at: float
     host: str
     down_for: float
@@ -119,12 +127,16 @@ class CrashPlan:
 
 @attrs.frozen
 class CancelPlan:
+    """The ``job``-th job of the plan is cancelled at ``at`` (if submitted by then)."""
+
     at: float
     job: int
 
 
 @attrs.frozen
 class IdlePlan:
+    """An operator sets a device's idle behaviour at ``at``, back to ``run`` later."""
+
     at: float
     duration: float
     host: str
@@ -184,6 +196,8 @@ SMI_BROKEN = {
 
 @attrs.frozen
 class HooksPlan:
+    """Every device's lease hooks (``None``: none), linger and hook timeout."""
+
     acquire: Script | None
     release: Script | None
     linger: float
@@ -192,6 +206,12 @@ class HooksPlan:
 
 @attrs.frozen
 class FleetPlan:
+    """A whole fault plan: the fleet's size and settings, and every fault, with its time.
+
+    Frozen data whose ``repr`` is the Python that builds it again (:func:`parse_plan`);
+    :meth:`fleet_args` gives :func:`~rc_worker.testing.fleet.open_fleet` its arguments.
+    """
+
     hosts: int = 1
     devices: int = 1
     jobs: tuple[JobPlan, ...] = ()

@@ -80,6 +80,8 @@ EXIT_CODES = st.sampled_from([0, 0, 1, 3])
 
 @st.composite
 def job_scripts(draw: st.DrawFn, *, extras: bool = True) -> Script:
+    """A job's script: output at drawn times, an exit code, a SIGTERM policy and, with
+    ``extras``, escaping children, children holding stdout, uninterruptible sleep."""
     steps: list[Step] = []
     for gap, write in draw(WRITTEN):
         if gap:
@@ -126,6 +128,7 @@ _SCRIPTS = {extras: job_scripts(extras=extras) for extras in (True, False)}
 
 @st.composite
 def job_plans(draw: st.DrawFn, *, extras: bool = True) -> JobPlan:
+    """A job: when it is submitted, its script, a grace and maybe limits."""
     fields: dict[str, Any] = {"grace_s": draw(seconds(0, 15))}
     if draw(st.booleans()):
         fields["max_runtime_s"] = draw(seconds(1, 60))
