@@ -183,6 +183,8 @@ class Watch:
         # Finishes the current worker process of a host has had a final answer
         # to, by (host, path, attempt): that process must not report them again.
         self._answered: dict[tuple[str, str, object], int] = {}
+        # The facts each host last sent for each device (register or PUT labels).
+        self._facts: dict[tuple[str, str], object] = {}
 
     def forget(self, host: str) -> None:
         """The worker of ``host`` died: what it was owed dies with it. Its successor
@@ -244,11 +246,19 @@ class Watch:
     def _check_labels(self, node: SimNode, payload: Mapping[str, Any]) -> None:
         """Invariant 4: facts a pass could not confirm are not sent (they stay as they were).
 
-        The last ``nvidia-smi`` run on the host is the truth of the pass that sent
-        them: if it failed (an error exit, killed at its timeout), no GPU device it
-        speaks for may appear in the payload, where even an empty map would wipe
-        the device's facts at the controller.
+        The last ``nvidia-smi`` run on the host is the truth of the pass: if it
+        failed (an error exit, killed at its timeout), no GPU device it speaks for
+        may appear in the payload with facts other than those the host last sent
+        for it, where even an empty map would wipe the device's facts at the
+        controller. The same facts again change nothing: a register retried with
+        the body built before the failed pass resends them.
         """
+        devices = payload.get("devices")
+        if not isinstance(devices, Mapping):
+            return
+        before = {d: self._facts.get((node.name, d)) for d in devices}
+        for device, facts in devices.items():
+            self._facts[(node.name, device)] = facts
         where = self._smi_path()
         if where is None:
             return
@@ -259,9 +269,8 @@ class Watch:
         last = runs[-1]  # in spawn order: probe passes never overlap
         if last.returncode == 0 and not last.signalled:
             return
-        devices = payload.get("devices")
         scope = set(gpu_scope(node.config.device_names).values())
-        sent = sorted(set(devices) & scope) if isinstance(devices, Mapping) else []
+        sent = sorted(d for d in set(devices) & scope if devices[d] != before[d])
         if sent:
             self._violation(
                 f"{node.name} sent facts for {sent} although nvidia-smi failed "

@@ -20,7 +20,7 @@ from hypothesis import given, note, settings
 from rc_worker.config import DeviceConfig
 from rc_worker.retry import Backoff
 from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
-from rc_worker.testing.plans import FleetPlan, describe, play
+from rc_worker.testing.plans import SMI_BROKEN, SMI_OK, FleetPlan, describe, play
 from rc_worker.testing.sim import Fork, Hang, Script, Sleep, Write
 from rc_worker.testing.strategies import fleet_plans
 
@@ -402,3 +402,30 @@ def test_a_device_withdrawn_beside_a_ready_one_does_not_livelock_the_other(seed:
         assert fleet.check() == []
 
     simulate(fn, seed=seed, time_limit=TIME_LIMIT, devices=("gpu0", "gpu1"))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_register_retried_with_facts_from_before_a_failed_probe_is_not_a_wipe(seed: int) -> None:
+    # Found by the fleet (a false alarm of the check, not a worker bug): the host is
+    # lost, its re-registration meets 503s, and nvidia-smi fails in the instant they
+    # end. The register retried afterwards carries the body built before, with the
+    # facts of the last good pass: the same facts again, which wipe nothing.
+    async def fn(fleet: Fleet) -> None:
+        await fleet.wait_until(lambda: bool(fleet.store.devices()))
+        await fleet.wait_until(lambda: "product" in fleet.store.device("h0", "gpu0").facts)
+        fleet.outage("heartbeat", Fault.REFUSED)
+        await fleet.wait_until(lambda: fleet.store.device("h0", "gpu0").host_state == "lost")
+        fleet.outage("register", Fault.UNAVAILABLE)
+        fleet.restore("heartbeat")
+        await trio.sleep(20)  # the worker learns its session is gone; register meets 503s
+        fleet.restore("register")
+        fleet.program_nvidia_smi(SMI_BROKEN["fails"])
+        node = fleet.nodes["h0"]
+        assert node.worker is not None
+        node.worker.reprobe()
+        await trio.sleep(60)
+        assert fleet.store.device("h0", "gpu0").facts.get("product") == "NVIDIA H100 80GB HBM3"
+        await fleet.drain()
+        assert fleet.check() == []
+
+    simulate(fn, seed=seed, time_limit=TIME_LIMIT, nvidia_smi=SMI_OK)
