@@ -16,49 +16,61 @@ import httpx
 import pytest
 import trio
 from hypothesis import given, note, settings
+from hypothesis import strategies as st
 
 from rc_worker.config import DeviceConfig
 from rc_worker.retry import Backoff
+from rc_worker.testing import fault_plans
 from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
-from rc_worker.testing.plans import SMI_BROKEN, SMI_OK, FleetPlan, describe, play
+from rc_worker.testing.plans import SMI_BROKEN, SMI_OK, FleetPlan, describe, replay, replay_line
 from rc_worker.testing.sim import Fork, Hang, Script, Sleep, Write
 from rc_worker.testing.strategies import fleet_plans
 
 TIME_LIMIT = 4 * 3600.0  # virtual seconds: invariant 6, everything ends
 
 
-def run(plan: FleetPlan) -> None:
-    async def scenario(fleet: Fleet) -> tuple[list[str], str]:
-        problems = await play(fleet, plan)
-        return problems, describe(fleet)
+def run(plan: FleetPlan, seed: int) -> None:
+    # Printed with a failure: pasted after `from rc_worker.testing.plans import *`,
+    # this line replays the example exactly (docs/simulation.md).
+    note(replay_line(plan, seed))
+    played = replay(plan, seed, time_limit=TIME_LIMIT)
+    note(played.story)
+    assert played.problems == []
 
-    problems, story = simulate(scenario, time_limit=TIME_LIMIT, **plan.fleet_args())
-    note(story)
-    assert problems == []
 
-
-@settings(max_examples=25)
-@given(fleet_plans(crashes=False, outages=False))
-def test_jobs_alone_keep_the_invariants(plan: FleetPlan) -> None:
-    run(plan)
+SEEDS = st.integers(0, 2**32 - 1)
 
 
 @settings(max_examples=25)
-@given(fleet_plans(crashes=False))
-def test_controller_faults_keep_the_invariants(plan: FleetPlan) -> None:
-    run(plan)
+@given(fleet_plans(crashes=False, outages=False), SEEDS)
+def test_jobs_alone_keep_the_invariants(plan: FleetPlan, seed: int) -> None:
+    run(plan, seed)
 
 
 @settings(max_examples=25)
-@given(fleet_plans(outages=False))
-def test_crashes_and_reboots_keep_the_invariants(plan: FleetPlan) -> None:
-    run(plan)
+@given(fleet_plans(crashes=False), SEEDS)
+def test_controller_faults_keep_the_invariants(plan: FleetPlan, seed: int) -> None:
+    run(plan, seed)
 
 
 @settings(max_examples=25)
-@given(fleet_plans())
-def test_everything_at_once_keeps_the_invariants(plan: FleetPlan) -> None:
-    run(plan)
+@given(fleet_plans(outages=False), SEEDS)
+def test_crashes_and_reboots_keep_the_invariants(plan: FleetPlan, seed: int) -> None:
+    run(plan, seed)
+
+
+@settings(max_examples=25)
+@given(fleet_plans(), SEEDS)
+def test_everything_at_once_keeps_the_invariants(plan: FleetPlan, seed: int) -> None:
+    run(plan, seed)
+
+
+@settings(max_examples=15)
+@given(fault_plans(), SEEDS)
+def test_the_public_fault_plans_full_disks_included_keep_the_invariants(
+    plan: FleetPlan, seed: int
+) -> None:
+    run(plan, seed)
 
 
 # -- named scenarios: each fault once, with what it must lead to -------------------------
