@@ -67,6 +67,7 @@ from rc_worker.testing.guard import (
     SimulationTimedOut,
     StallGuard,
 )
+from rc_worker.testing.guard import WALL_CHECK_STEPS as WALL_CHECK_STEPS
 from rc_worker.testing.sim import Script, SimHost
 from rc_worker.testing.transport import (
     ENDPOINTS,
@@ -74,6 +75,8 @@ from rc_worker.testing.transport import (
     Fault,
     FaultyTransport,
 )
+from rc_worker.testing.transport import TIMEOUT_S as TIMEOUT_S
+from rc_worker.testing.transport import endpoint_of as endpoint_of
 from rc_worker.worker import Worker
 
 if TYPE_CHECKING:
