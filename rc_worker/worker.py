@@ -230,6 +230,7 @@ class Worker:
                 on_unknown_session=self._register,
                 on_answer=self._on_answer,
                 rng=self._rng,
+                urls=self.config.controller_urls,
             )
             committer = Committer(self.host.run_blocking)
             outbox = Outbox(
@@ -349,10 +350,10 @@ class Worker:
             await trio.sleep(self.config.gpu_health.interval)
 
     def _open_http(self) -> httpx.AsyncClient:
-        url = self.config.controller_url
-        if url is None:
+        urls = self.config.controller_urls
+        if not urls:
             raise ControllerError(0, "no_controller", "config has no controller_url")
-        return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0))
+        return httpx.AsyncClient(base_url=urls[0], timeout=httpx.Timeout(30.0))
 
     async def _until_drained(self, outbox: Outbox) -> None:
         """Return once draining, every device is idle and every report delivered.
