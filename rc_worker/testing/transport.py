@@ -23,6 +23,8 @@ import attrs
 import httpx
 import trio
 
+from rc_worker.changed import Changed
+
 __all__ = ["ENDPOINTS", "TIMEOUT_S", "Exchange", "Fault", "FaultyTransport", "endpoint_of"]
 
 TIMEOUT_S = 5.0
@@ -147,7 +149,7 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         self.log: list[Exchange] = []
         self._queued: dict[str, list[Fault]] = {}
         self._outages: dict[str, Fault] = {}
-        self._changed: trio.Event | None = None
+        self._changed = Changed()
         for endpoint, faults in (plan or {}).items():
             self.inject(endpoint, *faults)
 
@@ -184,10 +186,11 @@ class FaultyTransport(httpx.AsyncBaseTransport):
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds, re-checked after every exchange."""
-        while not predicate():
-            if self._changed is None:
-                self._changed = trio.Event()
-            await self._changed.wait()
+        while True:
+            changed = self._changed.watch()  # before looking: no change slips between
+            if predicate():
+                return
+            await changed.wait()
 
     # -- the transport --
 
@@ -240,9 +243,7 @@ class FaultyTransport(httpx.AsyncBaseTransport):
                     text,
                 )
             )
-            if self._changed is not None:
-                self._changed.set()
-                self._changed = None
+            self._changed.notify()
 
     async def _answer(self, request: httpx.Request, fault: Fault) -> httpx.Response:
         if fault is Fault.OK:

@@ -28,10 +28,10 @@ from rc_worker import worker as worker_module
 from rc_worker.client import ControllerClient
 from rc_worker.config import DeviceConfig
 from rc_worker.device import DeviceSupervisor
-from rc_worker.dropins import TailBuffer
 from rc_worker.hooks import HookOutcome
 from rc_worker.labels import ProbeResult
 from rc_worker.outbox import Outbox
+from rc_worker.scripts import TailBuffer
 from rc_worker.supervise import JobSpec, Result, run_job
 from rc_worker.sweep import SweepReport
 from rc_worker.testing.fleet import Fault, Fleet, simulate
