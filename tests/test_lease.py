@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.lease import LEGAL, IllegalTransition, Lease
-from rc_worker.model import DeviceState, IdleBehavior
+from rc_worker.core.lease import LEGAL, IllegalTransition, Lease
+from rc_worker.core.model import DeviceState, IdleBehavior
 
 S = DeviceState
 

@@ -15,7 +15,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import anyio
 import attrs
@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from rc_worker.controller.durable import Durability
 from rc_worker.controller.errors import BadRequest, Forbidden, TooLarge, Unauthorized
-from rc_worker.controller.messages import Event
+from rc_worker.controller.messages import Event, HeartbeatRequest, RegisterRequest
 from rc_worker.controller.state import OutputElsewhere
 from rc_worker.controller.stdin import StdinPipes
 from rc_worker.controller.store import Store
@@ -159,6 +159,9 @@ class Controller:
     async def read_output(self, job_id: str, offset: int, limit: int | None = None) -> bytes:
         """A job's committed output from ``offset``: from memory, or from the store beneath
         for what was committed there and dropped from memory."""
+        if self.durability is not None and not self.store.in_memory(job_id):
+            # A finished job whose record left memory: every byte is in the store beneath.
+            return await self.durability.read_output(job_id, offset, limit)
         try:
             return self.store.output(job_id, offset, limit)
         except OutputElsewhere as e:
@@ -174,6 +177,13 @@ class Controller:
         except OutputElsewhere:
             rest = b""  # trimmed further meanwhile: the caller asks again from the new end
         return data + rest
+
+    async def ensure_jobs(self, job_ids: Iterable[str]) -> None:
+        """Bring back into memory the named jobs that only the store beneath holds, before a
+        decision about them (a registration's claims and recovery entries, a heartbeat's
+        reports): without it, a finished job would look never seen, and be adopted."""
+        if self.durability is not None:
+            await self.durability.ensure_jobs(job_ids)
 
     def tick(self) -> float:
         """Apply the store's due timers (lazily, on every request); returns ``now``."""
@@ -325,3 +335,15 @@ def query_int(request: Request, name: str, default: int | None = None) -> int:
     if not -(2**63) <= value < 2**63:
         raise BadRequest(f"{name}: {value} is out of range")
     return value
+
+
+def register_job_ids(req: RegisterRequest) -> list[str]:
+    """The jobs a registration names: its recovery entries and the attempts it claims."""
+    ids = [r.job_id for r in req.recovery]
+    ids += [d.running.job_id for d in req.devices if d.running is not None]
+    return ids
+
+
+def heartbeat_job_ids(req: HeartbeatRequest) -> list[str]:
+    """The jobs a heartbeat reports on."""
+    return [r.job_id for r in req.devices.values() if r.job_id is not None]

@@ -20,12 +20,13 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Final, cast
 
+import attrs
 import httpx
 import trio
 
-from rc_worker import boundedjson, completion
+from rc_worker import completion
 from rc_worker._version import __version__
 from rc_worker.controller import rc_follow
 from rc_worker.controller import rc_format as fmt
@@ -45,7 +46,8 @@ from rc_worker.controller.serve import serve
 from rc_worker.controller.standby import Leader, guard_lead, wait_to_lead
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
-from rc_worker.durations import DURATION_HELP, parse_duration, parse_size
+from rc_worker.core import boundedjson
+from rc_worker.core.durations import DURATION_HELP, parse_duration, parse_size
 
 log = logging.getLogger("rc_worker.controller")
 
@@ -481,7 +483,8 @@ async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
     sink = rc_follow.json_lines if args.json else rc_follow.to_stream(sys.stdout)
     if args.follow:
         reconnect = Reconnect(args.reconnect, str(client.base_url), args.job)
-        await rc_follow.follow_output(client, args.job, args.offset, sink, reconnect)
+        job = await rc_follow.follow_output(client, args.job, args.offset, sink, reconnect)
+        _truncation_marker(job, json_mode=args.json)
         return 0
     # Streamed in chunks: a job's output may be larger than this machine's memory.
     offset = args.offset
@@ -494,14 +497,26 @@ async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
         async for chunk in r.aiter_raw():
             sink(offset, chunk)
             offset += len(chunk)
-    if not args.json:
-        job = await _json(client.get(f"/v1/jobs/{args.job}"))
-        if job.get("output_truncated"):
-            _out(
-                f"\n[rc: output truncated: the controller kept only the first "
-                f"{job.get('committed_bytes')} bytes (rc serve --max-output-bytes)]"
-            )
+    _truncation_marker(await _json(client.get(f"/v1/jobs/{args.job}")), json_mode=args.json)
     return 0
+
+
+def _truncation_marker(job: Any, *, json_mode: bool) -> None:
+    """The last line of ``rc logs`` for a job whose output the controller capped: text, or
+    with ``--json`` one object ``{"output_truncated": true, "committed_bytes": N, ...}``."""
+    if not isinstance(job, dict) or not job.get("output_truncated"):
+        return
+    kept = job.get("committed_bytes")
+    message = (
+        f"output truncated: the controller kept only the first {kept} bytes "
+        "(rc serve --max-output-bytes)"
+    )
+    if json_mode:
+        line = {"output_truncated": True, "committed_bytes": kept, "message": message}
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+    else:
+        _out(f"\n[rc: {message}]")
 
 
 async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
@@ -598,6 +613,10 @@ def serve_settings(
     return worker, users
 
 
+PERSISTED_MAX_EVENTS: Final = 10_000
+"""Events ``rc serve`` keeps in memory over a database (all of them stay in the database)."""
+
+
 async def run_serve(
     argv: Sequence[str],
     *,
@@ -636,6 +655,9 @@ async def run_serve(
                 task_status = trio.TASK_STATUS_IGNORED
         durability = None
         if not isinstance(backend, MemoryBackend):
+            # Older events are read from the store when asked for (GET /v1/events, webhooks):
+            # memory holds only the most recent, and a restart loads only those.
+            config = attrs.evolve(config, max_events=PERSISTED_MAX_EVENTS)
             grace, now = args.recovery_grace, trio.current_time()
             store, _ = await trio.to_thread.run_sync(
                 lambda: open_store(backend, config, now=now, recovery_grace_s=grace)

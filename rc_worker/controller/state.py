@@ -11,11 +11,12 @@ adds the public operations on top. Sans-IO: no Trio, no anyio; time comes in as
 from __future__ import annotations
 
 import bisect
+import collections
 import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
@@ -93,6 +94,12 @@ class StoreState:
         self._jobs: dict[str, Job] = {}
         self._queue: list[tuple[int, str]] = []
         self._live: dict[str, Job] = {}
+        # Finished jobs still in memory, oldest finish first. With a persistence layer
+        # beneath, the oldest leave memory once stored (evict_finished); without one
+        # (--memory, simulations) every job stays here.
+        self._finished: dict[str, None] = {}
+        # Finished jobs held only by the store beneath, per state (for /metrics).
+        self._stored_counts: collections.Counter[str] = collections.Counter()
         self._events: deque[Event] = deque(maxlen=self.config.max_events)
         self._counters: dict[str, int] = {}
         # Faults ever raised, by (kind, action): the controller's /metrics.
@@ -141,7 +148,7 @@ class StoreState:
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"no job {job_id!r}", code="unknown_job")
-        self.journal.job(job_id)
+        # No dirty mark here: a lookup is not a change (the mutations mark what they change).
         return job
 
     def _device(self, host: str, name: str) -> tuple[Host, Device]:
@@ -149,7 +156,7 @@ class StoreState:
         d = None if h is None else h.devices.get(name)
         if h is None or d is None:
             raise NotFound(f"no device {host}/{name}", code="unknown_device")
-        self.journal.host(host)
+        # No dirty mark here: a lookup is not a change (the mutations mark what they change).
         return h, d
 
     def _session(self, session: str, host: str | None = None) -> Host:
@@ -330,6 +337,7 @@ class StoreState:
         job.finished_at = self._wall()
         job.finished_by = by
         self._live.pop(job.job_id, None)
+        self._finished[job.job_id] = None
         cur = job.current
         if cur is not None:
             cur.status = "finished"
@@ -493,7 +501,10 @@ class StoreState:
             bisect.insort(self._queue, (job.seq, job.job_id))
             return
         cur = job.current
-        if job.terminal or cur is None:
+        if job.terminal:
+            self._finished[job.job_id] = None
+            return
+        if cur is None:
             return
         self._live[job.job_id] = job
         h = self._hosts.get(cur.host)
@@ -544,3 +555,67 @@ class StoreState:
             job = self._jobs.get(job_id)
             if job is not None and job.terminal:
                 del self._jobs[job_id]
+                self._finished.pop(job_id, None)
+
+    # --- finished jobs beneath the store (bounded memory) ------------------------------------
+
+    def evict_finished(self, keep: int, busy: Iterable[str] = ()) -> list[str]:
+        """Drop the oldest finished jobs from memory until at most ``keep`` remain.
+
+        Called by a persistence layer once they are stored: a job marked in the journal
+        since the last commit, with output not yet committed, or ``busy`` (a request is
+        using it) stays. Returns the ids dropped; their records are read from the store
+        beneath from then on, and are never loaded all at once again.
+        """
+        excess = len(self._finished) - keep
+        if excess <= 0:
+            return []
+        skip = set(self.journal.marked_jobs())
+        skip.update(busy)
+        out: list[str] = []
+        for job_id in list(self._finished):
+            if excess <= 0:
+                break
+            job = self._jobs.get(job_id)
+            if job is None or not job.terminal:
+                del self._finished[job_id]
+                continue
+            if job_id in skip or job.output:
+                continue
+            del self._finished[job_id]
+            del self._jobs[job_id]
+            self._stored_counts[job.state] += 1
+            out.append(job_id)
+            excess -= 1
+        return out
+
+    def readmit(self, job: Job) -> None:
+        """A finished job read back from the store beneath, in memory again (as the most
+        recently used) so that a decision about it (a late finish, a claim) can be made;
+        :meth:`evict_finished` drops it again. Not a change: nothing is marked."""
+        if job.job_id in self._jobs or not job.terminal:
+            return
+        self._jobs[job.job_id] = job
+        self._finished[job.job_id] = None
+        if self._stored_counts[job.state] > 0:
+            self._stored_counts[job.state] -= 1
+
+    def restore_stored_counts(self, counts: Mapping[str, int]) -> None:
+        """How many finished jobs the store beneath holds (not loaded at start), per state."""
+        self._stored_counts = collections.Counter(dict(counts))
+
+    def forget_stored(self, gone: Iterable[tuple[str, str]]) -> None:
+        """Retention deleted these ``(job_id, state)`` from the store beneath: forget them."""
+        for job_id, state in gone:
+            job = self._jobs.get(job_id)
+            if job is not None and job.terminal:
+                del self._jobs[job_id]
+                self._finished.pop(job_id, None)
+            elif job is None and self._stored_counts[state] > 0:
+                self._stored_counts[state] -= 1
+
+    def in_memory(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def memory_job_ids(self) -> set[str]:
+        return set(self._jobs)

@@ -54,10 +54,10 @@ from rc_worker.controller.pending import Candidate, Pending, explain
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
-from rc_worker.controller.selectors import SelectorError, parse_selector
 from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState
 from rc_worker.controller.validate import check_job
-from rc_worker.model import PROTOCOL_VERSION
+from rc_worker.core.model import PROTOCOL_VERSION
+from rc_worker.core.selectors import SelectorError, parse_selector
 
 __all__ = ["Store", "StoreConfig"]
 
@@ -189,8 +189,12 @@ class Store(StoreState):
         if state is not None and state not in JOB_STATES:
             self.jobs(state)  # the 400 naming the valid states
         page, nxt = self.jobs_page(state, after=after, limit=limit, newest_first=newest_first)
-        candidates = self._candidates() if any(j.state == "queued" for j in page) else None
-        return [self._view(j, candidates) for j in page], nxt
+        return self.views(page), nxt
+
+    def views(self, jobs: Sequence[Job]) -> list[JobInfo]:
+        """The views of ``jobs`` (the devices' candidates worked out once for them all)."""
+        candidates = self._candidates() if any(j.state == "queued" for j in jobs) else None
+        return [self._view(j, candidates) for j in jobs]
 
     def pending(self, select: str = "", device: str | None = None) -> Pending:
         """Why a job with this selector and pin would wait now (``no_match``: it never runs)."""
@@ -252,6 +256,7 @@ class Store(StoreState):
         job = self._job(job_id)
         if job.cancel_reason is not None:
             return job.info()
+        self.journal.job(job_id)
         if by is not None and not job.terminal:
             self._emit("job_cancel_requested", job_id=job_id, by=by, reason=reason)
         if job.terminal:
@@ -316,6 +321,7 @@ class Store(StoreState):
         h, d = self._device(host, name)
         if d.idle_behavior != behavior:
             d.idle_behavior = behavior
+            self.journal.host(host)
             if by is not None:
                 self._emit(
                     "idle_behavior_set", host=host, device=name, idle_behavior=behavior, by=by
@@ -348,7 +354,9 @@ class Store(StoreState):
 
     def job_state_counts(self) -> dict[str, int]:
         """How many jobs are in each state (for ``/metrics``): a count, no views built."""
-        return dict(collections.Counter(job.state for job in self._jobs.values()))
+        counts = collections.Counter(job.state for job in self._jobs.values())
+        counts.update(self._stored_counts)  # finished jobs only the store beneath holds
+        return {state: n for state, n in counts.items() if n > 0}
 
     def set_host_idle_behavior(
         self, host: str, behavior: str, *, by: str | None = None
@@ -688,6 +696,7 @@ class Store(StoreState):
         if job.terminal:
             raise StaleAttempt(f"job {job_id} already ended ({job.state}); do not run it")
         if cur.status == "assigned":
+            self.journal.job(job_id)
             cur.status = "running"
             cur.start_boot_id = req.boot_id
             cur.last_heard = now
@@ -730,6 +739,7 @@ class Store(StoreState):
                 job.dropped_bytes += len(new) - keep
                 job.output_truncated = True
                 new = new[:keep]
+                self.journal.job(job_id)  # the record says so; its bytes are rows of their own
             if new:
                 self.journal.output(job_id, job.stored_bytes, new)
                 job.output += new
@@ -788,6 +798,7 @@ class Store(StoreState):
             )
         if raised and job.fault_id is None:
             job.fault_id = fault_id
+            self.journal.job(job.job_id)
         return raised
 
     def _record_finish(self, job: Job, cur: Attempt, req: FinishRequest) -> None:

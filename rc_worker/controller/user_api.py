@@ -12,6 +12,7 @@ from starlette.routing import Route
 from rc_worker.controller import wire
 from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
 from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
+from rc_worker.controller.messages import JOB_STATES
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
 
 MAX_EVENTS_PER_PAGE = 1000
@@ -58,8 +59,16 @@ async def list_jobs(request: Request) -> Response:
     ctl = _user(request)
     state = request.query_params.get("state")
     q = request.query_params
+    if state is not None and state not in JOB_STATES:
+        raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
     if not any(k in q for k in ("limit", "after", "order")):
-        jobs = ctl.store.jobs(state)
+        if ctl.durability is not None:
+            # Finished jobs live in the store beneath, not in memory: read in a thread.
+            jobs, _ = await ctl.durability.jobs_page(
+                state, after=None, limit=None, newest_first=False
+            )
+        else:
+            jobs = ctl.store.jobs(state)
         return JSONResponse({"jobs": [j.to_json() for j in jobs], "next": None})
     limit = query_int(request, "limit", MAX_JOBS_PER_PAGE)
     if not 1 <= limit <= MAX_JOBS_PER_PAGE:
@@ -68,9 +77,14 @@ async def list_jobs(request: Request) -> Response:
     if order not in ("asc", "desc"):
         raise BadRequest(f"order: {order!r} is not asc or desc")
     after = query_int(request, "after") if "after" in q else None
-    page, nxt = ctl.store.jobs_page_info(
-        state, after=after, limit=limit, newest_first=order == "desc"
-    )
+    if ctl.durability is not None:
+        page, nxt = await ctl.durability.jobs_page(
+            state, after=after, limit=limit, newest_first=order == "desc"
+        )
+    else:
+        page, nxt = ctl.store.jobs_page_info(
+            state, after=after, limit=limit, newest_first=order == "desc"
+        )
     return JSONResponse({"jobs": [j.to_json() for j in page], "next": nxt})
 
 

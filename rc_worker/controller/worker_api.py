@@ -16,12 +16,14 @@ from rc_worker.controller.context import (
     Controller,
     Principal,
     controller_of,
+    heartbeat_job_ids,
     json_body,
     query_int,
+    register_job_ids,
 )
 from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
-from rc_worker.model import PROTOCOL_VERSION
+from rc_worker.core.model import PROTOCOL_VERSION
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
 
@@ -44,6 +46,7 @@ async def register(request: Request) -> Response:
             req.protocol,
             PROTOCOL_VERSION,
         )
+    await ctl.ensure_jobs(register_job_ids(req))  # finished ones may live only in the store
     now = ctl.tick()
     return JSONResponse(ctl.store.register(host, req, now=now).to_json())
 
@@ -53,6 +56,7 @@ async def heartbeat(request: Request) -> Response:
     host = request.path_params["host"]
     ctl.require_worker(request, host)
     req = wire.heartbeat(await json_body(request))
+    await ctl.ensure_jobs(heartbeat_job_ids(req))  # finished ones may live only in the store
     now = ctl.tick()
     return JSONResponse(ctl.store.heartbeat(host, req, now=now).to_json())
 

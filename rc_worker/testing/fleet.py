@@ -54,11 +54,11 @@ import httpx
 import trio
 import trio.testing
 
-from rc_worker.config import Config, DeviceConfig
 from rc_worker.controller import create_app
 from rc_worker.controller.messages import TERMINAL_STATES, Event, JobInfo
 from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
+from rc_worker.core.config import Config, DeviceConfig
 from rc_worker.testing import invariants
 from rc_worker.testing.guard import (
     STALL_STEPS,
@@ -446,9 +446,9 @@ async def open_fleet(
     jitter come from generators seeded with it (see :func:`simulate`).
 
     ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``devices``: names,
-    or :class:`~rc_worker.config.DeviceConfig` with hooks, whose paths are
+    or :class:`~rc_worker.core.config.DeviceConfig` with hooks, whose paths are
     programs of the SimHosts (:meth:`Fleet.program`). ``config_fields``
-    go to every worker's :class:`~rc_worker.config.Config` (``require_manual_clear``,
+    go to every worker's :class:`~rc_worker.core.config.Config` (``require_manual_clear``,
     ``shutdown_grace``...). State lives under ``root`` (a temporary directory by
     default, removed afterwards). Workers start at once; leaving the block
     abandons whatever still runs (call :meth:`Fleet.drain` first for a clean end).

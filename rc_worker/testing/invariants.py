@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from rc_worker.controller.messages import Event, JobInfo
-from rc_worker.labels import gpu_scope
+from rc_worker.core.gpu_query import gpu_scope
 from rc_worker.testing.sim import SimProcess
 from rc_worker.testing.transport import json_body
 

@@ -20,7 +20,6 @@ A plan is frozen attrs data whose ``repr`` is Python that builds it again:
 
 from __future__ import annotations
 
-import errno
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,8 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import trio
 
-from rc_worker.config import DeviceConfig
 from rc_worker.controller.errors import NotFound
+from rc_worker.core.config import DeviceConfig
 from rc_worker.testing.sim import EchoStdin, Fork, Hang, OnSigterm, Script, Sleep, Write
 from rc_worker.testing.transport import Fault
 
@@ -166,9 +165,9 @@ class SmiPlan:
 
 @attrs.frozen
 class DiskPlan:
-    """The disk of ``host``'s state directory fails at ``at`` for ``duration``.
+    """The disk of ``host`` fails at ``at`` for ``duration``.
 
-    ``how``: ``full`` (every durable write fails with ``ENOSPC``). Applied through
+    ``how``: ``full`` (every write fails with ``ENOSPC``). Applied through
     :func:`disk_fault`, the one place that knows how a disk is made to fail.
     """
 
@@ -372,31 +371,19 @@ async def _disk(fleet: Fleet, plan: DiskPlan) -> None:
 
 
 def disk_fault(fleet: Fleet, host: str, how: str) -> Callable[[], None]:
-    """Make the disk of ``host``'s state directory fail as ``how`` says; returns the repair.
+    """Make the disk of ``host`` fail as ``how`` says; returns the repair.
 
-    The one place that knows how: today the state directory is a real temporary
-    directory, and every durable write (write and fsync, rename, removal) goes
-    through ``Host.run_blocking``, so a full disk is that seam raising ``ENOSPC``
-    for everything but removals (which free space). Once
-    ``SimHost`` keeps the state in memory with its own disk faults, this is the
-    function to point at them.
+    The one place that knows how: ``full`` fills the host's in-memory disk
+    (:meth:`SimDisk.fill <rc_worker.testing.simdisk.SimDisk.fill>`: every write
+    past what it holds now fails with ``ENOSPC``), and the repair frees it.
     """
     if how != "full":
         raise ValueError(f"no disk fault {how!r}; expected 'full'")
-    sim = fleet.nodes[host].host
-    real = sim.run_blocking
-
-    async def full(fn: Callable[[], T]) -> T:
-        # Removing a file frees space: a full disk still lets it happen.
-        if "remove" in getattr(getattr(fn, "func", fn), "__name__", ""):
-            return await real(fn)
-        await trio.lowlevel.checkpoint()
-        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-
-    sim.run_blocking = full  # type: ignore[method-assign]
+    disk = fleet.nodes[host].host.disk
+    disk.fill()
 
     def repair() -> None:
-        sim.run_blocking = real  # type: ignore[method-assign]
+        disk.capacity = None
 
     return repair
 

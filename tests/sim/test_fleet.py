@@ -18,8 +18,8 @@ import trio
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from rc_worker.config import DeviceConfig
-from rc_worker.retry import Backoff
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.retry import Backoff
 from rc_worker.testing import fault_plans
 from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
 from rc_worker.testing.plans import SMI_BROKEN, SMI_OK, FleetPlan, describe, replay, replay_line

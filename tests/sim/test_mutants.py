@@ -26,10 +26,10 @@ from rc_worker import outbox as outbox_module
 from rc_worker import supervise as supervise_module
 from rc_worker import worker as worker_module
 from rc_worker.client import ControllerClient
-from rc_worker.config import DeviceConfig
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.labels import ProbeResult
 from rc_worker.device import DeviceSupervisor
 from rc_worker.hooks import HookOutcome
-from rc_worker.labels import ProbeResult
 from rc_worker.outbox import Outbox
 from rc_worker.scripts import TailBuffer
 from rc_worker.supervise import JobSpec, Result, run_job

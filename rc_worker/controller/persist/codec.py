@@ -19,10 +19,10 @@ import attrs
 from rc_worker.controller.journal import Marks
 from rc_worker.controller.messages import Event, JobSpec, Verify
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
-from rc_worker.controller.selectors import parse_selector
 from rc_worker.controller.state import StoreState
+from rc_worker.core.selectors import parse_selector
 
-__all__ = ["Batch", "JobRow", "Loaded", "restore", "take_batch"]
+__all__ = ["Batch", "JobRow", "Loaded", "restore", "stored_job", "take_batch"]
 
 
 @attrs.frozen
@@ -54,12 +54,15 @@ class Loaded:
 
     meta: Mapping[str, str]
     jobs: tuple[str, ...]
-    """Job documents, in submission order."""
+    """Documents of the jobs not finished (queued, assigned, running), in submission order:
+    finished ones are read from the store when asked for, never all at start."""
     hosts: tuple[str, ...]
     events: tuple[tuple[int, str, float, str], ...]
     """The most recent events, oldest first."""
     output: Mapping[str, int]
-    """How many bytes of output each job has stored (the bytes stay in the store)."""
+    """How many bytes of output each of those jobs has stored (the bytes stay in the store)."""
+    finished: Mapping[str, int] = attrs.Factory(dict)
+    """How many finished jobs the store holds, per state (their records stay in the store)."""
 
 
 def _dumps(value: object) -> str:
@@ -336,3 +339,12 @@ def restore(
     store.restore_events(
         Event(seq, type_, time, json.loads(data)) for seq, type_, time, data in loaded.events
     )
+    store.restore_stored_counts(loaded.finished)
+
+
+def stored_job(doc: str, stored_bytes: int, now: float) -> Job:
+    """A job as a backend returned it (``read_job``, ``read_finished``), with its output
+    length: the bytes stay in the store."""
+    job = load_job(json.loads(doc), now)
+    job.output_base = stored_bytes
+    return job

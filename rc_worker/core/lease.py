@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import attrs
 
-from rc_worker.model import DeviceState, IdleBehavior
+from rc_worker.core.model import DeviceState, IdleBehavior
 
 S = DeviceState
 
