@@ -25,6 +25,7 @@ import httpx
 
 from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.core.gpu_query import gpu_scope
+from rc_worker.spool import DISK_ERROR_MARKER
 from rc_worker.testing.sim import SimProcess
 from rc_worker.testing.transport import json_body
 
@@ -75,7 +76,7 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
     assert proc.stdout is not None
     committed, read = fleet.store.output(job), bytes(proc.stdout.read)
     disrupted = _disrupted(node, proc, info, events)
-    if committed != read:
+    if committed != read and not _cut_by_the_disk(committed, read):
         out.append(f"{job}: committed output is not what the worker read: {_diff(committed, read)}")
     written = bytes(proc.stdout.written)
     if not disrupted and read != written:
@@ -318,6 +319,19 @@ def _final(status: int, body: Mapping[str, Any]) -> bool:
     if status == 409 and body.get("error") == "unknown_session":
         return False
     return 400 <= status < 500 and status not in (408, 429)
+
+
+_DISK_MARKER = DISK_ERROR_MARKER.split("{why}")[0].encode()
+
+
+def _cut_by_the_disk(committed: bytes, read: bytes) -> bool:
+    """Whether ``committed`` is what the worker read up to a disk error, then its marker.
+
+    A full disk costs the job's output (issue 12): the spool keeps what it could
+    write and ends it with the marker, which reaches the controller instead of the rest.
+    """
+    at = committed.find(_DISK_MARKER)
+    return at >= 0 and read.startswith(committed[:at]) and committed.endswith(b")]\n")
 
 
 def _diff(a: bytes, b: bytes) -> str:
