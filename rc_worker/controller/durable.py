@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import Iterable
 from typing import Any, Final
 
@@ -42,6 +43,7 @@ from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import batch_of, stored_job
 from rc_worker.controller.records import Job
 from rc_worker.controller.store import Store
+from rc_worker.core.protocol import ErrorReply, unstructure
 
 __all__ = ["Durability", "DurableMiddleware"]
 
@@ -70,6 +72,8 @@ class Durability:
         self.failed: str | None = None
         """Why the last write failed; None while writes succeed."""
         self._lock: anyio.Lock | None = None
+        self.last_commit_s: float | None = None
+        """How long the last successful commit took to write (for /v1/health)."""
         self.busy: collections.Counter[str] = collections.Counter()
         """Jobs a request in flight uses: never evicted meanwhile."""
 
@@ -91,7 +95,12 @@ class Durability:
             try:
                 # Shielded: a request cancelled mid-commit must not leave the outcome unknown.
                 with anyio.CancelScope(shield=True):
+                    began = time.perf_counter()
                     await anyio.to_thread.run_sync(self.backend.write, [batch])
+                    self.last_commit_s = time.perf_counter() - began
+                    stats = getattr(self.store, "stats", None)
+                    if stats is not None:
+                        stats.commit_latency.observe(self.last_commit_s)
             except StoreWriteError as e:
                 # Written next time, re-read from the records: batches never pile up.
                 self.store.journal.put_back(marks)
@@ -213,7 +222,7 @@ class Durability:
 
 
 async def _send_503(send: Any, message: str) -> None:
-    body = json.dumps({"error": "store_unavailable", "message": message}).encode()
+    body = json.dumps(unstructure(ErrorReply("store_unavailable", message))).encode()
     await send(
         {
             "type": "http.response.start",

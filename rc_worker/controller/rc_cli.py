@@ -74,6 +74,16 @@ __all__ = [
 # --- argument parsing -----------------------------------------------------------------------
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1; give N >= 1")
+    return value
+
+
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
@@ -298,7 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")
     p.add_argument("job", help="job id")
     p.add_argument("--reason", default="", help="why (shown in the job's record)")
-    sub.add_parser("devices", parents=[common], help="list devices")
+    p = sub.add_parser("devices", parents=[common], help="list devices (every one by default)")
+    p.add_argument("--state", help="only devices in this state (free, busy, quarantined, absent)")
+    p.add_argument("--host", help="only the devices of this host")
+    p.add_argument("--select", metavar="SELECTOR", help="only devices this label selector matches")
+    p.add_argument(
+        "--limit", type=_at_least_one, metavar="N", help="the first N (in host/device order)"
+    )
     p = sub.add_parser("sheet", parents=[common], help="print a device's usage sheet")
     p.add_argument("device", type=_address, metavar="HOST/DEVICE", help="the device")
     p = sub.add_parser(
@@ -423,6 +439,27 @@ def run_exit_status(job: Mapping[str, Any]) -> int:
 # --- commands -------------------------------------------------------------------------------
 
 
+DEVICES_PAGE = 1000
+"""Devices asked for per request by ``rc devices``: a large fleet comes in pages."""
+
+
+async def _devices(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any]:
+    """Every device the filters match (or the first ``--limit``), page after page."""
+    params: dict[str, Any] = {
+        k: v for k in ("state", "host", "select") if (v := getattr(args, k)) is not None
+    }
+    out: list[Any] = []
+    after = None
+    while True:
+        want = DEVICES_PAGE if args.limit is None else min(DEVICES_PAGE, args.limit - len(out))
+        page = {**params, "limit": want, **({} if after is None else {"after": after})}
+        body = await _json(client.get("/v1/devices", params=page))
+        out += body["devices"]
+        after = body.get("next")
+        if after is None or (args.limit is not None and len(out) >= args.limit):
+            return out
+
+
 async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
     submitted = await _json(client.post("/v1/jobs", json=_submit_body(args)))
     job_id: str = submitted["job_id"]
@@ -542,7 +579,7 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         body = await _json(client.post(f"/v1/jobs/{args.job}/cancel", json=payload))
         text = fmt.cancel_result(body)
     elif c == "devices":
-        body = await _json(client.get("/v1/devices"))
+        body = {"devices": await _devices(client, args)}
         text = fmt.devices_table(body["devices"])
     elif c == "sheet":
         body = await _json(client.get("/v1/devices/{}/{}/sheet".format(*args.device)))

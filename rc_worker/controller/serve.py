@@ -20,6 +20,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, cast
 
@@ -57,7 +58,15 @@ async def housekeeping(
 ) -> None:
     """Apply the store's timers as they fall due; runs until cancelled."""
     ctl = _controller(app)
+    ctl.housekeeping = True
     task_status.started()
+    try:
+        await _housekeep(ctl)
+    finally:
+        ctl.housekeeping = False
+
+
+async def _housekeep(ctl: Controller) -> None:
     while True:
         seen = ctl.changes.version
         now = ctl.tick()
@@ -139,7 +148,7 @@ async def _deliver_to(
             await ctl.wait_change(seen, None)
             continue
         for event in events:
-            await _post_event(client, url, event, rng)
+            await _post_event(client, url, event, rng, ctl.store.stats.webhook_deliveries)
             after = event.seq
         # One stored cursor per batch, not per event (each is a commit with an fsync): a
         # restart delivers again at most this batch, which at least once allows.
@@ -158,8 +167,15 @@ async def _save_cursor(ctl: Controller, url: str, seq: int) -> None:
 
 
 async def _post_event(
-    client: httpx.AsyncClient, url: str, event: Event, rng: random.Random
+    client: httpx.AsyncClient,
+    url: str,
+    event: Event,
+    rng: random.Random,
+    results: Counter[str] | None = None,
 ) -> None:
+    """POST one event, retrying; counts each try's result in ``results`` (see
+    :data:`~rc_worker.controller.stats.WEBHOOK_RESULTS`)."""
+    results = Counter() if results is None else results
     low, high = WEBHOOK_BACKOFF_S
     for attempt in range(1, WEBHOOK_TRIES + 1):
         try:
@@ -173,15 +189,19 @@ async def _post_event(
             problem = f"{type(e).__name__}: {e}"
         else:
             if r.is_success:
+                results["delivered"] += 1
                 return
             problem = f"status {r.status_code}"
             if r.status_code < 500 and r.status_code not in (408, 429):
+                results["refused"] += 1
                 log.warning(
                     "webhook %s refused event %d (%s); skipping it", url, event.seq, problem
                 )
                 return
         if attempt == WEBHOOK_TRIES:
+            results["failed"] += 1
             break
+        results["retried"] += 1
         delay = rng.uniform(0, min(high, low * 2 ** (attempt - 1)))
         log.info("webhook %s, event %d: %s; retrying in %.1fs", url, event.seq, problem, delay)
         await trio.sleep(delay)

@@ -20,6 +20,7 @@ from rc_worker.controller.journal import Marks
 from rc_worker.controller.messages import Event, JobSpec, Verify
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
 from rc_worker.controller.state import StoreState
+from rc_worker.core import protocol
 from rc_worker.core.selectors import parse_selector
 
 __all__ = ["Batch", "JobRow", "Loaded", "restore", "stored_job", "take_batch"]
@@ -106,9 +107,7 @@ def job_doc(job: Job) -> dict[str, object]:
         "error": job.error,
         "output_bytes": job.output_bytes,
         "fault_id": job.fault_id,
-        "verify": None
-        if job.verify is None
-        else {"ok": job.verify.ok, "reason": job.verify.reason},
+        "verify": None if job.verify is None else protocol.unstructure(job.verify),
         "sweep": job.sweep,
         "adopted": job.adopted,
         "output_truncated": job.output_truncated,
@@ -202,18 +201,8 @@ def batch_of(store: StoreState, marks: Marks, generation: int) -> Batch:
 
 
 def _spec(doc: Mapping[str, Any]) -> JobSpec:
-    return JobSpec(
-        command=tuple(doc["command"]),
-        select=doc.get("select", ""),
-        device=doc.get("device"),
-        env=dict(doc.get("env") or {}),
-        cwd=doc.get("cwd"),
-        max_runtime_s=doc.get("max_runtime_s"),
-        idle_timeout_s=doc.get("idle_timeout_s"),
-        grace_s=doc.get("grace_s", 10.0),
-        pty=bool(doc.get("pty", False)),
-        stdin=bool(doc.get("stdin", False)),
-    )
+    # Stored in its wire form (``JobSpec.to_json``), so read back through the protocol's converter.
+    return protocol.structure(doc, JobSpec)
 
 
 def load_job(doc: Mapping[str, Any], now: float) -> Job:
@@ -253,7 +242,7 @@ def load_job(doc: Mapping[str, Any], now: float) -> Job:
         error=doc.get("error"),
         output_bytes=doc.get("output_bytes"),
         fault_id=doc.get("fault_id"),
-        verify=None if verify is None else Verify(bool(verify["ok"]), verify.get("reason", "")),
+        verify=None if verify is None else protocol.structure(verify, Verify),
         sweep=doc.get("sweep"),
     )
     job.adopted = bool(doc.get("adopted", False))
