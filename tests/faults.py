@@ -1,13 +1,15 @@
-"""Fault injection between the worker and the reference controller.
+"""Fault injection between the worker and the reference controller, on the real clock.
 
-``FaultyTransport`` wraps the transport the worker talks through (the ASGI
-transport of ``rc_worker.testing.local_system``) and, per endpoint, answers
+The transport is the fleet simulations' own, :class:`rc_worker.testing.FaultyTransport`
+(one transport for both): it wraps the transport the worker talks through (the
+ASGI transport of ``rc_worker.testing.local_system``) and, per endpoint, answers
 requests with the faults of a plan, in order, before it lets them through:
 
 - ``UNAVAILABLE``: a 503, nothing applied;
 - ``RETRY_AFTER``: a 503 carrying ``Retry-After: 0``, nothing applied;
 - ``REFUSED``: ``httpx.ConnectError``, as a down controller gives;
-- ``TIMEOUT``: ``httpx.ReadTimeout`` before the request reaches the controller;
+- ``TIMEOUT``: ``httpx.ReadTimeout`` before the request reaches the controller
+  (at once here: these tests run on the real clock);
 - ``LOST``: the request is forwarded and applied, then ``httpx.ReadTimeout``
   (the answer never arrived): the case only idempotency saves;
 - ``UNKNOWN_SESSION``: a 409 ``unknown_session``, nothing applied.
@@ -20,30 +22,23 @@ finish" and check what the controller acknowledged.
 
 from __future__ import annotations
 
-import enum
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-import attrs
 import httpx
-import trio
 from hypothesis import strategies as st
 
-from rc_worker.changed import Changed
+from rc_worker.testing import transport
+from rc_worker.testing.transport import Exchange, Fault, endpoint_of
 
-# One table of the worker's endpoints, shared with the fleet harness.
-from rc_worker.testing.fleet import ENDPOINTS
-
-
-class Fault(enum.Enum):
-    OK = "ok"
-    UNAVAILABLE = "503"
-    RETRY_AFTER = "503 retry-after"
-    REFUSED = "connection refused"
-    TIMEOUT = "timeout"
-    LOST = "applied, answer lost"
-    UNKNOWN_SESSION = "409 unknown_session"
-
+__all__ = [
+    "TRANSIENT_FAULTS",
+    "WORKER_ENDPOINTS",
+    "Exchange",
+    "Fault",
+    "FaultyTransport",
+    "endpoint_of",
+    "fault_plans",
+]
 
 # The faults every worker endpoint must survive without losing or doubling
 # anything. UNKNOWN_SESSION is left out: what a re-registration does to the
@@ -57,134 +52,17 @@ TRANSIENT_FAULTS = (
 )
 
 
-@attrs.frozen
-class Exchange:
-    endpoint: str
-    path: str
-    fault: Fault
-    status: int | None  # None: no answer reached the worker
-    body_bytes: int
-    job_id: str | None
-    body: str = ""  # the request's JSON text; empty for output (raw bytes)
-
-
-def endpoint_of(path: str) -> str:
-    for name, pattern in ENDPOINTS.items():
-        if pattern.match(path):
-            return name
-    return "other"
-
-
-def _job_id(path: str) -> str | None:
-    m = re.match(r"^/v1/jobs/([^/]+)/", path)
-    return m.group(1) if m else None
-
-
-class FaultyTransport(httpx.AsyncBaseTransport):
-    """Delegates to ``inner``, injecting the planned faults per endpoint."""
+class FaultyTransport(transport.FaultyTransport):
+    """The fleet's transport on the real clock: a ``TIMEOUT`` fails at once, and a
+    streamed body is read whole before it goes on (the tests count on each output
+    request being over before the next fault applies)."""
 
     def __init__(
         self,
         inner: httpx.AsyncBaseTransport,
         plan: Mapping[str, Sequence[Fault]] | None = None,
     ) -> None:
-        unknown = set(plan or {}) - set(ENDPOINTS)
-        assert not unknown, f"no such endpoints: {unknown}"
-        self._inner = inner
-        self._plan = {name: list(faults) for name, faults in (plan or {}).items()}
-        self._outages: dict[str, Fault] = {}
-        self.log: list[Exchange] = []
-        self._changed = Changed()
-
-    # -- what tests drive ----------------------------------------------------
-
-    def inject(self, endpoint: str, *faults: Fault) -> None:
-        """Queue ``faults`` for the next requests to ``endpoint``."""
-        assert endpoint in ENDPOINTS
-        self._plan.setdefault(endpoint, []).extend(faults)
-
-    def pending(self, endpoint: str) -> int:
-        """How many planned faults for ``endpoint`` no request has met yet."""
-        return len(self._plan.get(endpoint, ()))
-
-    def outage(self, endpoint: str, fault: Fault = Fault.UNAVAILABLE) -> None:
-        assert endpoint in ENDPOINTS
-        self._outages[endpoint] = fault
-
-    def restore(self, endpoint: str) -> None:
-        self._outages.pop(endpoint, None)
-
-    def exchanges(self, endpoint: str, job_id: str | None = None) -> list[Exchange]:
-        return [
-            e for e in self.log if e.endpoint == endpoint and (job_id is None or e.job_id == job_id)
-        ]
-
-    async def wait_until(self, predicate: Callable[[], bool]) -> None:
-        """Wait until ``predicate()`` holds, re-checked after every exchange."""
-        while not predicate():
-            await self._changed.wait()
-
-    # -- the transport -------------------------------------------------------
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        endpoint = endpoint_of(path)
-        fault = self._outages.get(endpoint)
-        if fault is None:
-            queue = self._plan.get(endpoint)
-            fault = queue.pop(0) if queue else Fault.OK
-        try:
-            content = request.content
-        except httpx.RequestNotRead:
-            # A streamed body (output): read it here to log its size; httpx
-            # keeps what was read, so the controller still gets all of it.
-            content = await request.aread()
-        text = "" if endpoint == "output" else content.decode("utf-8", "replace")
-        status: int | None = None
-        try:
-            response = await self._answer(request, fault)
-            status = response.status_code
-            return response
-        finally:
-            self.log.append(
-                Exchange(endpoint, path, fault, status, len(content), _job_id(path), text)
-            )
-            self._changed.notify()
-
-    async def _answer(self, request: httpx.Request, fault: Fault) -> httpx.Response:
-        if fault is Fault.OK:
-            return await self._inner.handle_async_request(request)
-        if fault is Fault.UNAVAILABLE:
-            await trio.lowlevel.checkpoint()
-            return _error(503, "unavailable", "injected: the controller is unavailable")
-        if fault is Fault.RETRY_AFTER:
-            await trio.lowlevel.checkpoint()
-            return _error(
-                503, "unavailable", "injected: come back later", headers={"Retry-After": "0"}
-            )
-        if fault is Fault.UNKNOWN_SESSION:
-            await trio.lowlevel.checkpoint()
-            return _error(409, "unknown_session", "injected: register again")
-        if fault is Fault.REFUSED:
-            await trio.lowlevel.checkpoint()
-            raise httpx.ConnectError("injected: connection refused", request=request)
-        if fault is Fault.TIMEOUT:
-            await trio.lowlevel.checkpoint()
-            raise httpx.ReadTimeout("injected: timed out before it arrived", request=request)
-        assert fault is Fault.LOST
-        response = await self._inner.handle_async_request(request)
-        await response.aread()
-        await response.aclose()
-        raise httpx.ReadTimeout("injected: applied, but the answer was lost", request=request)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-def _error(
-    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
-) -> httpx.Response:
-    return httpx.Response(status, json={"error": code, "message": message}, headers=headers)
+        super().__init__(inner, plan, timeout_s=0.0, buffer_streams=True)
 
 
 WORKER_ENDPOINTS = ("register", "heartbeat", "poll", "labels", "start", "output", "finish")

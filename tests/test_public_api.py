@@ -62,9 +62,25 @@ def test_testing_harness_exports() -> None:
     assert set(rc_worker.testing.__all__) == {
         "USER_TOKEN",
         "WORKER_TOKEN",
+        "EchoStdin",
+        "Fault",
+        "FaultyTransport",
+        "Fleet",
+        "FleetPlan",
+        "Fork",
+        "Hang",
         "LocalSystem",
+        "OnSigterm",
+        "Script",
+        "SimHost",
+        "Sleep",
+        "Write",
+        "fault_plans",
         "local_system",
         "make_config",
+        "open_fleet",
+        "replay",
+        "simulate",
     }
 
 

@@ -15,9 +15,15 @@ drains the worker (jobs finish, reports are delivered) unless ``stop()``,
 ``crash()`` or a cancellation came first.
 
 ``transport_wrapper`` wraps the transport between worker and controller
-(fault injection: drop, delay or fail requests); ``crash()`` abandons the
-worker as a crash would, leaving its state directory for the next
-``local_system`` on the same config (and ``store``) to recover.
+(fault injection: :class:`FaultyTransport` drops, delays or fails requests);
+``crash()`` abandons the worker as a crash would, leaving its state directory
+for the next ``local_system`` on the same config (and ``store``) to recover.
+
+For fault simulations of whole fleets in virtual time (docs/simulation.md), this
+package also exports what a harness author needs: :class:`SimHost`, :class:`Script`
+and its steps, :func:`simulate`, :func:`open_fleet`, :class:`Fault`, and
+:func:`fault_plans`, a hypothesis strategy of fault plans that
+:meth:`Fleet.run_plan` plays (:func:`replay` replays a printed one exactly).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import httpx
@@ -42,7 +48,32 @@ from rc_worker.worker import Worker
 WORKER_TOKEN = "rc-test-worker-token"
 USER_TOKEN = "rc-test-user-token"
 
-__all__ = ["USER_TOKEN", "WORKER_TOKEN", "LocalSystem", "local_system", "make_config"]
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+__all__ = [
+    "USER_TOKEN",
+    "WORKER_TOKEN",
+    "EchoStdin",
+    "Fault",
+    "FaultyTransport",
+    "Fleet",
+    "FleetPlan",
+    "Fork",
+    "Hang",
+    "LocalSystem",
+    "OnSigterm",
+    "Script",
+    "SimHost",
+    "Sleep",
+    "Write",
+    "fault_plans",
+    "local_system",
+    "make_config",
+    "open_fleet",
+    "replay",
+    "simulate",
+]
 
 TransportWrapper = Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]
 """Given the transport to the controller, returns the one the worker uses."""
@@ -198,3 +229,35 @@ def make_config(
     }
     fields.update(overrides)
     return Config(**fields)
+
+
+def fault_plans(
+    *, hosts: int | None = None, devices: int | None = None, max_jobs: int = 5
+) -> SearchStrategy[FleetPlan]:
+    """A hypothesis strategy of fault plans for :meth:`Fleet.run_plan`.
+
+    Outages and injected faults per endpoint, crashes with and without a reboot,
+    restarts, stops and drains, full disks, failing verify scripts and hooks,
+    cancels, idle-behaviour changes, health faults, a failing ``nvidia-smi``;
+    ``hosts`` hosts of ``devices`` devices each (one or two, drawn, when ``None``),
+    up to ``max_jobs`` jobs. Needs hypothesis (the ``test`` extra), imported only here.
+    """
+    from rc_worker.testing.strategies import fault_plans as strategy
+
+    return strategy(hosts=hosts, devices=devices, max_jobs=max_jobs)
+
+
+# The simulation harness, after what it builds on above (the fleet uses make_config).
+from rc_worker.testing.fleet import Fleet, open_fleet, simulate  # noqa: E402
+from rc_worker.testing.plans import FleetPlan, replay  # noqa: E402
+from rc_worker.testing.sim import (  # noqa: E402
+    EchoStdin,
+    Fork,
+    Hang,
+    OnSigterm,
+    Script,
+    SimHost,
+    Sleep,
+    Write,
+)
+from rc_worker.testing.transport import Fault, FaultyTransport  # noqa: E402

@@ -30,23 +30,24 @@ a ``gone`` claim under ``require_manual_clear``), and by :meth:`Fleet.check`
 at the end (exactly one terminal state, output committed once and in order,
 a job that exited 0 reported succeeded). :meth:`Fleet.check` returns the
 violations as sentences; an empty list is a pass.
+
+The concepts live in their own modules: the transport and its faults
+(:mod:`rc_worker.testing.transport`), the invariant checks
+(:mod:`rc_worker.testing.invariants`), the stall guard (:mod:`rc_worker.testing.guard`)
+and fault plans (:mod:`rc_worker.testing.plans`); this module is the harness,
+and keeps every name it always exported.
 """
 
 from __future__ import annotations
 
-import collections
-import enum
 import functools
-import json
 import math
 import random
-import re
 import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import httpx
@@ -54,13 +55,32 @@ import trio
 import trio.testing
 
 from rc_worker.controller import create_app
-from rc_worker.controller.messages import Event, JobInfo
+from rc_worker.controller.messages import TERMINAL_STATES, Event, JobInfo
 from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
 from rc_worker.core.config import Config, DeviceConfig
-from rc_worker.core.gpu_query import gpu_scope
-from rc_worker.testing.sim import Script, SimHost, SimProcess
+from rc_worker.testing import invariants
+from rc_worker.testing.guard import (
+    STALL_STEPS,
+    WALL_LIMIT,
+    SimulationStalled,
+    SimulationTimedOut,
+    StallGuard,
+)
+from rc_worker.testing.guard import WALL_CHECK_STEPS as WALL_CHECK_STEPS
+from rc_worker.testing.sim import Script, SimHost
+from rc_worker.testing.transport import (
+    ENDPOINTS,
+    Exchange,
+    Fault,
+    FaultyTransport,
+)
+from rc_worker.testing.transport import TIMEOUT_S as TIMEOUT_S
+from rc_worker.testing.transport import endpoint_of as endpoint_of
 from rc_worker.worker import Worker
+
+if TYPE_CHECKING:
+    from rc_worker.testing.plans import FleetPlan
 
 __all__ = [
     "ENDPOINTS",
@@ -82,198 +102,6 @@ USER_TOKEN = "rc-sim-user-token"
 # A PATH that finds no nvidia-smi (the probe pass looks on the real disk), and
 # no probe, verify or sheet directory: the probe pass reports built-in facts only.
 WORKER_ENVIRON: Mapping[str, str] = {"PATH": "/nonexistent/rc-sim/bin", "HOME": "/nonexistent"}
-
-TIMEOUT_S = 5.0
-"""Virtual seconds a ``Fault.TIMEOUT`` takes before the worker sees it."""
-
-ENDPOINTS: Mapping[str, re.Pattern[str]] = {
-    name: re.compile(pattern)
-    for name, pattern in {
-        "register": r"^/v1/hosts/[^/]+/register$",
-        "heartbeat": r"^/v1/hosts/[^/]+/heartbeat$",
-        "poll": r"^/v1/hosts/[^/]+/poll$",
-        "labels": r"^/v1/hosts/[^/]+/labels$",
-        "sheets": r"^/v1/hosts/[^/]+/sheets$",
-        "fault": r"^/v1/hosts/[^/]+/devices/[^/]+/fault$",
-        "start": r"^/v1/jobs/[^/]+/start$",
-        "output": r"^/v1/jobs/[^/]+/output$",
-        "finish": r"^/v1/jobs/[^/]+/finish$",
-        "stdin": r"^/v1/jobs/[^/]+/stdin$",
-        "deregister": r"^/v1/hosts/[^/]+/deregister$",
-    }.items()
-}
-"""The worker's endpoints by name, as fault plans address them."""
-
-
-class Fault(enum.Enum):
-    """What the controller's side of one request does."""
-
-    OK = "ok"
-    UNAVAILABLE = "503"
-    UNKNOWN_SESSION = "409 unknown_session"
-    REFUSED = "connection refused"
-    TIMEOUT = "timeout"
-    LOST = "applied, answer lost"
-
-
-@attrs.frozen
-class Exchange:
-    """One request a worker made, as the transport saw it."""
-
-    at: float
-    host: str
-    endpoint: str
-    path: str
-    fault: Fault
-    status: int | None  # None: no answer reached the worker
-
-
-def endpoint_of(path: str) -> str:
-    for name, pattern in ENDPOINTS.items():
-        if pattern.match(path):
-            return name
-    return "other"
-
-
-RequestHook = Callable[[str, httpx.Request], httpx.Request]
-AnswerHook = Callable[[str, httpx.Request, int, Mapping[str, Any]], None]
-"""``(endpoint, request, status, body)`` for every answer that reached the worker."""
-
-
-class FaultyTransport(httpx.AsyncBaseTransport):
-    """Between one worker and the controller: planned faults, outages, a log.
-
-    ``on_request(endpoint, request)`` sees every request that reaches the
-    wire, and returns the one to send; ``on_send(endpoint, request)`` sees
-    every request the worker makes, faulted or not; ``on_answer`` every answer
-    that reaches the worker, with its JSON body. While ``down`` (the worker
-    process is dead) nothing is sent at all.
-    """
-
-    def __init__(
-        self,
-        inner: httpx.AsyncBaseTransport,
-        *,
-        name: str = "",
-        on_request: RequestHook | None = None,
-    ) -> None:
-        self._inner = inner
-        self.name = name
-        self.on_request = on_request
-        self.on_send: RequestHook | None = None
-        self.on_answer: AnswerHook | None = None
-        self.down = False
-        self.log: list[Exchange] = []
-        self._queued: dict[str, list[Fault]] = {}
-        self._outages: dict[str, Fault] = {}
-
-    def inject(self, endpoint: str, *faults: Fault) -> None:
-        """The next requests to ``endpoint`` meet ``faults``, one each, in order."""
-        for fault in faults:
-            _check_fault(endpoint, fault)
-        self._queued.setdefault(endpoint, []).extend(faults)
-
-    def outage(self, endpoint: str, fault: Fault = Fault.UNAVAILABLE) -> None:
-        """Every request to ``endpoint`` meets ``fault`` until :meth:`restore`."""
-        _check_fault(endpoint, fault)
-        self._outages[endpoint] = fault
-
-    def restore(self, endpoint: str | None = None) -> None:
-        """End the outage of ``endpoint`` (all, when ``None``) and drop queued faults."""
-        for table in (self._outages, self._queued):
-            if endpoint is None:
-                table.clear()
-            else:
-                table.pop(endpoint, None)
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        # One checkpoint per request, whatever the fault: a loop that only makes
-        # requests then still yields, and the stall guard sees it spin.
-        await trio.lowlevel.checkpoint()
-        if self.down:
-            # A dead process sends nothing; its code may still be unwinding.
-            raise httpx.ConnectError("the worker process is gone", request=request)
-        endpoint = endpoint_of(request.url.path)
-        if self.on_send is not None:
-            request = self.on_send(endpoint, request)
-        fault = self._outages.get(endpoint)
-        if fault is None:
-            queue = self._queued.get(endpoint)
-            fault = queue.pop(0) if queue else Fault.OK
-        if self.on_request is not None and fault in (Fault.OK, Fault.LOST):
-            request = self.on_request(endpoint, request)
-        status: int | None = None
-        try:
-            response = await self._answer(request, fault)
-            status = response.status_code
-            if self.on_answer is not None:
-                await response.aread()
-                self.on_answer(endpoint, request, status, _json_body(response.content))
-            return response
-        finally:
-            self.log.append(
-                Exchange(trio.current_time(), self.name, endpoint, request.url.path, fault, status)
-            )
-
-    async def _answer(self, request: httpx.Request, fault: Fault) -> httpx.Response:
-        if fault is Fault.OK:
-            return await self._inner.handle_async_request(request)
-        if fault is Fault.LOST:
-            response = await self._inner.handle_async_request(request)
-            await response.aread()
-            await response.aclose()
-            raise httpx.ReadTimeout("injected: applied, but the answer was lost", request=request)
-        if fault is Fault.TIMEOUT:
-            await trio.sleep(TIMEOUT_S)
-            raise httpx.ReadTimeout("injected: no answer", request=request)
-        await trio.lowlevel.checkpoint()
-        if fault is Fault.REFUSED:
-            raise httpx.ConnectError("injected: connection refused", request=request)
-        if fault is Fault.UNKNOWN_SESSION:
-            body = {"error": "unknown_session", "message": "injected: register again"}
-            return httpx.Response(409, json=body)
-        return httpx.Response(
-            503, json={"error": "unavailable", "message": "injected: the controller is unavailable"}
-        )
-
-    async def aclose(self) -> None:
-        # The controller outlives any one worker process: leave it open.
-        await trio.lowlevel.checkpoint()
-
-
-def _check_endpoint(endpoint: str) -> None:
-    if endpoint not in ENDPOINTS:
-        raise ValueError(f"no endpoint {endpoint!r}; expected one of {', '.join(ENDPOINTS)}")
-
-
-def _check_fault(endpoint: str, fault: Fault) -> None:
-    _check_endpoint(endpoint)
-    if endpoint == "register" and fault is Fault.UNKNOWN_SESSION:
-        # No controller answers a register with unknown_session: it has no
-        # session to forget. Simulating one would test a controller that cannot exist.
-        raise ValueError(
-            "register cannot meet unknown_session (a register has no session to forget); "
-            "use Fault.UNAVAILABLE, REFUSED, TIMEOUT or LOST for register"
-        )
-
-
-def _json_body(content: bytes) -> Mapping[str, Any]:
-    try:
-        body = json.loads(content or b"{}")
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _json(request: httpx.Request) -> dict[str, Any]:
-    return dict(_json_body(request.content))
-
-
-def _with_json(request: httpx.Request, body: Mapping[str, Any]) -> httpx.Request:
-    headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
-    return httpx.Request(
-        request.method, request.url, headers=headers, json=body, extensions=request.extensions
-    )
 
 
 # -- the fleet -------------------------------------------------------------------
@@ -313,9 +141,7 @@ class Fleet:
         self.worker_environ: Mapping[str, str] = WORKER_ENVIRON
         """The environment every worker process starts with (``PATH`` is the fleet's bin)."""
         self._bin: Path | None = None
-        # Finishes a worker process has sent and not yet had a final answer to,
-        # by (host, device): such a device must not be listed ready.
-        self._unacked: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
+        self._watch = invariants.Watch(self._violation, self._smi_path)
 
     # -- driving --
 
@@ -399,10 +225,7 @@ class Fleet:
         node = self.nodes[name]
         self._note(f"crash {name}{' and reboot' if reboot else ''}")
         node.crashes.append(trio.current_time())
-        # What the dead process was owed dies with it; its successor resends
-        # from disk, and those sends are tracked afresh.
-        for key in [k for k in self._unacked if k[0] == name]:
-            del self._unacked[key]
+        self._watch.forget(name)
         if node.running:
             node.running = False
             node.transport.down = True
@@ -440,6 +263,7 @@ class Fleet:
         if node.incarnations:
             node.host.worker_started()
         self._note(f"start worker {node.incarnations + 1} on {name} (pid {node.host.worker_pid})")
+        self._watch.new_process(name)
         node.transport.down = False
         node.running = True
         node._scope = trio.CancelScope()
@@ -487,7 +311,11 @@ class Fleet:
         cleared = []
         for info in self.store.devices():
             node = self.nodes.get(info.host)
-            if info.state != "quarantined" or node is None or _job_processes(node, info.name):
+            if (
+                info.state != "quarantined"
+                or node is None
+                or invariants.job_processes(node, info.name)
+            ):
                 continue
             self.store.clear(info.host, info.name)
             cleared.append(info.address)
@@ -517,7 +345,7 @@ class Fleet:
         interval = math.inf if operator_every is None else operator_every
         while True:
             with trio.move_on_after(interval):
-                await self.wait_until(lambda: all(j.terminal for j in self.store.jobs()))
+                await self.wait_until(self._all_ended)
                 return
             self.clear_clean_devices()
 
@@ -547,147 +375,40 @@ class Fleet:
         """Every invariant violation of the run so far, as sentences; ``[]`` is a pass.
 
         Call it once workers are drained (or stopped with nothing owed): a
-        report still on its way is not yet committed.
+        report still on its way is not yet committed. The checks are
+        :mod:`rc_worker.testing.invariants`.
         """
-        problems = list(self.violations)
-        events = self.store.events()
-        finishes = collections.Counter(
-            str(e.data["job_id"]) for e in events if e.type == "job_finished"
-        )
-        for info in self.store.jobs():
-            problems += self._check_job(info, finishes[info.job_id], events)
-        for node in self.nodes.values():
-            problems += self._check_hooks(node, events)
-        manual = {n.name for n in self.nodes.values() if n.config.require_manual_clear}
-        for e in events:
-            if (
-                e.type == "device_cleared"
-                and e.data.get("by") == "gone"
-                and e.data["host"] in manual
-            ):
-                problems.append(f"{e.data['host']}/{e.data['device']} freed by a 'gone' claim")
-        return problems
+        return invariants.check(self)
+
+    async def run_plan(self, plan: FleetPlan) -> list[str]:
+        """Play a fault plan (:func:`rc_worker.testing.fault_plans` draws them), then lift
+        every fault, bring every worker back, settle and drain; the invariant violations.
+
+        Open the fleet with ``plan.fleet_args()`` (its hosts, devices and settings).
+        """
+        from rc_worker.testing.plans import play
+
+        return await play(self, plan)
 
     # -- internals --
 
-    def _check_job(self, info: JobInfo, finishes: int, events: list[Event]) -> list[str]:
-        job = info.job_id
-        out: list[str] = []
-        if info.state == "rejected":
-            # The harness submits only well-formed jobs: `rejected` is for an
-            # assignment's own defects, so a device's state must never end one.
-            out.append(f"{job}: ended rejected ({info.reason!r}) though it was well-formed")
-        if finishes > 1:
-            out.append(f"{job}: {finishes} terminal states recorded")
-        if info.started_at is not None and not info.terminal:
-            out.append(f"{job}: started but never ended (state {info.state})")
-        spawns = [(n, p) for n in self.nodes.values() for p in n.host.spawned(job)]
-        spawns = [(n, p) for n, p in spawns if p.argv[0] not in _worker_scripts(n)]
-        if len(spawns) > 1:
-            out.append(f"{job}: spawned {len(spawns)} times ({[p.pid for _, p in spawns]})")
-        if not spawns:
-            return out
-        node, proc = spawns[0]
-        if info.started_at is None or info.started_at > proc.started_at:
-            out.append(f"{job}: spawned on {node.name} before the controller saw it start")
-        assert proc.stdout is not None
-        committed, read = self.store.output(job), bytes(proc.stdout.read)
-        disrupted = self._disrupted(node, proc, info, events)
-        if committed != read:
-            out.append(
-                f"{job}: committed output is not what the worker read: {_diff(committed, read)}"
-            )
-        written = bytes(proc.stdout.written)
-        if not disrupted and read != written:
-            out.append(f"{job}: the worker read other than the job wrote: {_diff(read, written)}")
-        if info.state == "lost" and not disrupted:
-            # `lost` is for a crashed worker or a lost host only (docs/protocol.md),
-            # whether or not the job's process was signalled afterwards.
-            out.append(
-                f"{job}: ended lost on {node.name} though its worker never crashed "
-                f"and the host was never lost ({info.reason!r})"
-            )
-        code = proc.returncode
-        if code is None or code < 0 or proc.signalled or (info.state == "lost" and disrupted):
-            return out
-        want = "succeeded" if code == 0 else "failed"
-        if (info.state, info.exit_code, info.killed) != (want, code, False):
-            out.append(
-                f"{job}: exited {code} on its own but was reported {info.state} "
-                f"(exit {info.exit_code}, killed {info.killed}, {info.reason!r})"
-            )
-        return out
-
-    def _check_hooks(self, node: SimNode, events: list[Event]) -> list[str]:
-        """A killed or failed hook is a failed hook, whatever its exit code.
-
-        After a failed ``on_acquire`` the job must not run on that device; after a
-        failed ``on_release`` the device must be quarantined (``hook_failed``).
-        Hooks cut off by a crash of the worker prove nothing either way.
-        """
-        out: list[str] = []
-        history = node.host.spawned()
-        for dev in node.config.devices:
-            for path, hook in ((dev.on_acquire, "on_acquire"), (dev.on_release, "on_release")):
-                if path is None:
-                    continue
-                for h in history:
-                    if h.argv[0] != path or h.environ.get("RC_DEVICE") != dev.name:
-                        continue
-                    if h.returncode == 0 and not h.signalled:
-                        continue
-                    if h.ended_at is None or self._crashed_during(node, h.started_at, h.ended_at):
-                        continue
-                    if hook == "on_acquire":
-                        ran = [
-                            p
-                            for p in history
-                            if p.job_id == h.job_id
-                            and p.environ.get("RC_DEVICE") == dev.name
-                            and p.argv[0] not in _worker_scripts(node)
-                            and p.started_at >= h.started_at
-                        ]
-                        if ran:
-                            out.append(
-                                f"{node.name}/{dev.name}: job {h.job_id} ran after its "
-                                f"on_acquire hook failed (exit {h.returncode}, signals "
-                                f"{h.signals})"
-                            )
-                    elif not any(
-                        e.type == "device_quarantined"
-                        and e.data.get("host") == node.name
-                        and e.data.get("device") == dev.name
-                        and e.data.get("kind") == "hook_failed"
-                        and e.time >= h.started_at
-                        for e in events
-                    ):
-                        out.append(
-                            f"{node.name}/{dev.name}: on_release hook failed (exit "
-                            f"{h.returncode}, signals {h.signals}) but the device was not "
-                            "quarantined"
-                        )
-        return out
-
-    def _crashed_during(self, node: SimNode, start: float, end: float) -> bool:
-        return any(start <= t <= end for t in node.crashes)
-
-    def _disrupted(
-        self, node: SimNode, proc: SimProcess, info: JobInfo, events: list[Event]
-    ) -> bool:
-        """Whether the job's worker crashed, or its host was declared lost, while it ran."""
-        end = info.finished_at if info.finished_at is not None else float("inf")
-        if any(proc.started_at <= t <= end for t in node.crashes):
-            return True
-        return any(
-            e.type == "host_lost" and e.data.get("host") == node.name and proc.started_at <= e.time
-            for e in events
-        )
+    def _all_ended(self) -> bool:
+        # Counted, not viewed: a queued job's view explains why it waits, for every
+        # candidate device, and this runs at every change of the controller.
+        return set(self.store.job_state_counts()) <= TERMINAL_STATES
 
     def _select(self, hosts: Iterable[str] | None) -> list[SimNode]:
         return list(self.nodes.values()) if hosts is None else [self.nodes[h] for h in hosts]
 
     def _note(self, text: str) -> None:
         self.log.append((trio.current_time(), text))
+
+    def _violation(self, text: str) -> None:
+        self._note(f"VIOLATION: {text}")
+        self.violations.append(f"t={trio.current_time():.3f}: {text}")
+
+    def _smi_path(self) -> Path | None:
+        return None if self._bin is None else self._bin / "nvidia-smi"
 
     async def _serve(self, node: SimNode, worker: Worker, http: httpx.AsyncClient) -> None:
         started, done = node._started, node._done
@@ -700,143 +421,6 @@ class Fleet:
             if node._done is done:
                 node.running = False
             done.set()
-
-    def _on_request(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
-        if endpoint == "register":
-            body = _json(request)
-            if node.config.require_manual_clear:
-                claims = [(r.get("job_id"), r.get("claim")) for r in body.get("recovery", [])]
-                if ("gone" in (c for _, c in claims)) or not body.get("require_manual_clear"):
-                    self._violation(
-                        f"{node.name} has require_manual_clear but registered with "
-                        f"require_manual_clear={body.get('require_manual_clear')}, claims {claims}"
-                    )
-            labels = body.get("labels")
-            if isinstance(labels, Mapping):
-                self._check_labels(node, labels)
-            return _with_json(request, body)
-        if endpoint == "labels":
-            self._check_labels(node, _json(request))
-        if endpoint == "poll":
-            for device in _json(request).get("ready", []):
-                alive = _job_processes(node, str(device))
-                if alive:
-                    who = [(p.pid, p.job_id, p.state) for p in alive]
-                    self._violation(f"{node.name} offered {device} as ready while {who} alive")
-                owed = self._unacked.get((node.name, str(device)))
-                if owed:
-                    self._violation(
-                        f"{node.name} offered {device} as ready while its finish "
-                        f"{sorted(owed)} is unacknowledged"
-                    )
-        if endpoint == "finish":
-            body = _json(request)
-            verify = body.get("verify")
-            if (
-                isinstance(verify, Mapping)
-                and verify.get("ok") is False
-                and not body.get("fault_id")
-            ):
-                # The controller would quarantine on verify.ok = false by itself,
-                # which hides a worker that forgot to: the worker must raise it.
-                self._violation(
-                    f"{node.name} reported a failed verify pass for {request.url.path} "
-                    f"without quarantining {body.get('device')} itself"
-                )
-        return request
-
-    def _check_labels(self, node: SimNode, payload: Mapping[str, Any]) -> None:
-        """Invariant 4: facts a pass could not confirm are not sent (they stay as they were).
-
-        The last ``nvidia-smi`` run on the host is the truth of the pass that sent
-        them: if it failed (an error exit, killed at its timeout), no GPU device it
-        speaks for may appear in the payload, where even an empty map would wipe
-        the device's facts at the controller.
-        """
-        if self._bin is None:
-            return
-        smi = str(self._bin / "nvidia-smi")
-        runs = [p for p in node.host.spawned() if p.argv[:1] == (smi,) and p.ended_at is not None]
-        if not runs:
-            return
-        last = runs[-1]  # in spawn order: probe passes never overlap
-        if last.returncode == 0 and not last.signalled:
-            return
-        devices = payload.get("devices")
-        scope = set(gpu_scope(node.config.device_names).values())
-        sent = sorted(set(devices) & scope) if isinstance(devices, Mapping) else []
-        if sent:
-            self._violation(
-                f"{node.name} sent facts for {sent} although nvidia-smi failed "
-                f"(exit {last.returncode}, signals {last.signals}): unconfirmed facts "
-                "must be left out so that they keep their previous values"
-            )
-
-    def _on_send(self, node: SimNode, endpoint: str, request: httpx.Request) -> httpx.Request:
-        if endpoint == "finish":
-            device = _json(request).get("device")
-            if isinstance(device, str):
-                self._unacked[(node.name, device)].add(request.url.path)
-        return request
-
-    def _on_answer(
-        self,
-        node: SimNode,
-        endpoint: str,
-        request: httpx.Request,
-        status: int,
-        body: Mapping[str, Any],
-    ) -> None:
-        if endpoint != "finish" or not _final(status, body):
-            return
-        device = _json(request).get("device")
-        if isinstance(device, str):
-            self._unacked[(node.name, device)].discard(request.url.path)
-
-    def _violation(self, text: str) -> None:
-        self._note(f"VIOLATION: {text}")
-        self.violations.append(f"t={trio.current_time():.3f}: {text}")
-
-
-def _final(status: int, body: Mapping[str, Any]) -> bool:
-    """Whether an answer ends a report's delivery: success, or a 4xx no retry can change."""
-    if 200 <= status < 300:
-        return True
-    if status == 409 and body.get("error") == "unknown_session":
-        return False
-    return 400 <= status < 500 and status not in (408, 429)
-
-
-def _diff(a: bytes, b: bytes) -> str:
-    at = next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
-    here, there = a[at : at + 16], b[at : at + 16]
-    return f"{len(a)} vs {len(b)} bytes, first difference at {at}: {here!r} vs {there!r}"
-
-
-def _job_processes(node: SimNode, device: str) -> list[SimProcess]:
-    """The live processes of any job started for ``device`` on this node.
-
-    Hooks and verify scripts carry the job's ``RC_JOB_ID`` too, but are the
-    worker's own; a process is told by the program it descends from (a fork
-    keeps its parent's ``argv``).
-    """
-    scripts = _worker_scripts(node)
-    return [
-        p
-        for p in node.host.live(device=device)
-        if "RC_JOB_ID" in p.environ and p.argv[0] not in scripts
-    ]
-
-
-def _worker_scripts(node: SimNode) -> set[str]:
-    """The programs the worker runs of its own: lease hooks and verify scripts."""
-    paths = {h for d in node.config.devices for h in (d.on_acquire, d.on_release) if h}
-    verify = Path(node.config.verify_dir)
-    if verify.is_dir():
-        paths.update(str(p) for p in verify.iterdir())
-    return paths
 
 
 @asynccontextmanager
@@ -862,9 +446,9 @@ async def open_fleet(
     jitter come from generators seeded with it (see :func:`simulate`).
 
     ``hosts``: how many (named ``h0``, ``h1``...) or their names. ``devices``: names,
-    or :class:`~rc_worker.config.DeviceConfig` with hooks, whose paths are
+    or :class:`~rc_worker.core.config.DeviceConfig` with hooks, whose paths are
     programs of the SimHosts (:meth:`Fleet.program`). ``config_fields``
-    go to every worker's :class:`~rc_worker.config.Config` (``require_manual_clear``,
+    go to every worker's :class:`~rc_worker.core.config.Config` (``require_manual_clear``,
     ``shutdown_grace``...). State lives under ``root`` (a temporary directory by
     default, removed afterwards). Workers start at once; leaving the block
     abandons whatever still runs (call :meth:`Fleet.drain` first for a clean end).
@@ -909,9 +493,9 @@ async def open_fleet(
                     FaultyTransport(httpx.ASGITransport(app=app), name=name),
                 )
                 node.host.cgroup_v2 = cgroups
-                node.transport.on_request = _bind(fleet, node)
-                node.transport.on_send = functools.partial(fleet._on_send, node)
-                node.transport.on_answer = functools.partial(fleet._on_answer, node)
+                node.transport.on_request = functools.partial(fleet._watch.on_request, node)
+                node.transport.on_send = functools.partial(fleet._watch.on_send, node)
+                node.transport.on_answer = functools.partial(fleet._watch.on_answer, node)
                 fleet.nodes[name] = node
             if nvidia_smi is not None:
                 fleet.program_nvidia_smi(nvidia_smi)
@@ -921,64 +505,6 @@ async def open_fleet(
                 yield fleet
             finally:
                 nursery.cancel_scope.cancel()
-
-
-def _bind(fleet: Fleet, node: SimNode) -> RequestHook:
-    return lambda endpoint, request: fleet._on_request(node, endpoint, request)
-
-
-class SimulationStalled(Exception):
-    """Virtual time stopped while tasks kept running: a livelock, which never ends (invariant 6).
-
-    ``trio.fail_after`` in virtual time cannot see one: the deadline never comes.
-    """
-
-
-WALL_LIMIT = 90.0
-"""Real seconds a :func:`simulate` run may take (under the suite's 120 s per-test timeout)."""
-
-STALL_STEPS = 200_000
-"""Task steps at one virtual instant past which :func:`simulate` calls the run stalled."""
-
-
-class SimulationTimedOut(Exception):
-    """A simulation ran past its wall-clock limit (``simulate(wall_limit=...)``).
-
-    Raised as an ordinary failure, before a per-test timeout would kill the
-    process, so that hypothesis still prints the plan that caused it.
-    """
-
-
-WALL_CHECK_STEPS = 1000
-"""Task steps between two looks at the wall clock."""
-
-
-class _StallGuard(trio.abc.Instrument):
-    def __init__(self, limit: int, wall_limit: float | None = None) -> None:
-        self.limit = limit
-        self.at = -math.inf
-        self.steps = 0
-        self.scope: trio.CancelScope | None = None
-        self.stalled_at: float | None = None
-        self.wall_deadline = math.inf if wall_limit is None else time.monotonic() + wall_limit
-        self.timed_out = False
-        self._since_wall = 0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self._since_wall += 1
-        if self._since_wall >= WALL_CHECK_STEPS:
-            self._since_wall = 0
-            if time.monotonic() > self.wall_deadline and not self.timed_out and self.scope:
-                self.timed_out = True
-                self.scope.cancel()
-        now = trio.current_time()
-        if now != self.at:
-            self.at, self.steps = now, 0
-            return
-        self.steps += 1
-        if self.steps > self.limit and self.stalled_at is None and self.scope is not None:
-            self.stalled_at = now
-            self.scope.cancel()
 
 
 def simulate(
@@ -1007,7 +533,7 @@ def simulate(
     are random as in production (hypothesis still makes Trio's scheduling
     deterministic for its own examples).
     """
-    guard = _StallGuard(stall_steps, wall_limit)
+    guard = StallGuard(stall_steps, wall_limit)
     if seed is not None:
         # Trio breaks ties between tasks ready at once with this generator (the
         # hook its hypothesis plugin seeds); with it and the fleet's generators

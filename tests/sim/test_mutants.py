@@ -5,6 +5,11 @@ applied by monkeypatching. Each test runs the same scenario twice: with the
 real worker, where ``Fleet.check()`` must find nothing, and with the mutant,
 where it must report the bug. A check that passes whatever the worker does
 would fail the second half.
+
+The mutants: a success relabelled as killed, an unconfirmed device's labels
+wiped, a dirty device offered, a finish reported twice, an output byte dropped
+on retry, a blind sweep trusted; and a verify failure not quarantined, a device
+offered before its finish is acknowledged, a killed hook counted as a success.
 """
 
 from __future__ import annotations
@@ -12,18 +17,27 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
 from rc_worker import device as device_module
+from rc_worker import outbox as outbox_module
+from rc_worker import supervise as supervise_module
+from rc_worker import worker as worker_module
+from rc_worker.client import ControllerClient
 from rc_worker.core.config import DeviceConfig
+from rc_worker.core.labels import ProbeResult
 from rc_worker.device import DeviceSupervisor
 from rc_worker.hooks import HookOutcome
 from rc_worker.outbox import Outbox
 from rc_worker.scripts import TailBuffer
-from rc_worker.supervise import JobSpec, run_job
+from rc_worker.supervise import JobSpec, Result, run_job
+from rc_worker.sweep import SweepReport
 from rc_worker.testing.fleet import Fault, Fleet, simulate
-from rc_worker.testing.sim import OnSigterm, Script, Sleep
+from rc_worker.testing.sim import Fork, OnSigterm, Script, Sleep, Write
+
+from .test_fleet_probes import SMI_FAILS, SMI_OK, smi_breaks_after_a_good_pass
 
 TRAIN = Script.printing((1, b"epoch 1\n"), (5, b"done\n"))
 Scenario = Callable[[Fleet], Awaitable[None]]
@@ -138,3 +152,159 @@ def test_a_killed_hook_counted_as_a_success_is_reported(monkeypatch: pytest.Monk
     monkeypatch.setattr(device_module, "run_hook", exit_code_only)
     found = problems(_slow_acquire, devices=SLOW_HOOK_DEVICES)
     assert any("ran after its on_acquire hook failed" in p for p in found), found
+
+
+# -- a success relabelled as killed ---------------------------------------------------
+
+
+async def _one_job(fleet: Fleet) -> None:
+    job = fleet.submit(["train"])
+    await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+
+
+def test_a_success_relabelled_as_killed_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert problems(_one_job) == []
+    real = device_module.run_job
+
+    async def relabel(spec: JobSpec, sink: Any, **kwargs: Any) -> Result:
+        result = await real(spec, sink, **kwargs)
+        if result.exit_code == 0:  # the bug: a job that exited 0 reported killed
+            result = attrs.evolve(result, killed=True, reason="max_runtime")
+        return result
+
+    monkeypatch.setattr(device_module, "run_job", relabel)
+    found = problems(_one_job)
+    assert any("exited 0 on its own but was reported killed" in p for p in found), found
+
+
+# -- an unconfirmed device's labels wiped ------------------------------------------------
+
+
+def test_an_unconfirmed_devices_labels_wiped_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main(fleet: Fleet) -> list[str]:
+        await smi_breaks_after_a_good_pass(fleet, SMI_FAILS)
+        await fleet.drain()
+        return fleet.check()
+
+    assert simulate(main, devices=("gpu0", "gpu1"), nvidia_smi=SMI_OK) == []
+    real = worker_module.labels_payload
+
+    def wipe_unconfirmed(result: ProbeResult) -> dict[str, Any]:
+        body = real(result)
+        for name in result.unconfirmed:  # the bug: an unconfirmed device sent empty
+            body["devices"][name] = {}
+        return body
+
+    monkeypatch.setattr(worker_module, "labels_payload", wipe_unconfirmed)
+
+    async def broken(fleet: Fleet) -> list[str]:
+        with pytest.raises(AssertionError):  # the facts are wiped at the controller
+            await smi_breaks_after_a_good_pass(fleet, SMI_FAILS)
+        await fleet.drain()
+        return fleet.check()
+
+    found = simulate(broken, devices=("gpu0", "gpu1"), nvidia_smi=SMI_OK)
+    assert any("although nvidia-smi failed" in p for p in found), found
+
+
+# -- a dirty device offered --------------------------------------------------------------
+
+ESCAPES = Script((Write(b"x\n"), Fork(Script.sleeping(300), setsid=True), Sleep(2)))
+
+
+async def _an_escaping_job(fleet: Fleet) -> None:
+    fleet.program("escapes", ESCAPES)
+    job = fleet.submit(["escapes"])
+    await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+    await trio.sleep(10)  # the worker polls again, offering what it holds clean
+
+
+def test_a_dirty_device_offered_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert problems(_an_escaping_job) == []
+
+    async def looks_away(job_id: str, **kwargs: Any) -> SweepReport:
+        await trio.lowlevel.checkpoint()
+        return SweepReport(scanned=True)  # the bug: nothing looked for, "clean"
+
+    monkeypatch.setattr(supervise_module, "sweep_job_survivors", looks_away)
+    found = problems(_an_escaping_job)
+    assert any("offered gpu0 as ready while" in p and "alive" in p for p in found), found
+
+
+# -- a finish reported twice --------------------------------------------------------------
+
+
+def test_a_finish_reported_twice_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert problems(_one_job) == []
+    real = ControllerClient.finish
+
+    async def twice(self: ControllerClient, job_id: str, report: Any) -> None:
+        await real(self, job_id, report)
+        await real(self, job_id, report)  # the bug: the end of the job reported again
+
+    monkeypatch.setattr(ControllerClient, "finish", twice)
+    found = problems(_one_job)
+    assert any("twice: it already had the final answer" in p for p in found), found
+
+
+# -- an output byte dropped on retry -------------------------------------------------------
+
+
+async def _output_retried(fleet: Fleet) -> None:
+    fleet.inject("output", Fault.UNAVAILABLE, Fault.REFUSED)
+    await _one_job(fleet)
+
+
+def test_an_output_byte_dropped_on_retry_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert problems(_output_retried) == []
+    real = outbox_module._stream
+    tries: set[tuple[str, int]] = set()
+
+    async def dropping(body: Any) -> Any:
+        first = True
+        async for chunk in body:
+            if first and chunk:
+                chunk, first = chunk[1:], False  # the bug: one byte lost
+            yield chunk
+
+    def drop_on_retry(d: Any, start: int) -> Any:
+        key = (d.job_dir.key, start)
+        retry = key in tries
+        tries.add(key)
+        return dropping(real(d, start)) if retry else real(d, start)
+
+    monkeypatch.setattr(outbox_module, "_stream", drop_on_retry)
+    found = problems(_output_retried)
+    assert any("committed output is not what the worker read" in p for p in found), found
+
+
+# -- a blind sweep trusted -----------------------------------------------------------------
+
+# A child that leaves the job's session with an environment the worker cannot read.
+HIDES = Script(
+    (
+        Write(b"x\n"),
+        Fork(Script((Sleep(300),), environ_readable=False), setsid=True),
+        Sleep(2),
+    )
+)
+
+
+async def _a_hiding_job(fleet: Fleet) -> None:
+    fleet.program("hides", HIDES)
+    job = fleet.submit(["hides"])
+    await fleet.wait_until(lambda: fleet.store.job(job).terminal)
+    await trio.sleep(10)
+
+
+def test_a_blind_sweep_trusted_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert problems(_a_hiding_job) == []
+    real = device_module.unproven
+
+    def trusts_blind(report: SweepReport) -> str | None:
+        # The bug: a sweep that could not see a process is taken as proof.
+        return None if report.blind and not report.remaining else real(report)
+
+    monkeypatch.setattr(device_module, "unproven", trusts_blind)
+    found = problems(_a_hiding_job)
+    assert any("offered gpu0 as ready while" in p and "alive" in p for p in found), found

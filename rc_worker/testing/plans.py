@@ -1,28 +1,73 @@
-"""Fault plans for fleet simulations: what hypothesis draws, and how a plan is played.
+"""Fault plans for fleet simulations: what a plan says, and how it is played.
 
 A plan says which jobs (scripts and limits) are submitted when, which
 controller endpoints fail when and how, which workers crash when (and for
-how long, and whether the host reboots), and which jobs are cancelled. It is
-played against a :class:`~rc_worker.testing.fleet.Fleet`, then every fault
-is lifted, every worker brought back, a careful operator clears clean
-quarantines until every job has ended, the workers drain, and the fleet's
-invariant checks say what went wrong.
+how long, and whether the host reboots, or stop as their service manager
+stops them), which disks fail, which jobs are cancelled, which idle
+behaviours change. :meth:`Fleet.run_plan <rc_worker.testing.fleet.Fleet.run_plan>`
+plays one, then every fault is lifted, every worker brought back, a careful
+operator clears clean quarantines until every job has ended, the workers
+drain, and the fleet's invariant checks say what went wrong.
+
+:func:`rc_worker.testing.fault_plans` draws plans with hypothesis
+(:mod:`rc_worker.testing.strategies`); this module needs no hypothesis.
+A plan is frozen attrs data whose ``repr`` is Python that builds it again:
+:func:`replay` plays a pasted plan with its seed, exactly as it ran::
+
+    from rc_worker.testing.plans import *  # every name a plan's repr uses
+    assert replay(FleetPlan(hosts=1, ...), seed=3).problems == []
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import trio
-from hypothesis import strategies as st
 
 from rc_worker.controller.errors import NotFound
 from rc_worker.core.config import DeviceConfig
-from rc_worker.testing.fleet import Fault, Fleet
-from rc_worker.testing.sim import Fork, Hang, OnSigterm, Script, Sleep, Step, Write
+from rc_worker.testing.sim import EchoStdin, Fork, Hang, OnSigterm, Script, Sleep, Write
+from rc_worker.testing.transport import Fault
+
+if TYPE_CHECKING:
+    from rc_worker.testing.fleet import Fleet
+
+__all__ = [
+    "ACQUIRE",
+    "RELEASE",
+    "TIME_LIMIT",
+    "CancelPlan",
+    "CrashPlan",
+    "DiskPlan",
+    "EchoStdin",
+    "Fault",
+    "FleetPlan",
+    "Fork",
+    "Hang",
+    "HooksPlan",
+    "IdlePlan",
+    "InjectPlan",
+    "JobPlan",
+    "OnSigterm",
+    "OutagePlan",
+    "PlanRun",
+    "Script",
+    "Sleep",
+    "SmiPlan",
+    "UnofferPlan",
+    "Write",
+    "describe",
+    "disk_fault",
+    "parse_plan",
+    "play",
+    "replay",
+    "replay_line",
+]
+
+T = TypeVar("T")
 
 ENDPOINTS = ("register", "heartbeat", "poll", "start", "output", "finish", "labels", "fault")
 FAULTS = (Fault.UNAVAILABLE, Fault.REFUSED, Fault.TIMEOUT, Fault.LOST, Fault.UNKNOWN_SESSION)
@@ -31,15 +76,14 @@ REGISTER_FAULTS = tuple(f for f in FAULTS if f is not Fault.UNKNOWN_SESSION)
 REREG_S = 45.0
 ACQUIRE = "/sim/hooks/acquire"
 RELEASE = "/sim/hooks/release"
-
-
-def seconds(low: float, high: float) -> st.SearchStrategy[float]:
-    """Half-second steps: readable plans, and instants that coincide now and then."""
-    return st.integers(int(low * 2), int(high * 2)).map(lambda n: n / 2)
+TIME_LIMIT = 4 * 3600.0
+"""Virtual seconds a played plan may take (invariant 6, everything ends)."""
 
 
 @attrs.frozen
 class JobPlan:
+    """A job submitted at ``at`` (virtual seconds): its script and ``Store.submit`` fields."""
+
     at: float
     script: Script
     fields: dict[str, Any] = attrs.field(factory=dict, hash=False)
@@ -47,6 +91,8 @@ class JobPlan:
 
 @attrs.frozen
 class OutagePlan:
+    """Every request to ``endpoint`` meets ``fault`` from ``at`` for ``duration``."""
+
     at: float
     duration: float
     endpoint: str
@@ -56,6 +102,8 @@ class OutagePlan:
 
 @attrs.frozen
 class InjectPlan:
+    """At ``at``, the next requests to ``endpoint`` meet ``faults``, one each."""
+
     at: float
     endpoint: str
     faults: tuple[Fault, ...]
@@ -64,6 +112,8 @@ class InjectPlan:
 
 @attrs.frozen
 class CrashPlan:
+    """The worker of ``host`` goes down at ``at`` (``how``), and comes back ``down_for`` later."""
+
     at: float
     host: str
     down_for: float
@@ -76,12 +126,16 @@ class CrashPlan:
 
 @attrs.frozen
 class CancelPlan:
+    """The ``job``-th job of the plan is cancelled at ``at`` (if submitted by then)."""
+
     at: float
     job: int
 
 
 @attrs.frozen
 class IdlePlan:
+    """An operator sets a device's idle behaviour at ``at``, back to ``run`` later."""
+
     at: float
     duration: float
     host: str
@@ -109,6 +163,20 @@ class SmiPlan:
     how: str  # fails or hangs
 
 
+@attrs.frozen
+class DiskPlan:
+    """The disk of ``host`` fails at ``at`` for ``duration``.
+
+    ``how``: ``full`` (every write fails with ``ENOSPC``). Applied through
+    :func:`disk_fault`, the one place that knows how a disk is made to fail.
+    """
+
+    at: float
+    duration: float
+    host: str
+    how: str = "full"
+
+
 SMI_OK = Script(
     (
         Write(
@@ -127,6 +195,8 @@ SMI_BROKEN = {
 
 @attrs.frozen
 class HooksPlan:
+    """Every device's lease hooks (``None``: none), linger and hook timeout."""
+
     acquire: Script | None
     release: Script | None
     linger: float
@@ -135,6 +205,12 @@ class HooksPlan:
 
 @attrs.frozen
 class FleetPlan:
+    """A whole fault plan: the fleet's size and settings, and every fault, with its time.
+
+    Frozen data whose ``repr`` is the Python that builds it again (:func:`parse_plan`);
+    :meth:`fleet_args` gives :func:`~rc_worker.testing.fleet.open_fleet` its arguments.
+    """
+
     hosts: int = 1
     devices: int = 1
     jobs: tuple[JobPlan, ...] = ()
@@ -150,6 +226,7 @@ class FleetPlan:
     require_manual_clear: bool = False
     foreign_process: bool = False  # another user's daemon, unreadable: older than every job
     cgroups: bool = False  # a cgroup per job (exact sweeps) instead of the RC_JOB_ID sweep
+    disks: tuple[DiskPlan, ...] = ()
 
     def fleet_args(self) -> dict[str, Any]:
         names = [f"gpu{i}" for i in range(self.devices)]
@@ -174,181 +251,14 @@ class FleetPlan:
         }
 
 
-# -- strategies -----------------------------------------------------------------
-
-SIGTERM_POLICIES = st.one_of(
-    st.just(OnSigterm()),
-    st.just(OnSigterm(ignore=True)),
-    st.builds(OnSigterm, delay=seconds(0.5, 15), exit_code=st.sampled_from([0, 1, None])),
-)
-
-WRITES = st.one_of(
-    st.builds(Write, st.binary(min_size=1, max_size=16)),
-    # Past the pipe's capacity: the writer blocks until the worker reads.
-    st.builds(Write, st.just(b"0123456789abcdef\n"), repeat=st.integers(250, 550)),
-)
-
-
-@st.composite
-def job_scripts(draw: st.DrawFn, *, extras: bool = True) -> Script:
-    steps: list[Step] = []
-    for gap, write in draw(st.lists(st.tuples(seconds(0, 15), WRITES), max_size=4)):
-        if gap:
-            steps.append(Sleep(gap))
-        steps.append(write)
-    tail = draw(seconds(0, 30))
-    if tail:
-        steps.append(Sleep(tail))
-    kinds = ["escape", "holder", "hang", "hung child"] if extras else []
-    for kind in draw(st.lists(st.sampled_from(kinds), max_size=2, unique=True)):
-        where = draw(st.integers(0, len(steps)))
-        steps.insert(where, draw(_extra(kind)))
-    return Script(
-        steps,
-        exit_code=draw(st.sampled_from([0, 0, 1, 3])),
-        on_sigterm=draw(SIGTERM_POLICIES),
-    )
-
-
-def _extra(kind: str) -> st.SearchStrategy[Step]:
-    if kind == "escape":
-        # A child that calls setsid(2): out of the group, still carrying RC_JOB_ID.
-        child = st.builds(
-            Script,
-            st.tuples(st.builds(Sleep, seconds(1, 60))),
-            on_sigterm=SIGTERM_POLICIES,
-        )
-        return st.builds(Fork, child, setsid=st.just(True), holds_output=st.booleans())
-    if kind == "holder":
-        # A child that keeps stdout open after the main process has gone.
-        child = st.builds(
-            lambda at, sigterm: attrs.evolve(Script.printing((at, b"late\n")), on_sigterm=sigterm),
-            seconds(0, 20),
-            SIGTERM_POLICIES,
-        )
-        return st.builds(Fork, child)
-    if kind == "hang":
-        return st.builds(Hang, seconds(1, 40))
-    child = st.builds(lambda s: Script((Hang(s),)), seconds(1, 40))
-    return st.builds(Fork, child, setsid=st.booleans())
-
-
-@st.composite
-def job_plans(draw: st.DrawFn, *, extras: bool = True) -> JobPlan:
-    fields: dict[str, Any] = {"grace_s": draw(seconds(0, 15))}
-    if draw(st.booleans()):
-        fields["max_runtime_s"] = draw(seconds(1, 60))
-    if draw(st.booleans()):
-        fields["idle_timeout_s"] = draw(seconds(1, 30))
-    return JobPlan(draw(seconds(0, 60)), draw(job_scripts(extras=extras)), fields)
-
-
-HOOK_SCRIPTS = st.one_of(
-    st.builds(Script.sleeping, seconds(0, 3)),
-    st.builds(Script.sleeping, seconds(0, 40), exit_code=st.sampled_from([0, 1])),
-)
-
-HOOKS = st.builds(
-    HooksPlan,
-    st.none() | HOOK_SCRIPTS,
-    st.none() | HOOK_SCRIPTS,
-    seconds(0, 20),
-    seconds(1, 30),
-)
-
-
-@st.composite
-def fleet_plans(
-    draw: st.DrawFn,
-    *,
-    crashes: bool = True,
-    outages: bool = True,
-    cancels: bool = True,
-    extras: bool = True,
-) -> FleetPlan:
-    hosts = draw(st.integers(1, 2))
-    names = [f"h{i}" for i in range(hosts)]
-    outage_plans = st.builds(
-        OutagePlan,
-        seconds(0, 120),
-        seconds(0.5, 60),
-        st.sampled_from(ENDPOINTS),
-        st.sampled_from(FAULTS),
-        st.sampled_from([None, *names]),
-    ).filter(lambda o: not (o.endpoint == "register" and o.fault is Fault.UNKNOWN_SESSION))
-    inject_plans = st.sampled_from(ENDPOINTS).flatmap(
-        lambda endpoint: st.builds(
-            InjectPlan,
-            seconds(0, 120),
-            st.just(endpoint),
-            st.lists(
-                st.sampled_from(REGISTER_FAULTS if endpoint == "register" else FAULTS),
-                min_size=1,
-                max_size=3,
-            ).map(tuple),
-            st.sampled_from([None, *names]),
-        )
-    )
-    crash_plans = st.builds(
-        CrashPlan,
-        seconds(0, 90),
-        st.sampled_from(names),
-        seconds(0, 90),
-        st.sampled_from(["kill", "kill", "reboot", "drain", "stop", "rereg"]),
-    )
-    devices = draw(st.integers(1, 2))
-    idle_plans = st.builds(
-        IdlePlan,
-        seconds(0, 90),
-        seconds(1, 60),
-        st.sampled_from(names),
-        st.sampled_from([f"gpu{i}" for i in range(devices)]),
-        st.sampled_from(["hold", "drain"]),
-    )
-    unoffer_plans = st.builds(
-        UnofferPlan,
-        seconds(0, 90),
-        st.sampled_from(names),
-        st.sampled_from([f"gpu{i}" for i in range(devices)]),
-    )
-    smi_plans = st.builds(
-        SmiPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(["fails", "hangs"])
-    )
-    jobs = draw(st.lists(job_plans(extras=extras), min_size=1, max_size=5))
-    hooks = draw(st.none() | HOOKS) if extras else None
-    return FleetPlan(
-        hosts=hosts,
-        devices=devices,
-        jobs=tuple(jobs),
-        outages=tuple(draw(st.lists(outage_plans, max_size=3))) if outages else (),
-        injections=tuple(draw(st.lists(inject_plans, max_size=3))) if outages else (),
-        crashes=tuple(draw(st.lists(crash_plans, max_size=2))) if crashes else (),
-        cancels=tuple(
-            draw(
-                st.lists(
-                    st.builds(CancelPlan, seconds(0, 120), st.integers(0, len(jobs) - 1)),
-                    max_size=2,
-                )
-            )
-        )
-        if cancels
-        else (),
-        idles=tuple(draw(st.lists(idle_plans, max_size=2))) if extras else (),
-        unoffers=tuple(draw(st.lists(unoffer_plans, max_size=2))) if extras else (),
-        smi=tuple(draw(st.lists(smi_plans, max_size=2))) if extras else (),
-        hooks=hooks,
-        verify=draw(st.none() | HOOK_SCRIPTS) if extras else None,
-        require_manual_clear=draw(st.booleans()),
-        foreign_process=draw(st.booleans()),
-        cgroups=draw(st.booleans()),
-    )
-
-
 # -- playing a plan -----------------------------------------------------------------
 
 
 async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
-    """Play ``plan``, bring everything back, settle, drain; the invariant violations."""
+    """Play ``plan``, bring everything back, settle, drain; the invariant violations.
+
+    :meth:`Fleet.run_plan <rc_worker.testing.fleet.Fleet.run_plan>` is the same.
+    """
     if plan.foreign_process:
         for node in fleet.nodes.values():
             node.host.start(
@@ -383,6 +293,8 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
             nursery.start_soon(_unoffer, fleet, unoffer)
         for smi in plan.smi:
             nursery.start_soon(_smi, fleet, smi)
+        for disk in plan.disks:
+            nursery.start_soon(_disk, fleet, disk)
     fleet.restore()
     for name, node in fleet.nodes.items():
         if not node.running:
@@ -447,6 +359,35 @@ async def _smi(fleet: Fleet, plan: SmiPlan) -> None:
     fleet.program_nvidia_smi(SMI_OK)
 
 
+async def _disk(fleet: Fleet, plan: DiskPlan) -> None:
+    await trio.sleep(plan.at)
+    undo = disk_fault(fleet, plan.host, plan.how)
+    fleet._note(f"disk of {plan.host}: {plan.how}")
+    try:
+        await trio.sleep(plan.duration)
+    finally:
+        undo()
+        fleet._note(f"disk of {plan.host} repaired")
+
+
+def disk_fault(fleet: Fleet, host: str, how: str) -> Callable[[], None]:
+    """Make the disk of ``host`` fail as ``how`` says; returns the repair.
+
+    The one place that knows how: ``full`` fills the host's in-memory disk
+    (:meth:`SimDisk.fill <rc_worker.testing.simdisk.SimDisk.fill>`: every write
+    past what it holds now fails with ``ENOSPC``), and the repair frees it.
+    """
+    if how != "full":
+        raise ValueError(f"no disk fault {how!r}; expected 'full'")
+    disk = fleet.nodes[host].host.disk
+    disk.fill()
+
+    def repair() -> None:
+        disk.capacity = None
+
+    return repair
+
+
 async def _unoffer(fleet: Fleet, plan: UnofferPlan) -> None:
     await trio.sleep(plan.at)
     fleet.quarantine(plan.host, plan.device)
@@ -456,6 +397,45 @@ async def _cancel(fleet: Fleet, cancel: CancelPlan, submitted: dict[int, str]) -
     await trio.sleep(cancel.at)
     if cancel.job in submitted:
         fleet.cancel(submitted[cancel.job])
+
+
+@attrs.frozen
+class PlanRun:
+    """What :func:`replay` saw: the invariant violations (``[]`` is a pass) and the story."""
+
+    problems: list[str]
+    story: str
+
+
+def replay(plan: FleetPlan, seed: int | None = None, **simulate_args: Any) -> PlanRun:
+    """Play ``plan`` in a fleet of its own (:func:`~rc_worker.testing.fleet.simulate`).
+
+    With ``seed``, the run is the same, byte for byte, every time: a failing
+    example's printed plan and seed, pasted back here, replay it.
+    """
+    from rc_worker.testing.fleet import simulate
+
+    async def scenario(fleet: Fleet) -> PlanRun:
+        problems = await play(fleet, plan)
+        return PlanRun(problems, describe(fleet))
+
+    simulate_args.setdefault("time_limit", TIME_LIMIT)
+    return simulate(scenario, seed=seed, **simulate_args, **plan.fleet_args())
+
+
+def replay_line(plan: FleetPlan, seed: int | None) -> str:
+    """The line to paste to replay ``plan`` (after ``from rc_worker.testing.plans import *``)."""
+    return f"replay({plan!r}, seed={seed})"
+
+
+def parse_plan(text: str) -> FleetPlan:
+    """A plan from its ``repr`` (as a failing example printed it)."""
+    names: dict[str, Any] = {name: globals()[name] for name in __all__}
+    names["inf"] = math.inf
+    plan = eval(text, {"__builtins__": {}}, names)
+    if not isinstance(plan, FleetPlan):
+        raise ValueError(f"not a FleetPlan: {text[:60]!r}...")
+    return plan
 
 
 def describe(fleet: Fleet) -> str:
