@@ -121,6 +121,18 @@ def _check_hooks(node: SimNode, events: list[Event]) -> list[str]:
                 if h.ended_at is None or _crashed_during(node, h.started_at, h.ended_at):
                     continue
                 if hook == "on_acquire":
+                    # A later attempt of the job (requeued once the hook failed) may run
+                    # on this device after an on_acquire of its own that succeeded.
+                    acquired_again = [
+                        a.started_at
+                        for a in history
+                        if a.argv[0] == path
+                        and a.environ.get("RC_DEVICE") == dev.name
+                        and a.job_id == h.job_id
+                        and a.started_at > h.started_at
+                        and a.returncode == 0
+                        and not a.signalled
+                    ]
                     ran = [
                         p
                         for p in history
@@ -128,6 +140,7 @@ def _check_hooks(node: SimNode, events: list[Event]) -> list[str]:
                         and p.environ.get("RC_DEVICE") == dev.name
                         and p.argv[0] not in worker_scripts(node)
                         and p.started_at >= h.started_at
+                        and not any(h.started_at < t <= p.started_at for t in acquired_again)
                     ]
                     if ran:
                         out.append(
