@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
 import httpx
@@ -64,8 +71,12 @@ class ControllerClient:
         on_unknown_session: RegisterFn | None = None,
         rng: random.Random | None = None,
         on_answer: AnswerFn | None = None,
+        urls: Sequence[str] = (),
     ) -> None:
         self._http = http
+        # Every controller to try, in order (config ``controller_url`` as a list): a
+        # refused connection or a standby's 503 moves the client to the next one.
+        self._urls = tuple(urls)
         self._on_answer = on_answer or (lambda endpoint, status: None)
         self._retry_logs: dict[str, RetryLog] = {}
         self.host = host
@@ -280,6 +291,10 @@ class ControllerClient:
                         delay,
                     )
             except _Transient as e:
+                if e.failover and self._fail_over():
+                    # Another controller may be the active one: ask it soon, not after
+                    # a backoff grown on this one's failures.
+                    backoff = Backoff(base=RETRY_BASE_S, cap=RETRY_CAP_S, rng=self._rng)
                 delay = backoff.next_delay(e.retry_after)
                 if retry_log.failed(trio.current_time()):
                     log.warning(
@@ -292,6 +307,17 @@ class ControllerClient:
                 else:
                     log.debug("%s %s: %s; retrying in %.1fs", method, path, e, delay)
             await trio.sleep(delay)
+
+    def _fail_over(self) -> bool:
+        """Move to the next of :attr:`_urls`; False when there is no other."""
+        if len(self._urls) < 2:
+            return False
+        here = str(self._http.base_url).rstrip("/")
+        at = next((i for i, u in enumerate(self._urls) if u.rstrip("/") == here), -1)
+        target = self._urls[(at + 1) % len(self._urls)]
+        log.warning("the controller at %s is not the active one; trying %s", here, target)
+        self._http.base_url = httpx.URL(target)
+        return True
 
     def _explain(self, e: _Transient) -> str:
         if e.status is None:
@@ -349,7 +375,11 @@ class ControllerClient:
             ) as response:
                 data = await _read_bounded(response)
         except httpx.TransportError as e:
-            raise _Transient(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
+            raise _Transient(
+                f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
+                # Nobody listens there (a controller that died): another may be active.
+                failover=isinstance(e, httpx.ConnectError),
+            ) from e
         return _decode(response, data)
 
     async def _reregister(self, generation: int) -> None:
@@ -369,11 +399,17 @@ def endpoint_of(path: str) -> str:
 
 class _Transient(Exception):
     def __init__(
-        self, message: str, retry_after: float | None = None, status: int | None = None
+        self,
+        message: str,
+        retry_after: float | None = None,
+        status: int | None = None,
+        *,
+        failover: bool = False,
     ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.status = status
+        self.failover = failover
 
 
 async def _read_bounded(response: httpx.Response) -> bytes:
@@ -404,7 +440,8 @@ def _decode(response: httpx.Response, data: bytes) -> dict[str, Any]:
         return body
     retry_after = parse_retry_after(response.headers.get("Retry-After"))
     if is_transient_status(status):
-        raise _Transient(f"status {status}", retry_after, status)
+        standby = status == 503 and body.get("error") == "standby"
+        raise _Transient(f"status {status}", retry_after, status, failover=standby)
     code = str(body.get("error", "")) or f"http_{status}"
     message = str(body.get("message", "")) or response.reason_phrase
     if status == 409 and code == "unknown_session":

@@ -124,7 +124,9 @@ class Config:
     """
 
     devices: tuple[DeviceConfig, ...]
-    controller_url: str | None = None
+    controller_url: str | tuple[str, ...] | None = None
+    """One URL, or several (a list in the file, commas in ``RC_CONTROLLER_URL``):
+    the active controller's and its standbys'. See :attr:`controller_urls`."""
     token: str | None = None
     token_file: str | None = None
     host: str = ""
@@ -160,6 +162,15 @@ class Config:
             if dev.name == name:
                 return dev
         raise KeyError(name)
+
+    @property
+    def controller_urls(self) -> tuple[str, ...]:
+        """Every controller to try, in order: the worker starts with the first and
+        moves to the next on a refused connection or a standby's ``503``."""
+        url = self.controller_url
+        if url is None:
+            return ()
+        return (url,) if isinstance(url, str) else url
 
     @property
     def device_names(self) -> tuple[str, ...]:
@@ -211,11 +222,13 @@ def load_config_text(text: str, *, name: str = "<string>", base_dir: str = ".") 
 def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
     changes: dict[str, Any] = {}
     if env.get(ENV_CONTROLLER_URL):
-        url = env[ENV_CONTROLLER_URL]
-        problem = config_parse.controller_url_problem(url)
-        if problem:
-            raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
-        changes["controller_url"] = url
+        # One URL, or several separated by commas (a standby controller's after the active's).
+        urls = [u.strip() for u in env[ENV_CONTROLLER_URL].split(",")]
+        for url in urls:
+            problem = config_parse.controller_url_problem(url)
+            if problem:
+                raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
+        changes["controller_url"] = urls[0] if len(urls) == 1 else tuple(urls)
     if env.get(ENV_TOKEN, "").strip():
         changes["token"] = env[ENV_TOKEN].strip()
     if env.get(ENV_HOST):

@@ -149,6 +149,15 @@ def _make_converter() -> cattrs.Converter:
         return result
 
     conv.register_structure_hook_func(lambda t: t == devices_type, structure_devices)
+    urls_type = str | tuple[str, ...] | None
+
+    def structure_urls(value: Any, _: type) -> str | tuple[str, ...] | None:
+        # Checked, a list made a tuple, by _prepare_controller_urls.
+        if value is None or isinstance(value, str | tuple):
+            return value
+        return _expect_str(value, str)
+
+    conv.register_structure_hook_func(lambda t: t == urls_type, structure_urls)
     conv.register_unstructure_hook(tuple, lambda t: [conv.unstructure(x) for x in t])
     return conv
 
@@ -267,6 +276,7 @@ def parse_text(text: str, *, name: str, base_dir: Path, read_token: bool = True)
         loc.fail_at(("hooks", "timeout"), f"timeout must be more than zero; expected {_POSITIVE}")
     _prepare_devices(loc, data, hooks)
     _prepare_gpu_health(loc, data)
+    _prepare_controller_urls(loc, data)
     try:
         config: Config = _conv().structure(data, Config)
     except Exception as e:
@@ -444,7 +454,7 @@ def _check(loc: _Locator, config: Config) -> None:
         )
     if config.token is not None and config.token_file is not None:
         loc.fail_at(("token_file",), "both token and token_file are set; expected only one")
-    if config.controller_url is not None:
+    if isinstance(config.controller_url, str):  # a list's were checked one by one
         problem = controller_url_problem(config.controller_url)
         if problem:
             loc.fail_at(("controller_url",), problem)
@@ -588,6 +598,25 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token:
         health = attrs.evolve(health, check_timeout=config.probe_timeout)
     health = attrs.evolve(health, kernel_log=resolve(health.kernel_log) or health.kernel_log)
     return attrs.evolve(config, devices=devices, gpu_health=health, **changes)
+
+
+def _prepare_controller_urls(loc: _Locator, data: dict[str, Any]) -> None:
+    """``controller_url`` may be a list (the active controller's, then standbys'):
+    each is checked where it stands, and a list becomes a tuple."""
+    urls = data.get("controller_url")
+    if urls is None or isinstance(urls, str):
+        return
+    if not isinstance(urls, list) or not urls:
+        loc.fail_at(
+            ("controller_url",), "expected a URL (http://HOST:PORT) or a non-empty list of them"
+        )
+    for i, url in enumerate(urls):
+        if not isinstance(url, str):
+            loc.fail_at(("controller_url", i), f"{url!r} is not a URL; expected http://HOST:PORT")
+        problem = controller_url_problem(url)
+        if problem:
+            loc.fail_at(("controller_url", i), problem)
+    data["controller_url"] = tuple(urls)
 
 
 def controller_url_problem(url: str) -> str | None:

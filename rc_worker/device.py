@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from rc_worker.changed import Changed
 from rc_worker.config import DeviceConfig
 from rc_worker.errors import ControllerError
 from rc_worker.gpu_health import Fault, kind_defaults
@@ -79,7 +80,7 @@ class DeviceSupervisor:
         # Which of the worker's polls offers it (the newest), while ``offered``.
         self.poll_id: int | None = None
         self._pending: tuple[Assignment, bool] | None = None
-        self._changed = trio.Event()
+        self._changed = Changed()
         self._acquire_scope: trio.CancelScope | None = None
         self._delivery_scope: trio.CancelScope | None = None
         self._cancel_text: str | None = None
@@ -323,8 +324,7 @@ class DeviceSupervisor:
         return self._linger_until if self.lease.state is S.LINGERING else math.inf
 
     def _poke(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
         # Any change to this device may change what is offerable; the poll
         # loop re-reads readiness on every wake, so an extra wake costs a scan.
         self.ctx.poke_poller()
@@ -406,7 +406,7 @@ class DeviceSupervisor:
         )
 
     async def _wait_for_change(self) -> None:
-        changed = self._changed
+        changed = self._changed.watch()
         deadline = self.linger_deadline()
         if self.lease.idle_behavior is not IdleBehavior.RUN or deadline <= trio.current_time():
             # A linger already over waits for the poll that offered the device

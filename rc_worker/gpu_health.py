@@ -584,11 +584,16 @@ def decide_xid(event: XidEvent, ignored: Collection[int]) -> Fault | None:
         return None
     severity, action = _XID_ACTIONS.get(event.code, ("error", "reset"))
     if event.code == 154:
-        # "GPU recovery action changed from ... to 0x2 (Node Reboot Required)"
-        low = event.text.lower()
-        if "reboot" in low:
+        # "GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)":
+        # only the new action counts (the old one may well say "Reboot"), and
+        # "Drain and Reset" still needs the reset (NVIDIA's GPU memory error
+        # management guide, "Error Recovery and Response Flags").
+        target = event.text.lower().rsplit(" to ", 1)[-1]
+        if "reboot" in target:
             severity, action = "fatal", "reboot"
-        elif "drain" in low or "none" in low.rsplit("to", 1)[-1]:
+        elif "reset" in target:
+            severity, action = "error", "reset"
+        elif "drain" in target or "none" in target:
             severity, action = "warning", "clear"
     return Fault(KIND_XID, event.text, severity=severity, action=action)
 

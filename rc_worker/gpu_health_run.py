@@ -1,7 +1,7 @@
 """The Trio shell of the GPU health checks: run the tools, read the kernel log.
 
 Decisions are in ``gpu_health.py``; this module runs nvidia-smi and lspci
-exactly as a probe runs (``supervise.run_job`` through the ``Host`` seam: its
+exactly as a probe runs (``scripts.run_script`` through the ``Host`` seam: its
 own process group, killed at ``gpu_health.check_timeout``), reads the new
 lines of the kernel log, and turns each outcome into a ``DeviceVerdict``:
 faults to raise, and per check whether it could be read.
@@ -60,10 +60,10 @@ from rc_worker.gpu_health import (
     resolve_mig_uuid,
 )
 from rc_worker.host import Host
-from rc_worker.labels import NVIDIA_SMI, gpu_scope, text_tail
+from rc_worker.labels import NVIDIA_SMI, gpu_scope
 from rc_worker.metrics import WorkerMetrics
-from rc_worker.probe import NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE, Capture
-from rc_worker.supervise import REASON_MAX_RUNTIME, JobHandle, JobSpec, run_job
+from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
+from rc_worker.scripts import Budget, describe, run_script
 
 T = TypeVar("T")
 
@@ -170,27 +170,23 @@ class GpuHealthMonitor:
         path = shutil.which(tool, path=self._environ.get("PATH", os.defpath))
         if path is None:
             raise CheckFailed(f"{tool} not found on PATH")
-        limit = self._settings.check_timeout or self._config.probe_timeout
-        handle = JobHandle()
-        out = Capture(NVIDIA_SMI_OUTPUT_CAP, lambda: handle.stop("output cap"))
-        spec = JobSpec(
-            command=(path, *args),
+        limit = Budget(self._settings.check_timeout or self._config.probe_timeout).next()
+        assert limit is not None  # a budget of None is never spent
+        run = await run_script(
+            (path, *args),
             env=child_environ(self._environ),
-            grace_ceiling=PROBE_GRACE,
-            max_runtime=limit,
+            limit=limit,
+            grace=PROBE_GRACE,
+            host=self._host,
+            output_cap=NVIDIA_SMI_OUTPUT_CAP,
+            merge_stderr=True,
         )
-        result = await run_job(spec, out, host=self._host, handle=handle)
-        text = out.data.decode("utf-8", "replace")
-        if out.overflowed:
-            raise CheckFailed(f"{tool} printed more than {NVIDIA_SMI_OUTPUT_CAP} bytes")
-        if result.killed and result.reason == REASON_MAX_RUNTIME:
-            raise CheckFailed(f"{tool} {args[0]} timed out after {limit:g}s")
-        if result.exit_code is None:
-            raise CheckFailed(f"{tool} could not run: {result.error or result.signal}")
+        text = run.output.decode("utf-8", "replace")
         # nvidia-smi exits non-zero when a GPU is lost but still lists the
         # others: that is an answer (``gpu_missing``), not a failure to answer.
-        if result.exit_code != 0 and not mentions_lost_gpu(text):
-            raise CheckFailed(f"{tool} exit status {result.exit_code}: {text_tail(text)}")
+        why = describe(run, tool, exit_label=EXIT_LABEL, exit_ok=mentions_lost_gpu(text))
+        if why:
+            raise CheckFailed(why)
         return text
 
     def _count(self, check: str, result: str) -> None:

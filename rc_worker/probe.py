@@ -7,9 +7,10 @@ on it: a drop-in unconfirms the devices it named the last time it worked in
 THIS process, and nvidia-smi missing from PATH matters only if it was there
 on this Prober's first pass (the seed's ``ProbeResult`` comment).
 
-Every probe runs through ``supervise.run_job``: its own process group, killed
-(SIGTERM, a short grace, SIGKILL) at ``probe_timeout`` or when the pass's
-``probe_pass_budget`` runs out, whichever comes first.
+Every probe runs through ``scripts.run_script``, as hooks and verify scripts
+do: its own process group, killed (SIGTERM, a short grace, SIGKILL) at
+``probe_timeout`` or when the pass's ``probe_pass_budget`` runs out, whichever
+comes first; drop-ins are found by the one listing rule (``list_scripts``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import stat
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -38,9 +38,18 @@ from rc_worker.labels import (
     merge_sources,
     nvidia_smi_facts,
     parse_dropin_output,
-    text_tail,
 )
-from rc_worker.supervise import REASON_MAX_RUNTIME, JobHandle, JobSpec, Result, run_job
+from rc_worker.scripts import (
+    Budget,
+    Limit,
+    Script,
+    ScriptRun,
+    describe,
+    list_scripts,
+    log_skipped,
+    run_script,
+    tail_text,
+)
 
 log = logging.getLogger("rc_worker.probe")
 
@@ -50,10 +59,8 @@ PROBE_GRACE = 1.0
 NVIDIA_SMI_OUTPUT_CAP = 1024 * 1024
 """Far above any real listing; only there so a broken binary cannot fill memory."""
 
-STDERR_KEEP = 4096
-"""Bytes of a probe's stderr kept for the log and the reason; the rest is dropped."""
-
-_STOP_CAP = "output cap"
+EXIT_LABEL = "exit status"
+"""How a probe's ``why`` words a non-zero exit (``exit status 3: <stderr tail>``)."""
 
 
 @attrs.frozen
@@ -77,53 +84,6 @@ class ProbePass:
     result: ProbeResult
     sources: tuple[SourceOutcome, ...] = ()
     nvidia_smi: str | None = None
-
-
-class _Capture:
-    """A sink keeping at most ``cap`` bytes; past it, it calls ``overflow`` once."""
-
-    def __init__(self, cap: int, overflow: Callable[[], None] | None = None) -> None:
-        self._cap = cap
-        self._overflow = overflow
-        self.data = bytearray()
-        self.overflowed = False
-
-    async def __call__(self, chunk: bytes) -> None:
-        if self.overflowed:
-            return
-        if len(self.data) + len(chunk) > self._cap:
-            self.overflowed = True
-            if self._overflow is not None:
-                self._overflow()
-            return
-        self.data += chunk
-
-
-Capture = _Capture
-"""Public name for the GPU health checks, which run their tools as probes do."""
-
-
-class _Tail:
-    """A sink keeping only the last ``limit`` bytes: stderr is logged, never parsed."""
-
-    def __init__(self, limit: int = STDERR_KEEP) -> None:
-        self._limit = limit
-        self.data = bytearray()
-
-    async def __call__(self, chunk: bytes) -> None:
-        self.data += chunk
-        if len(self.data) > self._limit:
-            del self.data[: len(self.data) - self._limit]
-
-    def text(self) -> str:
-        return text_tail(self.data.decode("utf-8", "replace"))
-
-
-@attrs.frozen
-class _DropIn:
-    name: str
-    path: str
-    problem: str = ""  # set when it could not even be looked at
 
 
 class Prober:
@@ -160,18 +120,18 @@ class Prober:
     async def gather(self) -> ProbePass:
         """Run one pass and return what it found; never raises for a failing source."""
         async with self._lock:
-            deadline = trio.current_time() + self._config.probe_pass_budget
+            budget = Budget(self._config.probe_timeout, self._config.probe_pass_budget)
             facts: list[SourceFacts] = []
             outcomes: list[SourceOutcome] = []
             builtin = self._builtin()
             facts.append(builtin[0])
             outcomes.append(builtin[1])
             smi_path = shutil.which(NVIDIA_SMI, path=self._environ.get("PATH", os.defpath))
-            smi = await self._nvidia_smi(smi_path, deadline)
+            smi = await self._nvidia_smi(smi_path, budget)
             if smi is not None:
                 facts.append(smi[0])
                 outcomes.append(smi[1])
-            for source, outcome in await self._dropins(deadline):
+            for source, outcome in await self._dropins(budget):
                 facts.append(source)
                 outcomes.append(outcome)
             merged = merge_sources(self._declared, facts, self._history)
@@ -219,7 +179,7 @@ class Prober:
     # -- nvidia-smi --
 
     async def _nvidia_smi(
-        self, path: str | None, deadline: float
+        self, path: str | None, budget: Budget
     ) -> tuple[SourceFacts, SourceOutcome] | None:
         if self._smi_seen_at_start is None:
             self._smi_seen_at_start = path is not None
@@ -236,32 +196,32 @@ class Prober:
                 SourceFacts.failed(NVIDIA_SMI, scope_set),
                 SourceOutcome(NVIDIA_SMI, False, "not found on PATH (it was at startup)"),
             )
-        start = trio.current_time()
-        limit = self._limit(deadline)
+        limit = budget.next()
         if limit is None:
             return SourceFacts.failed(NVIDIA_SMI, scope_set), SourceOutcome(
                 NVIDIA_SMI, False, "skipped for budget"
             )
-        handle = JobHandle()
-        out = _Capture(NVIDIA_SMI_OUTPUT_CAP, lambda: handle.stop(_STOP_CAP))
-        spec = JobSpec(
-            command=(path, *NVIDIA_SMI_ARGS),
+        # Both streams merged into one, in order: an error line may come on
+        # either and stands in its GPU's place.
+        run = await self._run(
+            (path, *NVIDIA_SMI_ARGS),
+            limit,
             env=probe_environ(self._environ),
-            grace_ceiling=PROBE_GRACE,
-            max_runtime=limit,
+            output_cap=NVIDIA_SMI_OUTPUT_CAP,
+            merge_stderr=True,
         )
-        # stderr=None merges both streams into one pipe, in order: an error
-        # line may come on either and stands in its GPU's place.
-        result = await run_job(spec, out, host=self._host, handle=handle)
-        seconds = trio.current_time() - start
-        text = out.data.decode("utf-8", "replace")
-        failure = self._failure(result, limit, out.overflowed, NVIDIA_SMI_OUTPUT_CAP)
+        result = run.result
+        # A non-zero exit is still an answer: the listing says which GPU is lost.
+        failure = describe(run, exit_ok=True)
         if failure or result.exit_code is None:
             return SourceFacts.failed(NVIDIA_SMI, scope_set), SourceOutcome(
-                NVIDIA_SMI, False, failure, seconds
+                NVIDIA_SMI, False, failure, run.seconds
             )
         reading = nvidia_smi_facts(
-            text, result.exit_code, self._config.device_names, known_bus_ids=self._bus_ids
+            run.output.decode("utf-8", "replace"),
+            result.exit_code,
+            self._config.device_names,
+            known_bus_ids=self._bus_ids,
         )
         # Remember where each index sits, so a later "lost" line that names
         # only a bus id can still be attributed; drop what moved.
@@ -269,13 +229,13 @@ class Prober:
         self._bus_ids = {b: i for b, i in self._bus_ids.items() if i not in moved}
         self._bus_ids.update(reading.bus_ids)
         ok = reading.facts.ok and not reading.why
-        return reading.facts, SourceOutcome(NVIDIA_SMI, ok, reading.why, seconds)
+        return reading.facts, SourceOutcome(NVIDIA_SMI, ok, reading.why, run.seconds)
 
     # -- drop-ins --
 
-    async def _dropins(self, deadline: float) -> list[tuple[SourceFacts, SourceOutcome]]:
+    async def _dropins(self, budget: Budget) -> list[tuple[SourceFacts, SourceOutcome]]:
         try:
-            entries = self._list_probe_dir()
+            listing = list_scripts(self._config.probe_dir)
         except OSError as e:
             # The directory exists but cannot be read: every drop-in that
             # has worked before is failing to run, not gone.
@@ -285,115 +245,63 @@ class Prober:
                 for name in sorted(self._history)
                 if name.startswith(DROPIN_PREFIX)
             ]
+        log_skipped(listing.skipped, self._skips_reported)
         done = []
-        for entry in entries:
-            if entry.problem:
-                done.append(
-                    (
-                        SourceFacts.failed(entry.name),
-                        SourceOutcome(entry.name, False, entry.problem),
-                    )
-                )
+        for script in listing.scripts:
+            name = DROPIN_PREFIX + script.name
+            if script.problem:
+                done.append((SourceFacts.failed(name), SourceOutcome(name, False, script.problem)))
                 continue
-            done.append(await self._run_dropin(entry, deadline))
+            done.append(await self._run_dropin(name, script, budget))
         return done
 
-    def _list_probe_dir(self) -> list[_DropIn]:
-        directory = self._config.probe_dir
-        try:
-            names = sorted(os.listdir(directory))
-        except FileNotFoundError:
-            return []  # no probe_dir: no drop-ins, and nothing wrong
-        entries = []
-        for name in names:
-            if name.startswith("."):
-                continue
-            path = os.path.join(directory, name)
-            source = DROPIN_PREFIX + name
-            try:
-                st = os.stat(path)
-            except OSError as e:
-                entries.append(_DropIn(source, path, f"could not stat: {e.strerror or e}"))
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                self._skip(path, "it is a directory")
-            elif not stat.S_ISREG(st.st_mode):
-                self._skip(path, "it is not a regular file")
-            elif not os.access(path, os.X_OK):
-                self._skip(path, "it is not executable (chmod +x to enable it)")
-            else:
-                entries.append(_DropIn(source, path))
-        return entries
-
-    def _skip(self, path: str, why: str) -> None:
-        # Loud once, quiet after: a README in probe.d is not news every pass.
-        level = logging.DEBUG if path in self._skips_reported else logging.WARNING
-        self._skips_reported.add(path)
-        log.log(level, "skipping %s: %s", path, why)
-
     async def _run_dropin(
-        self, entry: _DropIn, deadline: float
+        self, name: str, script: Script, budget: Budget
     ) -> tuple[SourceFacts, SourceOutcome]:
-        limit = self._limit(deadline)
+        limit = budget.next()
         if limit is None:
-            return SourceFacts.failed(entry.name), SourceOutcome(
-                entry.name, False, "skipped for budget"
-            )
-        start = trio.current_time()
-        handle = JobHandle()
-        out = _Capture(DROPIN_STDOUT_CAP, lambda: handle.stop(_STOP_CAP))
-        err = _Tail()
+            return SourceFacts.failed(name), SourceOutcome(name, False, "skipped for budget")
         env = probe_environ(self._environ)
         env["RC_HOST"] = self._config.host
         env["RC_DEVICES"] = ",".join(self._config.device_names)
-        spec = JobSpec(
-            command=(entry.path,),
-            cwd=self._config.probe_dir,
+        run = await self._run(
+            (script.path,),
+            limit,
             env=env,
-            grace_ceiling=PROBE_GRACE,
-            max_runtime=limit,
-            stderr=err,
+            output_cap=DROPIN_STDOUT_CAP,
+            cwd=self._config.probe_dir,
         )
-        result = await run_job(spec, out, host=self._host, handle=handle)
-        seconds = trio.current_time() - start
-        why = self._failure(result, limit, out.overflowed, DROPIN_STDOUT_CAP)
-        if not why and result.exit_code != 0:
-            why = f"exit status {result.exit_code}"
+        why = describe(run, exit_label=EXIT_LABEL)
         if why:
-            stderr = err.text()
-            if stderr and not why.startswith(("could not", "output over")):
-                why = f"{why}: {stderr}"
-            return SourceFacts.failed(entry.name), SourceOutcome(entry.name, False, why, seconds)
-        if err.data:
-            log.info("probe %s said on stderr: %s", entry.name, err.text())
+            return SourceFacts.failed(name), SourceOutcome(name, False, why, run.seconds)
+        if run.stderr:
+            log.info("probe %s said on stderr: %s", name, tail_text(run.stderr))
         try:
-            host, device = parse_dropin_output(bytes(out.data), self._declared)
+            host, device = parse_dropin_output(run.output, self._declared)
         except ValueError as e:
-            return SourceFacts.failed(entry.name), SourceOutcome(entry.name, False, str(e), seconds)
-        facts = SourceFacts(name=entry.name, ok=True, host=host, device=device)
-        return facts, SourceOutcome(entry.name, True, "", seconds)
+            return SourceFacts.failed(name), SourceOutcome(name, False, str(e), run.seconds)
+        facts = SourceFacts(name=name, ok=True, host=host, device=device)
+        return facts, SourceOutcome(name, True, "", run.seconds)
 
     # -- shared --
 
-    def _limit(self, deadline: float) -> float | None:
-        """This probe's time limit: its timeout, or what is left of the pass budget."""
-        remaining = deadline - trio.current_time()
-        if remaining <= 0:
-            return None
-        return min(self._config.probe_timeout, remaining)
-
-    def _failure(self, result: Result, limit: float, overflowed: bool, cap: int) -> str:
-        """Why a run is unusable whatever it printed, or ``""``."""
-        if overflowed:
-            return f"output over the {cap}-byte cap"
-        if result.killed and result.reason == REASON_MAX_RUNTIME:
-            if limit < self._config.probe_timeout:
-                return (
-                    f"stopped when the pass budget of {self._config.probe_pass_budget:g}s ran out"
-                )
-            return f"timed out after {self._config.probe_timeout:g}s"
-        if result.exit_code is None:
-            return f"could not run: {result.error}"
-        if result.signal is not None:
-            return f"killed by signal {result.signal}"
-        return ""
+    async def _run(
+        self,
+        command: tuple[str, ...],
+        limit: Limit,
+        *,
+        env: dict[str, str],
+        output_cap: int,
+        merge_stderr: bool = False,
+        cwd: str | None = None,
+    ) -> ScriptRun:
+        return await run_script(
+            command,
+            env=env,
+            limit=limit,
+            grace=PROBE_GRACE,
+            host=self._host,
+            cwd=cwd,
+            output_cap=output_cap,
+            merge_stderr=merge_stderr,
+        )

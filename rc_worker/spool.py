@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from rc_worker import boundedjson
+from rc_worker.changed import Changed
 
 log = logging.getLogger("rc_worker.spool")
 
@@ -167,7 +168,7 @@ class OutputSpool:
         # gets its marker, and the marker itself never counts against the cap.
         self._marked = False
         self.closed = False
-        self._changed = trio.Event()
+        self._changed = Changed()
         # Set when the disk refused a write (ENOSPC, EIO, EDQUOT...): the job keeps running,
         # its further output is dropped, and a marker (held here if the disk refuses that
         # too) ends what the controller gets.
@@ -248,8 +249,7 @@ class OutputSpool:
             self._notify()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
 
     async def wait_changed(self) -> None:
         await self._changed.wait()

@@ -1,9 +1,12 @@
 """The verify pass: drop-in scripts that must all pass before a device is offered again.
 
-Scripts in ``verify_dir`` run in name order, each under ``verify_timeout``,
-the whole pass under ``verify_pass_budget`` (not the per-script timeouts
-summed). The first failure ends the pass; a script not started because the
-budget is spent is a failure. A missing directory means the feature is off.
+The scripts of ``verify_dir`` (the one listing rule of ``scripts.py``) run in
+name order, each under ``verify_timeout``, the whole pass under
+``verify_pass_budget`` (not the per-script timeouts summed). The first
+failure ends the pass; a script not started because the budget is spent is a
+failure, and so is one that cannot be looked at, or a directory that exists
+but cannot be listed: verify fails closed. A missing directory means the
+feature is off.
 """
 
 from __future__ import annotations
@@ -11,13 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import trio
-
-from rc_worker.dropins import TailBuffer, list_executables
-from rc_worker.hooks import HOOK_GRACE, describe_failure
+from rc_worker.hooks import HOOK_GRACE
 from rc_worker.host import Host, RunAs
 from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
-from rc_worker.supervise import JobSpec, run_job
+from rc_worker.scripts import Budget, describe, list_scripts, log_skipped, run_script
 
 log = logging.getLogger("rc_worker.verify")
 
@@ -32,34 +32,25 @@ async def run_verify(
     run_as: RunAs | None = None,
 ) -> VerifyResult:
     """Run the verify pass over ``verify_dir``; ``env`` is each script's whole environment."""
-    scripts = list_executables(verify_dir)
-    deadline = trio.current_time() + pass_budget
-    for script in scripts:
-        left = deadline - trio.current_time()
-        if left <= 0:
+    try:
+        listing = list_scripts(verify_dir)
+    except OSError as e:
+        return _failed(f"could not list {verify_dir}: {e.strerror or e}")
+    log_skipped(listing.skipped)
+    budget = Budget(script_timeout, pass_budget)
+    for script in listing.scripts:
+        if script.problem:
+            return _failed(f"{script.name}: {script.problem}")
+        limit = budget.next()
+        if limit is None:
             return _failed(
                 f"{script.name}: not started, the pass budget of {pass_budget:g}s is spent"
             )
-        stderr = TailBuffer()
-        limit = min(script_timeout, left)
-        result = await run_job(
-            JobSpec(
-                command=[str(script)],
-                env=dict(env),
-                grace_ceiling=min(HOOK_GRACE, limit),
-                max_runtime=limit,
-                stderr=stderr,
-                run_as=run_as,
-            ),
-            TailBuffer(),
-            host=host,
+        run = await run_script(
+            [script.path], env=env, limit=limit, grace=HOOK_GRACE, host=host, run_as=run_as
         )
-        if limit < script_timeout and result.killed and result.reason == "max_runtime":
-            return _failed(
-                f"{script.name}: stopped when the pass budget of {pass_budget:g}s ran out"
-            )
-        if result.error is not None or result.killed or result.exit_code != 0:
-            return _failed(describe_failure(script.name, result, stderr.text(200)))
+        if not run.ok:
+            return _failed(describe(run, script.name))
     return VerifyResult(ok=True)
 
 

@@ -40,6 +40,7 @@ from rc_worker._version import __version__
 from rc_worker.cancel_watch import watch_cancels
 from rc_worker.cgroup import clear_strays, start_containment, state_tag
 from rc_worker.cgroup import remove as remove_cgroup
+from rc_worker.changed import Changed
 from rc_worker.client import ControllerClient
 from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
@@ -103,7 +104,7 @@ class Worker:
         self.devices: dict[str, DeviceSupervisor] = {}
         self.recovered: list[Recovered] = []
         self._ctx: WorkerContext | None = None
-        self._poll_wake = trio.Event()
+        self._poll_wake = Changed()
         # Rejections of a poll's assignments still being written to disk.
         self._rejecting = 0
         # Every (job_id, attempt) this process was assigned: one set entry per job, a few
@@ -175,8 +176,7 @@ class Worker:
             dev.poke()
 
     def _poke_poller(self) -> None:
-        self._poll_wake.set()
-        self._poll_wake = trio.Event()
+        self._poll_wake.notify()
 
     # -- the service ----------------------------------------------------------
 
@@ -230,6 +230,7 @@ class Worker:
                 on_unknown_session=self._register,
                 on_answer=self._on_answer,
                 rng=self._rng,
+                urls=self.config.controller_urls,
             )
             committer = Committer(self.host.run_blocking)
             outbox = Outbox(
@@ -316,7 +317,7 @@ class Worker:
                         client,
                         held=self._held_jobs,
                         apply=self._apply_cancel,
-                        changed=lambda: self._poll_wake,
+                        changed=self._poll_wake.watch,
                         wait_s=lambda: self._poll_wait,
                         pause_s=lambda: self._heartbeat_interval,
                     )
@@ -349,10 +350,10 @@ class Worker:
             await trio.sleep(self.config.gpu_health.interval)
 
     def _open_http(self) -> httpx.AsyncClient:
-        url = self.config.controller_url
-        if url is None:
+        urls = self.config.controller_urls
+        if not urls:
             raise ControllerError(0, "no_controller", "config has no controller_url")
-        return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0))
+        return httpx.AsyncClient(base_url=urls[0], timeout=httpx.Timeout(30.0))
 
     async def _until_drained(self, outbox: Outbox) -> None:
         """Return once draining, every device is idle and every report delivered.
@@ -363,7 +364,7 @@ class Worker:
         """
         assert self._ctx is not None
         while True:
-            wake = self._poll_wake
+            wake = self._poll_wake.watch()
             if self._ctx.draining and all(dev.idle() for dev in self.devices.values()):
                 # Rejections still being written are owed too.
                 if outbox.pending() == 0 and self._rejecting == 0:
@@ -585,7 +586,7 @@ class Worker:
         with trio.CancelScope() as polls:
             async with trio.open_nursery() as poll_nursery:
                 while not self._ctx.draining:
-                    wake = self._poll_wake
+                    wake = self._poll_wake.watch()
                     # A device listed in a parked poll that is no longer offerable
                     # (quarantined, held, busy...) must not stay on offer until
                     # poll_wait runs out: send a poll that withdraws it, which

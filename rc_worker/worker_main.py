@@ -211,7 +211,9 @@ async def _tell_service_manager(worker: Worker, notifier: Notifier) -> None:
     async with trio.open_nursery() as nursery:
         if notifier.watchdog_interval is not None:
             nursery.start_soon(_watchdog, notifier, notifier.watchdog_interval)
-        notifier.notify(f"STATUS=registering with the controller at {worker.config.controller_url}")
+        notifier.notify(
+            f"STATUS=registering with the controller at {', '.join(worker.config.controller_urls)}"
+        )
         await worker.registered.wait()
         last = _status(worker)
         notifier.notify("READY=1", last)

@@ -29,6 +29,8 @@ import httpx
 import trio
 from hypothesis import strategies as st
 
+from rc_worker.changed import Changed
+
 # One table of the worker's endpoints, shared with the fleet harness.
 from rc_worker.testing.fleet import ENDPOINTS
 
@@ -92,7 +94,7 @@ class FaultyTransport(httpx.AsyncBaseTransport):
         self._plan = {name: list(faults) for name, faults in (plan or {}).items()}
         self._outages: dict[str, Fault] = {}
         self.log: list[Exchange] = []
-        self._changed = trio.Event()
+        self._changed = Changed()
 
     # -- what tests drive ----------------------------------------------------
 
@@ -147,8 +149,7 @@ class FaultyTransport(httpx.AsyncBaseTransport):
             self.log.append(
                 Exchange(endpoint, path, fault, status, len(content), _job_id(path), text)
             )
-            self._changed.set()
-            self._changed = trio.Event()
+            self._changed.notify()
 
     async def _answer(self, request: httpx.Request, fault: Fault) -> httpx.Response:
         if fault is Fault.OK:

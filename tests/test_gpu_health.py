@@ -18,6 +18,9 @@ from rc_worker.gpu_health import (
     GpuHealthRow,
     HealthReadError,
     MemoryState,
+    _count,
+    _csv_table,
+    _flag,
     apps_on,
     bus_key,
     count_lspci_gpus,
@@ -265,13 +268,69 @@ def test_every_xid_fixture_line_parses_whatever_its_prefix() -> None:
         if (e := parse_xid(line)) is not None
     ]
     codes = sorted({e.code for e in events})
-    assert codes == [13, 31, 32, 45, 62, 79, 94, 109, 145, 149, 154]
+    assert codes == [13, 31, 32, 45, 48, 62, 63, 79, 94, 109, 145, 149, 154, 171]
     kmsg_record = "4,1234,5678901,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus."
     event = parse_xid(kmsg_record)
     assert event is not None
     assert event.bus == "0000:3B:00"
     assert event.code == 79
     assert event.text.startswith("NVRM: Xid")
+
+
+def test_a_double_bit_error_chain_needs_a_reset_on_the_gpu_nvidia_smi_names() -> None:
+    # A real DBE incident: Xid 48 and 171 (the error), 63 (a row marked for
+    # remapping) and 154 (recovery action "Drain and Reset").
+    lines = (KMSG / "12h_xid_48_171_63_154_dbe.txt").read_text().splitlines()
+    events = [e for line in lines if (e := parse_xid(line)) is not None]
+    assert [e.code for e in events] == [48, 171, 48, 63, 154]
+    # The kernel's PCI:0000:55:00 is nvidia-smi's 00000000:55:00.0.
+    assert {e.bus for e in events} == {bus_key("00000000:55:00.0")}
+    ignored = frozenset(DEFAULT_IGNORED_XIDS)
+    faults = [decide_xid(e, ignored) for e in events]
+    assert all(f is not None and f.kind == KIND_XID for f in faults)
+    # "Drain and Reset" is still a reset, not something to clear by hand.
+    assert [(f.severity, f.action) for f in faults if f is not None] == [("error", "reset")] * 5
+
+
+def test_only_the_new_recovery_action_counts() -> None:
+    ignored = frozenset(DEFAULT_IGNORED_XIDS)
+    prefix = "NVRM: Xid (PCI:0000:55:00): 154, GPU recovery action changed from "
+    cases = {
+        "0x2 (Node Reboot Required) to 0x0 (None)": ("warning", "clear"),
+        "0x0 (None) to 0x2 (Node Reboot Required)": ("fatal", "reboot"),
+        "0x0 (None) to 0x1 (GPU Reset Required)": ("error", "reset"),
+        "0x0 (None) to 0x3 (Drain P2P)": ("warning", "clear"),
+    }
+    for change, expected in cases.items():
+        event = parse_xid(prefix + change)
+        assert event is not None
+        fault = decide_xid(event, ignored)
+        assert fault is not None
+        assert (fault.severity, fault.action) == expected, change
+
+
+def test_query_remapped_rows_capture_reads_as_counts_and_flags() -> None:
+    # Real `--query-remapped-rows` output after a reset: the remap is no longer
+    # pending, and its uncorrectable count stays. Its cells are the same
+    # Yes/No and counts as the `remapped_rows.*` fields of --query-gpu.
+    table = _csv_table(
+        smi("13_query_remapped_rows_after_reset.csv"),
+        ["gpu_uuid", "remapped_rows.uncorrectable", "remapped_rows.pending"],
+        "remapped rows",
+    )
+    assert [_count(r["remapped_rows.uncorrectable"]) for r in table] == [0, 1, 0, 0]
+    assert {_flag(r["remapped_rows.pending"]) for r in table} == {False}
+    assert {_flag(r["remapped_rows.failure"]) for r in table} == {False}
+    row = GpuHealthRow(
+        index=1,
+        uuid=MASKED,
+        bus_id="00000000:55:00.0",
+        remap_uncorrectable=_count(table[1]["remapped_rows.uncorrectable"]),
+        remap_pending=_flag(table[1]["remapped_rows.pending"]),
+        remap_failure=_flag(table[1]["remapped_rows.failure"]),
+    )
+    faults, _ = decide_memory(None, row)
+    assert faults == []
 
 
 def test_fallen_off_the_bus_without_xid_is_not_an_xid() -> None:

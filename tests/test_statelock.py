@@ -89,7 +89,10 @@ async def test_a_second_rc_worker_run_on_the_same_state_dir_exits_2_touching_not
 ) -> None:
     with trio.fail_after(60):
         async with worker_process(tmp_path) as w:
-            job_id = w.store.submit(["sh", "-c", "echo a; sleep 2; echo b"])
+            go = tmp_path / "go"
+            # The job waits on a file, never on time: it runs for as long as the test needs.
+            script = f"echo a; while [ ! -e {go} ]; do sleep 0.05; done; echo b"
+            job_id = w.store.submit(["sh", "-c", script])
             await _wait(w.store, lambda: w.store.output(job_id) == b"a\n")
             jobs_before = sorted(p.name for p in (tmp_path / "state" / "jobs").iterdir())
             second = await trio.run_process(
@@ -107,6 +110,7 @@ async def test_a_second_rc_worker_run_on_the_same_state_dir_exits_2_touching_not
             assert "Traceback" not in err
             # The first worker's job was not touched: it runs to success.
             assert sorted(p.name for p in (tmp_path / "state" / "jobs").iterdir()) == jobs_before
+            go.touch()
             await _wait(w.store, lambda: w.store.job(job_id).terminal)
             assert w.store.job(job_id).state == "succeeded"
             assert w.store.output(job_id) == b"a\nb\n"

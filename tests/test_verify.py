@@ -55,3 +55,30 @@ async def test_missing_directory_and_skipped_entries_pass(
         (d / "30-dir").mkdir()
         assert (await run_verify(str(d), script_timeout=1, pass_budget=1, env=ENV)).ok
     assert "10-not-executable: it is not executable" in caplog.text.replace(str(d) + "/", "")
+
+
+async def test_verify_fails_closed_on_what_it_cannot_look_at(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    script(d / "10-ok", "exit 0")
+    (d / "20-gone").symlink_to(tmp_path / "nowhere")
+    with trio.fail_after(30):
+        dangling = await run_verify(str(d), script_timeout=5, pass_budget=10, env=ENV)
+        (tmp_path / "file").write_text("")
+        unlistable = await run_verify(
+            str(tmp_path / "file"), script_timeout=5, pass_budget=10, env=ENV
+        )
+    assert dangling.reason.startswith(VERIFY_REASON_PREFIX + "20-gone: could not stat: ")
+    assert unlistable.reason == (
+        VERIFY_REASON_PREFIX + f"could not list {tmp_path / 'file'}: Not a directory"
+    )
+
+
+async def test_a_fifo_in_the_verify_dir_is_skipped_not_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    os.mkfifo(d / "10-fifo", 0o755)
+    with trio.fail_after(30):
+        assert (await run_verify(str(d), script_timeout=1, pass_budget=1, env=ENV)).ok
+    assert f"skipping {d / '10-fifo'}: it is not a regular file" in caplog.text

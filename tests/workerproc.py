@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from rc_worker.changed import Changed
 from rc_worker.controller import create_app
 from rc_worker.controller.serve import serve
 from rc_worker.controller.store import Store
@@ -58,7 +59,7 @@ class WorkerProcess:
     def __init__(self, proc: trio.Process) -> None:
         self.proc = proc
         self.stderr = b""
-        self._changed = trio.Event()
+        self._changed = Changed()
         self.eof = False
 
     @property
@@ -71,11 +72,10 @@ class WorkerProcess:
             chunk = await self.proc.stderr.receive_some(65536)
             if not chunk:
                 self.eof = True
-                self._changed.set()
+                self._changed.notify()
                 return
             self.stderr += chunk
-            self._changed.set()
-            self._changed = trio.Event()
+            self._changed.notify()
 
     async def wait_for_line(self, predicate: Callable[[str], bool]) -> str:
         while True:

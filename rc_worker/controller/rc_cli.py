@@ -42,6 +42,7 @@ from rc_worker.controller.rc_follow import (
     raise_for,
 )
 from rc_worker.controller.serve import serve
+from rc_worker.controller.standby import Leader, guard_lead, wait_to_lead
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
 from rc_worker.durations import DURATION_HELP, parse_duration, parse_size
@@ -51,6 +52,8 @@ log = logging.getLogger("rc_worker.controller")
 DEFAULT_URL = "http://127.0.0.1:8080"
 EXIT_KILLED = 137
 EXIT_NOT_RUN = 125
+EXIT_LOST_LEAD = 3
+"""``rc serve`` stopped because another controller took the database's lock."""
 DEFAULT_RECONNECT_S = 60.0
 
 __all__ = [
@@ -619,6 +622,18 @@ async def run_serve(
     if backend is None:
         backend = await open_serve_backend(args, env)
     try:
+        listen = args.listen
+        leader = cast("Leader | None", backend if hasattr(backend, "try_lead") else None)
+        if leader is not None:
+            # Several controllers may share this database: lead, or wait as a standby.
+            chosen = await wait_to_lead(
+                leader, listen, shutdown_trigger=shutdown_trigger, task_status=task_status
+            )
+            if chosen is None:
+                return
+            listen, reported = chosen
+            if reported:  # a standby listened there and said so already
+                task_status = trio.TASK_STATUS_IGNORED
         durability = None
         if not isinstance(backend, MemoryBackend):
             grace, now = args.recovery_grace, trio.current_time()
@@ -636,13 +651,28 @@ async def run_serve(
             webhooks=args.webhook,
             durability=durability,
         )
-        await serve(
-            app,
-            args.listen,
-            shutdown_trigger=shutdown_trigger,
-            retention_s=args.retention or None,
-            task_status=task_status,
-        )
+        async with trio.open_nursery() as nursery:
+
+            async def serving(task_status: trio.TaskStatus[list[str]]) -> None:
+                await serve(
+                    app,
+                    listen,
+                    shutdown_trigger=shutdown_trigger,
+                    retention_s=args.retention or None,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()  # shut down: the lock's guard has nothing to do
+
+            binds: list[str] = await nursery.start(serving)
+            task_status.started(binds)
+            if leader is not None:
+                nursery.start_soon(guard_lead, leader, nursery.cancel_scope)
+        if leader is not None and leader.lost is not None:
+            raise CliError(
+                f"rc serve: lost the controllers' lock in the database ({leader.lost}); "
+                "stopped so that only one controller is active",
+                EXIT_LOST_LEAD,
+            )
     finally:
         backend.close()
 
@@ -672,6 +702,7 @@ async def _serve_until_signalled(
     argv: Sequence[str], env: Mapping[str, str], backend: Backend
 ) -> int:
     stop = trio.Event()
+    failed: list[CliError] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -682,19 +713,24 @@ async def _serve_until_signalled(
                     stop.set()
 
             async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
-                await run_serve(
-                    argv,
-                    env=env,
-                    shutdown_trigger=stop.wait,
-                    backend=backend,
-                    task_status=task_status,
-                )
+                try:
+                    await run_serve(
+                        argv,
+                        env=env,
+                        shutdown_trigger=stop.wait,
+                        backend=backend,
+                        task_status=task_status,
+                    )
+                except CliError as e:
+                    failed.append(e)  # raised below, outside the nursery: one line, no group
                 # Served its last request: the signal watcher has nothing left to do.
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(on_signals)
             binds = await nursery.start(serve_then_stop)
             print(f"rc: controller listening on {', '.join(binds)}", file=sys.stderr, flush=True)
+    if failed:
+        raise failed[0]
     return 0
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import attrs
 import trio
 
+from rc_worker.changed import Changed
+
 RC = str(Path(sys.executable).parent / "rc")
 USER = "ut"
 WORKER = "wt"
@@ -74,19 +76,17 @@ class Reader:
     def __init__(self, stream: trio.abc.ReceiveStream) -> None:
         self.stream = stream
         self.data = b""
-        self._changed = trio.Event()
+        self._changed = Changed()
 
     async def run(self) -> None:
         while chunk := await self.stream.receive_some(65536):
             self.data += chunk
-            self._changed.set()
-            self._changed = trio.Event()
-        self._changed.set()
+            self._changed.notify()
+        self._changed.notify()
 
     async def until(self, needle: bytes) -> None:
         while needle not in self.data:
-            event = self._changed
-            await event.wait()
+            await self._changed.wait()
 
 
 @asynccontextmanager

@@ -51,7 +51,7 @@ class Controller:
             "--user-token",
             f"{USER_TOKEN}=ops:admin",
             "--heartbeat-interval",
-            "0.5s",
+            "2s",
             "--poll-wait",
             "2s",
             *self.place.cli_args(),
@@ -106,7 +106,7 @@ async def system(place: StorePlace, tmp: Path) -> AsyncIterator[tuple[Controller
             f"probe_dir: {tmp / 'probe.d'}\n"
             f"verify_dir: {verify}\n"
             f"sheet_dir: {tmp / 'sheets'}\n"
-            "heartbeat_interval: 0.5s\n"
+            "heartbeat_interval: 2s\n"
             "poll_wait: 2s\n"
         )
         env = {**os.environ, "RC_TOKEN": WORKER_TOKEN}

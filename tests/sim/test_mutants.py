@@ -18,9 +18,9 @@ import trio
 from rc_worker import device as device_module
 from rc_worker.config import DeviceConfig
 from rc_worker.device import DeviceSupervisor
-from rc_worker.dropins import TailBuffer
 from rc_worker.hooks import HookOutcome
 from rc_worker.outbox import Outbox
+from rc_worker.scripts import TailBuffer
 from rc_worker.supervise import JobSpec, run_job
 from rc_worker.testing.fleet import Fault, Fleet, simulate
 from rc_worker.testing.sim import OnSigterm, Script, Sleep

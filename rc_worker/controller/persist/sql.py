@@ -33,8 +33,9 @@ class SqlBackend:
         """One transaction under :attr:`lock`, yielding its cursor. A driver error rolls
         it back and is raised as ``fail(error)``; the store's own errors pass through."""
         with self.lock:
-            cur = self._cursor()
             try:
+                # Inside the try: connecting again (after the server went away) can fail too.
+                cur = self._cursor()
                 self._begin(cur)
                 yield cur
                 self._commit()

@@ -1,0 +1,294 @@
+"""Two ``rc serve`` on one PostgreSQL database: one active, one standby that takes over.
+
+Real processes on a real PostgreSQL server (conftest.py's ``pg_server``):
+``rc serve`` twice, ``rc-worker run`` given both URLs, ``rc`` as a subprocess.
+The active controller is killed with SIGKILL during a running job with work
+queued behind it; the standby takes the lock and the worker moves to it. Jobs
+wait on files the test creates, never on time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import trio
+
+from rc_worker.controller.persist import StoreWriteError
+from rc_worker.controller.persist.codec import Batch
+from rc_worker.controller.persist.postgres import LOCK_KEY, PostgresBackend
+
+from .persistkit import StorePlace
+from .pgserver import PgServer
+from .test_persist_restart import (
+    BIN,
+    GUARD,
+    HOST,
+    USER_TOKEN,
+    WORKER_TOKEN,
+    Controller,
+    until,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+
+@pytest.fixture
+def db(pg_server: PgServer) -> Iterator[str]:
+    url = pg_server.new_database()
+    try:
+        yield url
+    finally:
+        pg_server.drop_database(url)
+
+
+def terminate_leader(db: str) -> int:
+    """End the database session holding the controllers' lock; returns its pid."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND ((classid::bigint << 32) | objid::bigint) = %s",
+            (LOCK_KEY,),
+        ).fetchone()
+        assert row is not None, "nobody holds the controllers' lock"
+        pid = int(row[0])
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        # The signal is asynchronous: wait (bounded) until that session is gone, lock and all.
+        for _ in range(600):
+            if conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+                time.sleep(0.05)
+        return pid
+
+
+# --- the backend's lock, in-process ---------------------------------------------------------
+
+
+def test_one_backend_leads_and_a_takeover_fences_the_old_one(db: str) -> None:
+    first, second = PostgresBackend(db), PostgresBackend(db)
+    try:
+        first.migrate()
+        assert first.try_lead()
+        assert not second.try_lead()  # a standby
+        assert first.check_lead()
+        terminate_leader(db)
+        assert second.try_lead()  # the lock went with the session
+        # The old leader's reconnect finds another epoch: it has lost, and stays lost.
+        assert not first.check_lead()
+        assert first.lost is not None
+        assert "another controller" in first.lost
+        with pytest.raises(StoreWriteError):
+            first.write([Batch(generation=1)])
+        assert second.check_lead()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_leader_whose_session_ended_leads_again_when_nobody_else_did(db: str) -> None:
+    backend = PostgresBackend(db)
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        epoch = backend.leader_epoch
+        terminate_leader(db)
+        assert backend.check_lead()  # reconnected, took the lock again, same epoch
+        assert backend.leader_epoch == epoch
+        assert backend.lost is None
+        backend.write([Batch(generation=1)])
+    finally:
+        backend.close()
+
+
+# --- two rc serve processes -------------------------------------------------------------------
+
+
+async def health(url: str) -> tuple[int, dict[str, object]]:
+    async with httpx.AsyncClient(base_url=url, timeout=5) as c:
+        r = await c.get("/v1/health")
+        return r.status_code, r.json()
+
+
+async def status_of(url: str) -> int | None:
+    """``/v1/health``'s status, or None when no answer came."""
+    try:
+        return (await health(url))[0]
+    except httpx.HTTPError:
+        return None
+
+
+async def watch_roles(a: Controller, b: Controller, samples: list[tuple[bool, bool]]) -> None:
+    """Record, again and again, whether each controller answers as the active one."""
+
+    while True:
+        samples.append(((await status_of(a.url)) == 200, (await status_of(b.url)) == 200))
+        await trio.sleep(0.05)
+
+
+async def rc(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "RC_URL": url, "RC_USER_TOKEN": USER_TOKEN}
+    return await trio.run_process(
+        [str(BIN / "rc"), *argv], env=env, capture_stdout=True, capture_stderr=True, check=False
+    )
+
+
+async def job(url: str, job_id: str) -> dict[str, object] | None:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {USER_TOKEN}"}, timeout=5
+    ) as c:
+        try:
+            r = await c.get(f"/v1/jobs/{job_id}")
+        except httpx.HTTPError:
+            return None
+        body: dict[str, object] = r.json()
+        return body if r.status_code == 200 else None
+
+
+async def until_job(url: str, job_id: str, *states: str) -> dict[str, object]:
+    while True:
+        body = await job(url, job_id)
+        if body is not None and body["state"] in states:
+            return body
+        await trio.sleep(0.1)
+
+
+async def test_the_standby_takes_over_a_killed_controller_and_nothing_is_lost(
+    db: str, pg_server: PgServer, tmp_path: Path
+) -> None:
+    place = StorePlace("postgres", db=db, server=pg_server)
+    a, b = Controller(place, tmp_path), Controller(place, tmp_path)
+    worker: trio.Process | None = None
+    samples: list[tuple[bool, bool]] = []
+    try:
+        with trio.fail_after(GUARD):
+            await a.start()
+            await b.start()
+            status, body = await health(b.url)
+            assert (status, body["role"]) == (503, "standby")
+            async with httpx.AsyncClient(base_url=b.url) as c:
+                r = await c.get("/v1/jobs")
+            assert r.status_code == 503
+            assert r.json()["error"] == "standby"
+            assert r.headers["Retry-After"]
+
+            config = tmp_path / "worker.yaml"
+            config.write_text(
+                f"controller_url: [{a.url}, {b.url}]\n"
+                f"host: {HOST}\n"
+                "devices: [gpu0]\n"
+                f"state_dir: {tmp_path / 'worker-state'}\n"
+                f"probe_dir: {tmp_path / 'probe.d'}\n"
+                f"verify_dir: {tmp_path / 'verify.d'}\n"
+                f"sheet_dir: {tmp_path / 'sheets'}\n"
+                "heartbeat_interval: 0.5s\n"
+                "poll_wait: 2s\n"
+            )
+            worker = await trio.lowlevel.open_process(
+                [str(BIN / "rc-worker"), "run", "--config", str(config)],
+                env={**os.environ, "RC_TOKEN": WORKER_TOKEN},
+                stderr=subprocess.DEVNULL,
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_roles, a, b, samples)
+                await until(a, "/v1/devices", lambda body: len(body["devices"]) == 1)
+                go = tmp_path / "go"
+                script = f"echo begin; while [ ! -e {go} ]; do sleep 0.05; done; echo end"
+                done = await rc(
+                    a.url, "submit", "--device", f"{HOST}/gpu0", "--", "sh", "-c", script
+                )
+                assert done.returncode == 0, done.stderr
+                running = done.stdout.decode().strip()
+                while (await job(a.url, running) or {}).get("committed_bytes") != 6:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+                queued = []
+                for n in range(2):
+                    done = await rc(
+                        a.url, "submit", "--device", f"{HOST}/gpu0", "--", "echo", f"q{n}"
+                    )
+                    assert done.returncode == 0, done.stderr
+                    queued.append(done.stdout.decode().strip())
+
+                await a.kill()
+                # The standby's listener closes as it takes over: a request may be cut.
+                while (await status_of(b.url)) != 200:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+                go.touch()
+                finished = await until_job(b.url, running, "succeeded", "failed", "lost")
+                assert finished["state"] == "succeeded"
+                for job_id in queued:
+                    assert (await until_job(b.url, job_id, "succeeded", "failed"))["state"] == (
+                        "succeeded"
+                    )
+                nursery.cancel_scope.cancel()
+
+            logs = await rc(b.url, "logs", running)
+            assert logs.stdout == b"begin\nend\n"
+            for n, job_id in enumerate(queued):
+                assert (await rc(b.url, "logs", job_id)).stdout == f"q{n}\n".encode()
+            events = await rc(b.url, "events", "--json")
+            finishes = [
+                line for line in events.stdout.decode().splitlines() if '"job_finished"' in line
+            ]
+            # Each job finished once, the one running through the takeover too.
+            for job_id in [running, *queued]:
+                assert sum(job_id in line for line in finishes) == 1, job_id
+    finally:
+        with trio.CancelScope(shield=True):
+            if worker is not None and worker.returncode is None:
+                worker.send_signal(signal.SIGQUIT)
+                with trio.move_on_after(15):
+                    await worker.wait()
+                if worker.returncode is None:
+                    worker.kill()
+                    await worker.wait()
+            await a.stop()
+            await b.stop()
+    assert samples, "the roles were never sampled"
+    assert not any(both for both in (x and y for x, y in samples)), "two active controllers"
+    assert any(x for x, _ in samples)
+    assert any(y for _, y in samples)
+
+
+async def test_a_controller_that_lost_the_lock_stops_with_one_line(
+    db: str, pg_server: PgServer, tmp_path: Path
+) -> None:
+    place = StorePlace("postgres", db=db, server=pg_server)
+    ctl = Controller(place, tmp_path)
+    try:
+        with trio.fail_after(GUARD):
+            await ctl.start()
+            assert (await status_of(ctl.url)) == 200
+
+            def take_the_lock_from_it() -> psycopg.Connection[object]:
+                thief: psycopg.Connection[object] = psycopg.connect(db, autocommit=True)
+                row = thief.execute(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                ).fetchone()
+                assert row is not None
+                thief.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                # Queued behind the dying session: the lock is ours as soon as it is gone.
+                thief.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
+                return thief
+
+            thief = await trio.to_thread.run_sync(take_the_lock_from_it)
+            try:
+                assert ctl.proc is not None
+                assert await ctl.proc.wait() == 3
+                assert ctl.proc.stderr is not None
+                said = b""
+                while chunk := await ctl.proc.stderr.receive_some(4096):
+                    said += chunk
+                lines = [line for line in said.decode().splitlines() if line.startswith("rc: ")]
+                assert "rc serve: lost the controllers' lock" in lines[-1], said
+                assert "Traceback" not in said.decode()
+            finally:
+                thief.close()
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctl.stop()
