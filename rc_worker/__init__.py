@@ -8,18 +8,18 @@ pins it.
 from __future__ import annotations
 
 from rc_worker._version import __version__
-from rc_worker.config import Config, DeviceConfig, GpuHealthConfig, HooksConfig, load_config
-from rc_worker.errors import (
+from rc_worker.config_load import load_config
+from rc_worker.core.config import Config, DeviceConfig, GpuHealthConfig, HooksConfig
+from rc_worker.core.errors import (
     AssignmentError,
     ConfigError,
     ControllerError,
     RcWorkerError,
     UnknownSession,
 )
-from rc_worker.host import Host, LinuxHost
-from rc_worker.labels import ProbeResult, labels_payload
-from rc_worker.lease import Lease
-from rc_worker.model import (
+from rc_worker.core.labels import ProbeResult, labels_payload
+from rc_worker.core.lease import Lease
+from rc_worker.core.model import (
     VERIFY_REASON_PREFIX,
     Assignment,
     Claim,
@@ -28,6 +28,7 @@ from rc_worker.model import (
     Outcome,
     VerifyResult,
 )
+from rc_worker.host import Host, LinuxHost
 from rc_worker.probe import ProbePass, Prober, SourceOutcome
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
 from rc_worker.sweep import SweepReport, sweep_job_survivors

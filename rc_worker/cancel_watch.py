@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from rc_worker.client import ControllerClient
-from rc_worker.errors import ControllerError
+from rc_worker.core.errors import ControllerError
 
 log = logging.getLogger("rc_worker.cancel_watch")
 

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from rc_worker.cgroup_parse import parse_io_stat, parse_keyed, parse_pids
-from rc_worker.errors import ConfigError
+from rc_worker.core.cgroup_parse import parse_io_stat, parse_keyed, parse_pids
+from rc_worker.core.errors import ConfigError
 from rc_worker.sweep import KILL_WAIT, METHOD_CGROUP, NOT_SWEPT, SweepReport
 
 if TYPE_CHECKING:
@@ -368,7 +368,7 @@ def start_containment(
     not, and install the result as ``host.containment``.
 
     ``needs`` maps a config location (``devices[0].memory_max``) to the
-    controller it needs. Raises :class:`~rc_worker.errors.ConfigError` for
+    controller it needs. Raises :class:`~rc_worker.core.errors.ConfigError` for
     ``required`` without cgroups, or a limit whose controller is not delegated.
     """
     host.containment = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import attrs
 
-from rc_worker.model import Claim, VerifyResult
+from rc_worker.core.model import Claim, VerifyResult
 from rc_worker.sweep_report import SweepReport, unproven
 
 # The fault kinds a job's end can raise (docs/protocol.md, ``kind``).

@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from rc_worker._version import __version__
-from rc_worker.config import Config, config_warnings, load_config, resolved_json
-from rc_worker.errors import ConfigError
-from rc_worker.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
+from rc_worker.config_load import load_config
+from rc_worker.core.config import LOG_FORMATS, LOG_LEVELS, Config, config_warnings
+from rc_worker.core.config_convert import resolved_json
+from rc_worker.core.errors import ConfigError
+from rc_worker.logs import setup_logging
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -42,7 +44,7 @@ def _check_config(args: argparse.Namespace) -> int:
 def _cgroup_preflight(config: Config) -> str | None:
     # What the worker would refuse at start for cgroups, found now (read-only).
     from rc_worker.cgroup import preflight
-    from rc_worker.config import cgroup_needs
+    from rc_worker.core.config import cgroup_needs
     from rc_worker.host import LinuxHost
 
     return preflight(LinuxHost(), config.cgroup, cgroup_needs(config))

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import trio
 
-from rc_worker.durations import DURATION_HELP, parse_duration
+from rc_worker.core.durations import DURATION_HELP, parse_duration
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
 
 EXIT_NOT_STARTED = 127

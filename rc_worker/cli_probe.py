@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from rc_worker.config import load_config
-from rc_worker.errors import ConfigError
-from rc_worker.labels import NVIDIA_SMI, labels_payload
+from rc_worker.config_load import load_config
+from rc_worker.core.errors import ConfigError
+from rc_worker.core.gpu_query import NVIDIA_SMI
+from rc_worker.core.labels import labels_payload
 from rc_worker.probe import ProbePass, Prober
 
 if TYPE_CHECKING:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
@@ -25,9 +26,9 @@ from typing import Any
 import httpx
 import trio
 
-from rc_worker import boundedjson
-from rc_worker.errors import ControllerError, UnknownSession
-from rc_worker.retry import Backoff, RetryLog, is_transient_status, parse_retry_after
+from rc_worker.core import boundedjson
+from rc_worker.core.errors import ControllerError, UnknownSession
+from rc_worker.core.retry import Backoff, RetryLog, is_transient_status, retry_after_seconds
 
 log = logging.getLogger("rc_worker.client")
 
@@ -390,6 +391,15 @@ class ControllerClient:
                 return
             log.warning("the controller forgot session %s; registering again", self.session)
             await self._on_unknown_session(self)
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date).
+
+    ``now`` defaults to the wall clock: a reported timestamp, not a timeout,
+    and the only place wall time is read.
+    """
+    return retry_after_seconds(value, now=time.time() if now is None else now)
 
 
 def endpoint_of(path: str) -> str:

@@ -14,11 +14,11 @@ import attrs
 
 from rc_worker.cgroup import limits_for
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config, DeviceConfig, child_environ
-from rc_worker.config_parse import cpu_count
+from rc_worker.core.config import Config, DeviceConfig, child_environ
+from rc_worker.core.config_convert import cpu_count
+from rc_worker.core.model import Assignment, job_key
 from rc_worker.host import Host, RunAs, resolve_user
 from rc_worker.metrics import WorkerMetrics
-from rc_worker.model import Assignment, job_key
 from rc_worker.outbox import Outbox
 from rc_worker.spool import JobDir
 
@@ -100,7 +100,7 @@ class WorkerContext:
         job_id, attempt, device = (
             (ident.job_id, ident.attempt, ident.device) if isinstance(ident, Assignment) else ident
         )
-        job_dir = JobDir(self.root, job_key(job_id, attempt))
+        job_dir = JobDir(self.root, job_key(job_id, attempt), self.host.store)
         try:
             await self.outbox.report(
                 job_dir,

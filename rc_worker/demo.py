@@ -17,8 +17,9 @@ from pathlib import Path
 import attrs
 import trio
 
-from rc_worker.config import Config, load_config, load_config_text
-from rc_worker.errors import ConfigError
+from rc_worker.config_load import load_config, load_config_text
+from rc_worker.core.config import Config
+from rc_worker.core.errors import ConfigError
 from rc_worker.testing import local_system
 
 SAMPLE_JOB = [

@@ -21,14 +21,10 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rc_worker.changed import Changed
-from rc_worker.config import DeviceConfig
-from rc_worker.errors import ControllerError
-from rc_worker.gpu_health import Fault, kind_defaults
-from rc_worker.hooks import run_hook
-from rc_worker.host import RunAs
-from rc_worker.lease import Lease
-from rc_worker.logs import log_context, set_log_context
-from rc_worker.model import (
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.errors import ControllerError
+from rc_worker.core.lease import Lease
+from rc_worker.core.model import (
     Assignment,
     DeviceState,
     IdleBehavior,
@@ -36,7 +32,11 @@ from rc_worker.model import (
     effective_limit,
     job_key,
 )
-from rc_worker.reports import finish_report, not_run_report, stale_offer_report
+from rc_worker.core.reports import finish_report, not_run_report, stale_offer_report
+from rc_worker.gpu_health import Fault, kind_defaults
+from rc_worker.hooks import run_hook
+from rc_worker.host import RunAs
+from rc_worker.logs import log_context, set_log_context
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
 from rc_worker.verify import run_verify
@@ -301,7 +301,7 @@ class DeviceSupervisor:
         }
         if self.lease.job is not None and self.lease.state is S.RUNNING:
             job_id, attempt = self.lease.job
-            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt))
+            job_dir = JobDir(self.ctx.root, job_key(job_id, attempt), self.ctx.host.store)
             claims["running"] = {
                 "job_id": job_id,
                 "attempt": attempt,
@@ -390,7 +390,9 @@ class DeviceSupervisor:
         report = not_run_report(a, "error", "", error=detail)
         try:
             if self.ctx.outbox.tracking(key):
-                report["output_bytes"] = JobDir(self.ctx.root, key).output_size()
+                report["output_bytes"] = JobDir(
+                    self.ctx.root, key, self.ctx.host.store
+                ).output_size()
                 await self.ctx.outbox.finish(key, report)
             else:
                 await self.ctx.report(a, report)
@@ -528,7 +530,7 @@ class DeviceSupervisor:
         return True
 
     async def _run(self, a: Assignment, key: str) -> tuple[Result, VerifyResult, str | None, int]:
-        job_dir = JobDir(self.ctx.root, key)
+        job_dir = JobDir(self.ctx.root, key, self.ctx.host.store)
         try:
             cgroup = await self.ctx.journal(job_dir, a)
             spool = OutputSpool(job_dir, cap=self.ctx.config.spool_max_bytes)

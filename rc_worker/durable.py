@@ -48,13 +48,14 @@ import errno
 import functools
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import trio
+
+from rc_worker.statestore import LINUX_STORE, StateStore
 
 T = TypeVar("T")
 
@@ -89,8 +90,16 @@ class _Group:
 class Committer:
     """Group commit of durable JSON writes (see the module doc for the guarantees)."""
 
-    def __init__(self, run_blocking: RunBlocking | None = None, *, parallel: int = PARALLEL):
+    def __init__(
+        self,
+        run_blocking: RunBlocking | None = None,
+        *,
+        parallel: int = PARALLEL,
+        store: StateStore | None = None,
+    ):
         self._run: RunBlocking = run_blocking or in_thread
+        self.store: StateStore = store if store is not None else LINUX_STORE
+        """Where the files go: the host's (``Host.store``); the real disk by default."""
         self._parallel = max(1, parallel)
         self._open: _Group | None = None
         self._flushing = trio.Lock()
@@ -184,7 +193,7 @@ class Committer:
                 last[w.path].before = w.before
         self.files += len(unique)
         if len(unique) <= 1 or self._parallel == 1:
-            await self._run(functools.partial(_commit, unique, _prepare))
+            await self._run(functools.partial(_commit, self.store, unique, True))
             self.dir_syncs += len({w.path.parent for w in unique if w.error is None})
         else:
             # One directory's files stay in one thread, in issue order: a
@@ -198,8 +207,10 @@ class Committer:
             async with trio.open_nursery() as nursery:
                 for part in slices:
                     if part:
-                        nursery.start_soon(self._run, functools.partial(_prepare_all, part))
-            await self._run(functools.partial(_commit, unique, None))
+                        nursery.start_soon(
+                            self._run, functools.partial(_prepare_all, self.store, part)
+                        )
+            await self._run(functools.partial(_commit, self.store, unique, False))
             self.dir_syncs += len({w.path.parent for w in unique if w.error is None})
         for w in writes:
             if w is not last[w.path]:
@@ -220,63 +231,47 @@ def _tmp(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
-def _prepare(w: _Write) -> None:
+def _prepare(store: StateStore, w: _Write) -> None:
     """Write and fsync ``w``'s temporary file (blocking)."""
     tmp = _tmp(w.path)
     try:
         if w.before is not None:
             w.before()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(w.data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        store.write_synced(tmp, w.data)
     except OSError as e:
         w.error = e
-        _unlink_quietly(tmp)
+        _unlink_quietly(store, tmp)
 
 
-def _prepare_all(writes: list[_Write]) -> None:
+def _prepare_all(store: StateStore, writes: list[_Write]) -> None:
     for w in writes:
-        _prepare(w)
+        _prepare(store, w)
 
 
-def _commit(writes: list[_Write], prepare: Callable[[_Write], None] | None) -> None:
+def _commit(store: StateStore, writes: list[_Write], prepare: bool) -> None:
     """Rename each prepared file into place in order, then fsync each directory once."""
-    if prepare is not None:
+    if prepare:
         for w in writes:
-            prepare(w)
+            _prepare(store, w)
     dirs: dict[Path, list[_Write]] = {}
     for w in writes:
         if w.error is not None:
             continue
         try:
-            os.replace(_tmp(w.path), w.path)
+            store.replace(_tmp(w.path), w.path)
         except OSError as e:
             w.error = e
-            _unlink_quietly(_tmp(w.path))
+            _unlink_quietly(store, _tmp(w.path))
             continue
         dirs.setdefault(w.path.parent, []).append(w)
     for directory, members in dirs.items():
         try:
-            fsync_dir(directory)
+            store.fsync_dir(directory)
         except OSError as e:
             for w in members:
                 w.error = e
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the entries of ``path`` (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(store: StateStore, path: Path) -> None:
     with contextlib.suppress(OSError):
-        path.unlink(missing_ok=True)
+        store.unlink(path)

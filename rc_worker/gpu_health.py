@@ -28,7 +28,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import attrs
 
-from rc_worker.config import DEFAULT_IGNORED_XIDS as _DEFAULT_IGNORED_XIDS
+from rc_worker.core.config import DEFAULT_IGNORED_XIDS as _DEFAULT_IGNORED_XIDS
 
 # Fault kinds (the ``kind`` of a fault report).
 KIND_RESIDENT = "gpu_resident_process"

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from rc_worker.core.model import DeviceState
 from rc_worker.gpu_health import CHECK_RESIDENT, Fault, decide_resident, health_label
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
-from rc_worker.model import DeviceState
 from rc_worker.sweep import JOB_ID_VAR, sweep_job_survivors
 
 if TYPE_CHECKING:
-    from rc_worker.config import Config
     from rc_worker.context import WorkerContext
+    from rc_worker.core.config import Config
     from rc_worker.device import DeviceSupervisor
 
 log = logging.getLogger("rc_worker.gpu_health")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -25,7 +24,8 @@ from typing import TypeVar
 import attrs
 import trio
 
-from rc_worker.config import Config, DeviceConfig, child_environ
+from rc_worker.core.config import Config, DeviceConfig, child_environ
+from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
 from rc_worker.gpu_health import (
     CHECK_MEMORY,
     CHECK_MIG,
@@ -60,7 +60,6 @@ from rc_worker.gpu_health import (
     resolve_mig_uuid,
 )
 from rc_worker.host import Host
-from rc_worker.labels import NVIDIA_SMI, gpu_scope
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
 from rc_worker.scripts import Budget, describe, run_script
@@ -140,7 +139,7 @@ class GpuHealthMonitor:
     # -- whether to run at all ---------------------------------------------
 
     def _smi(self) -> str | None:
-        return shutil.which(NVIDIA_SMI, path=self._environ.get("PATH", os.defpath))
+        return self._host.store.which(NVIDIA_SMI, self._environ.get("PATH", os.defpath))
 
     def enabled(self) -> bool:
         """``true``: always; ``false``: never; ``auto``: once nvidia-smi was seen here.
@@ -155,19 +154,19 @@ class GpuHealthMonitor:
             return False
         marker = None if self._state_dir is None else self._state_dir / SEEN_MARKER
         if self._smi() is not None:
-            if marker is not None and not marker.exists():
+            if marker is not None and not self._host.store.exists(marker):
                 try:
-                    marker.touch()
+                    self._host.store.touch(marker)
                 except OSError as e:
                     log.warning("cannot record that nvidia-smi was seen (%s): %s", marker, e)
             return True
-        return marker is not None and marker.exists()
+        return marker is not None and self._host.store.exists(marker)
 
     # -- running tools -------------------------------------------------------
 
     async def _run(self, tool: str, args: Sequence[str]) -> str:
         """Run ``tool args`` like a probe; its output, or ``CheckFailed`` with why."""
-        path = shutil.which(tool, path=self._environ.get("PATH", os.defpath))
+        path = self._host.store.which(tool, self._environ.get("PATH", os.defpath))
         if path is None:
             raise CheckFailed(f"{tool} not found on PATH")
         limit = Budget(self._settings.check_timeout or self._config.probe_timeout).next()
@@ -396,7 +395,7 @@ class GpuHealthMonitor:
     async def _check_pci(
         self, targets: Sequence[GpuTarget], verdicts: dict[str, DeviceVerdict]
     ) -> None:
-        if shutil.which(LSPCI, path=self._environ.get("PATH", os.defpath)) is None:
+        if self._host.store.which(LSPCI, self._environ.get("PATH", os.defpath)) is None:
             return  # no lspci: nothing to compare with, and nothing wrong
 
         async def read() -> tuple[int, int]:

@@ -8,8 +8,9 @@ intervals, and it is not draining.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from rc_worker.statestore import LINUX_STORE
 
 # How many heartbeat intervals without an answer from the controller make the
 # worker not ready: the controller itself declares a host lost after three.
@@ -41,11 +42,4 @@ def not_ready_reason(
 
 def tree_bytes(path: Path) -> int:
     """Bytes in the files under ``path`` (0 when it does not exist)."""
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except OSError:
-                continue  # removed while we looked: delivered
-    return total
+    return LINUX_STORE.tree_bytes(path)

@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import pwd
+import random
 import socket
 import struct
 import subprocess
@@ -32,11 +33,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import attrs
 import trio
 
-from rc_worker.cgroup_parse import parse_mountinfo, parse_proc_cgroup
+from rc_worker.core.cgroup_parse import parse_mountinfo, parse_proc_cgroup
 from rc_worker.procfs import PidfdPin, StatPin, boot_ticks, parse_environ, read_proc_stat
 from rc_worker.procfs import ProcessInfo as ProcessInfo
 from rc_worker.procfs import ProcessPin as ProcessPin
 from rc_worker.procfs import parse_proc_stat as parse_proc_stat
+from rc_worker.statestore import LINUX_STORE, StateStore
 
 if TYPE_CHECKING:
     from rc_worker.cgroup import Containment
@@ -177,6 +179,14 @@ class Host(Protocol):
 
     def own_pid(self) -> int: ...
 
+    store: StateStore
+    """The host's files (``statestore.py``): the state directory, drop-ins, sheets, ``which``."""
+
+    def new_rng(self) -> random.Random:
+        """A generator for one worker process: its ids (faults, instance id) and retry
+        jitter. Fresh entropy on the real host; seeded on a simulated one, to replay."""
+        ...
+
     async def run_blocking(self, fn: Callable[[], T]) -> T:
         """Run blocking work on the state directory (an fsync) off the event loop.
 
@@ -231,6 +241,7 @@ class LinuxHost:
 
     # Class-level defaults, so subclasses need not call __init__.
     containment: Containment | None = None
+    store: StateStore = LINUX_STORE
     _cgroup_mount: str | None = None
     _spawn_lock: trio.Lock | None = None
 
@@ -446,6 +457,9 @@ class LinuxHost:
 
     def own_pid(self) -> int:
         return os.getpid()
+
+    def new_rng(self) -> random.Random:
+        return random.Random()
 
     async def run_blocking(self, fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn)

@@ -29,8 +29,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-LOG_FORMATS = ("text", "json")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 CONTEXT_KEYS = ("host", "device", "job_id", "attempt", "fault_id")
 THIRD_PARTY = ("httpx", "httpcore", "hypercorn", "hpack", "h11", "h2")
 

@@ -12,7 +12,7 @@ restart can help:
 
 from __future__ import annotations
 
-from rc_worker.errors import ConfigError, ControllerError
+from rc_worker.core.errors import ConfigError, ControllerError
 
 EXIT_RESTART_WONT_HELP = 2
 EXIT_FAILED = 1

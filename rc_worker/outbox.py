@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -24,11 +23,12 @@ import trio
 
 from rc_worker import client as client_module
 from rc_worker.client import ControllerClient
+from rc_worker.core.errors import ControllerError
+from rc_worker.core.retry import Backoff
 from rc_worker.durable import Committer
-from rc_worker.errors import ControllerError
 from rc_worker.logs import set_log_context
-from rc_worker.retry import Backoff
 from rc_worker.spool import JobDir, OutputSpool, job_dirs, move_aside, read_json
+from rc_worker.statestore import StateStore
 
 log = logging.getLogger("rc_worker.outbox")
 
@@ -80,6 +80,8 @@ class Outbox:
         # Every durable write of the worker goes through this one committer,
         # so writes issued together share their fsyncs (durable.py).
         self.committer = committer if committer is not None else Committer()
+        # The host's files, as the committer writes them.
+        self._store = self.committer.store
         # Reports being written before their delivery starts: owed already.
         self._writing = 0
         self._on_change = on_change or (lambda: None)
@@ -100,18 +102,18 @@ class Outbox:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            for jd in job_dirs(self._root):
-                if jd.key in self._deliveries or not jd.finish.exists():
+            for jd in job_dirs(self._root, self._store):
+                if jd.key in self._deliveries or not jd.has_finish():
                     continue
                 ident = _identity(jd)
                 if ident is None:
                     log.error("cannot tell which job %s is; leaving it for an operator", jd.path)
                     continue
-                device = (read_json(jd.journal) or {}).get("device")
+                device = (read_json(jd.journal, self._store) or {}).get("device")
                 self._spawn(
                     _Delivery(jd, *ident, device=device if isinstance(device, str) else None)
                 )
-            for path in _pending_fault_files(self._root):
+            for path in _pending_fault_files(self._root, self._store):
                 if path not in self._early_faults:
                     self._start_fault(path)
             early, self._early = self._early, []
@@ -136,7 +138,7 @@ class Outbox:
 
     def _spawn(self, delivery: _Delivery) -> None:
         self._deliveries[delivery.job_dir.key] = delivery
-        if delivery.report is not None or delivery.job_dir.finish.exists():
+        if delivery.report is not None or delivery.job_dir.has_finish():
             delivery.finish_ready.set()
         if self._nursery is None:
             self._early.append(delivery)
@@ -248,12 +250,12 @@ class Outbox:
         operator clears it.
         """
         found = []
-        for path in _pending_fault_files(self._root):
-            data = read_json(path)
+        for path in _pending_fault_files(self._root, self._store):
+            data = read_json(path, self._store)
             problem = _fault_problem(data)
             if problem is not None:
                 device = data.get("device") if isinstance(data, dict) else None
-                move_aside(self._root, path, problem)
+                move_aside(self._root, path, problem, self._store)
                 self.damaged.append(
                     (device if isinstance(device, str) else None, f"{path.name}: {problem}")
                 )
@@ -313,12 +315,12 @@ class Outbox:
             data = (
                 dict(record)
                 if record is not None
-                else (self._in_memory.get(path) or read_json(path))
+                else (self._in_memory.get(path) or read_json(path, self._store))
             )
             problem = _fault_problem(data)
             if problem is not None:
                 if data is not None:
-                    move_aside(self._root, path, problem)
+                    move_aside(self._root, path, problem, self._store)
                 return
             assert data is not None
             try:
@@ -326,7 +328,7 @@ class Outbox:
             except ControllerError as e:
                 log.error("fault report %s was refused for good: %s", path.name, e)
             self._in_memory.pop(path, None)
-            await self.committer.run_blocking(functools.partial(_remove, path))
+            await self.committer.run_blocking(functools.partial(self._store.unlink, path))
         finally:
             self._pending_faults.remove(path)
             self._on_change()
@@ -337,7 +339,9 @@ class Outbox:
         try:
             committed = await self._ship_output(d)
             await d.finish_ready.wait()
-            report = d.report if d.report is not None else read_json(d.job_dir.finish) or {}
+            report = (
+                d.report if d.report is not None else read_json(d.job_dir.finish, self._store) or {}
+            )
             if committed is not None and committed < int(report.get("output_bytes", 0)):
                 log.error(
                     "job %s: finish sent with output only committed to %d", d.job_id, committed
@@ -376,6 +380,20 @@ class Outbox:
                 committed = await self._client.output(d.job_id, d.attempt, 0, b"")
             while True:
                 size = _spooled(d)
+                if committed < size and not d.job_dir.store.exists(d.job_dir.output):
+                    # Its directory vanished (an operator's rm, a lost mount): what is
+                    # not yet shipped cannot be read back. Without this, an empty body
+                    # every retry, for ever; the finish still goes.
+                    log.error(
+                        "job %s: its output file %s is gone; %d bytes cannot be sent",
+                        d.job_dir.key,
+                        d.job_dir.output,
+                        size - committed,
+                    )
+                    if d.spool is not None:
+                        while not d.spool.closed:
+                            await d.spool.wait_changed()
+                    return committed
                 if committed < size:
                     answer = await self._client.output(
                         d.job_id, d.attempt, committed, functools.partial(_stream, d, committed)
@@ -423,29 +441,24 @@ async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
     end = start + REQUEST_MAX
     pos = start
     until = trio.current_time() + STREAM_WINDOW_S
-    try:
-        fd = os.open(d.job_dir.output, os.O_RDONLY)
-    except FileNotFoundError:
+    if not d.job_dir.store.exists(d.job_dir.output):
         return
-    try:
-        while pos < end:
-            n = min(CHUNK, _spooled(d) - pos, end - pos)
-            if n <= 0:
-                spool = d.spool
-                if spool is None or spool.closed or trio.current_time() >= until:
-                    return
-                with trio.move_on_at(until):
-                    await spool.wait_changed()
-                continue
-            # The spool's own read: past what the disk took it holds the marker
-            # of a disk error in memory (a full disk costs the output, not its marker).
-            data = d.spool.read(pos, n) if d.spool is not None else os.pread(fd, n, pos)
-            if not data:
+    while pos < end:
+        n = min(CHUNK, _spooled(d) - pos, end - pos)
+        if n <= 0:
+            spool = d.spool
+            if spool is None or spool.closed or trio.current_time() >= until:
                 return
-            pos += len(data)
-            yield data
-    finally:
-        os.close(fd)
+            with trio.move_on_at(until):
+                await spool.wait_changed()
+            continue
+        # The spool's own read: past what the disk took it holds the marker
+        # of a disk error in memory (a full disk costs the output, not its marker).
+        data = d.spool.read(pos, n) if d.spool is not None else d.job_dir.read_output(pos, n)
+        if not data:
+            return
+        pos += len(data)
+        yield data
 
 
 def _identity(jd: JobDir) -> tuple[str, int] | None:
@@ -455,7 +468,7 @@ def _identity(jd: JobDir) -> tuple[str, int] | None:
     crash between the two leaves a finish with no journal; the directory's
     name (``<job_id>.<attempt>``) still says whose it is.
     """
-    journal = read_json(jd.journal)
+    journal = read_json(jd.journal, jd.store)
     if journal is not None:
         job_id, attempt = journal.get("job_id"), journal.get("attempt")
         if isinstance(job_id, str) and isinstance(attempt, int) and not isinstance(attempt, bool):
@@ -480,9 +493,10 @@ def _fault_problem(data: object) -> str | None:
     return None
 
 
-def _pending_fault_files(root: Path) -> list[Path]:
-    return sorted((root / "faults").glob("*.json"))
-
-
-def _remove(path: Path) -> None:
-    path.unlink(missing_ok=True)
+def _pending_fault_files(root: Path, store: StateStore) -> list[Path]:
+    faults = root / "faults"
+    try:
+        names = store.listdir(faults)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [faults / n for n in names if n.endswith(".json")]

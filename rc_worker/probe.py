@@ -1,6 +1,7 @@
 """One probe pass: built-in host facts, nvidia-smi, and the drop-ins of ``probe_dir``.
 
-The Trio shell around ``labels.py``: it runs the sources, times them on
+The Trio shell around ``core/labels.py``, ``core/gpu_query.py`` and
+``core/dropin_output.py``: it runs the sources, times them on
 Trio's clock, and hands their outcomes to ``merge_sources``. A ``Prober``
 lives as long as the worker process, because what a failure means depends
 on it: a drop-in unconfirms the devices it named the last time it worked in
@@ -17,28 +18,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Callable, Mapping
 
 import attrs
 import trio
 
-from rc_worker.config import Config, probe_environ
+from rc_worker.core.config import Config, probe_environ
+from rc_worker.core.dropin_output import DROPIN_PREFIX, DROPIN_STDOUT_CAP, parse_dropin_output
+from rc_worker.core.gpu_query import NVIDIA_SMI, NVIDIA_SMI_ARGS, gpu_scope, nvidia_smi_facts
+from rc_worker.core.labels import BUILTIN, History, ProbeResult, SourceFacts, merge_sources
 from rc_worker.host import Host, LinuxHost
-from rc_worker.labels import (
-    BUILTIN,
-    DROPIN_PREFIX,
-    DROPIN_STDOUT_CAP,
-    NVIDIA_SMI,
-    NVIDIA_SMI_ARGS,
-    History,
-    ProbeResult,
-    SourceFacts,
-    gpu_scope,
-    merge_sources,
-    nvidia_smi_facts,
-    parse_dropin_output,
-)
 from rc_worker.scripts import (
     Budget,
     Limit,
@@ -126,7 +115,7 @@ class Prober:
             builtin = self._builtin()
             facts.append(builtin[0])
             outcomes.append(builtin[1])
-            smi_path = shutil.which(NVIDIA_SMI, path=self._environ.get("PATH", os.defpath))
+            smi_path = self._host.store.which(NVIDIA_SMI, self._environ.get("PATH", os.defpath))
             smi = await self._nvidia_smi(smi_path, budget)
             if smi is not None:
                 facts.append(smi[0])
@@ -235,7 +224,7 @@ class Prober:
 
     async def _dropins(self, budget: Budget) -> list[tuple[SourceFacts, SourceOutcome]]:
         try:
-            listing = list_scripts(self._config.probe_dir)
+            listing = list_scripts(self._config.probe_dir, self._host.store)
         except OSError as e:
             # The directory exists but cannot be read: every drop-in that
             # has worked before is failing to run, not gone.

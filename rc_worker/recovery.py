@@ -31,10 +31,10 @@ from rc_worker.cgroup import sweep_cgroup
 
 # The decision is pure (claim_decision.py), shared with the lease; re-exported here.
 from rc_worker.claim_decision import decide_claim as decide_claim
+from rc_worker.core.model import Claim
+from rc_worker.core.reports import lost_report, sweep_json
 from rc_worker.durable import Committer
 from rc_worker.host import Host
-from rc_worker.model import Claim
-from rc_worker.reports import lost_report, sweep_json
 from rc_worker.spool import JobDir, job_dirs, move_aside, read_json
 from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
 
@@ -103,11 +103,12 @@ async def recover(
     durable = committer if committer is not None else Committer()
     found: list[Recovered] = []
     problems: list[Damaged] = [] if damaged is None else damaged
-    for job_dir in job_dirs(root):
+    store = durable.store
+    for job_dir in job_dirs(root, store):
         problem = _damage(job_dir)
         if problem is not None:
             why, device = problem
-            move_aside(root, job_dir.path, why)
+            move_aside(root, job_dir.path, why, store)
             problems.append(Damaged(device, f"job directory {job_dir.key}: {why}"))
             continue
         try:
@@ -147,10 +148,11 @@ class _Unwritten(Exception):
 
 def _damage(job_dir: JobDir) -> tuple[str, str | None] | None:
     """Why a job directory cannot be recovered as it is (and its device, if known)."""
+    store = job_dir.store
     journal_text_ok = True
     journal: object = None
-    if job_dir.journal.exists():
-        journal = read_json(job_dir.journal)
+    if store.exists(job_dir.journal):
+        journal = read_json(job_dir.journal, store)
         journal_text_ok = journal is not None
     device = journal.get("device") if isinstance(journal, dict) else None
     device = device if isinstance(device, str) and device else None
@@ -164,11 +166,11 @@ def _damage(job_dir: JobDir) -> tuple[str, str | None] | None:
             return "journal.json has no integer attempt", device
         if device is None:
             return "journal.json has no device", None
-    if job_dir.finish.exists() and read_json(job_dir.finish) is None:
+    if job_dir.has_finish() and read_json(job_dir.finish, store) is None:
         return "finish.json is not a JSON object", device
     claim_path = job_dir.path / RECOVERY_FILE
-    if claim_path.exists():
-        claimed = read_json(claim_path)
+    if store.exists(claim_path):
+        claimed = read_json(claim_path, store)
         try:
             if claimed is None:
                 raise ValueError("not a JSON object")
@@ -186,7 +188,7 @@ async def _recover_one(
     require_manual_clear: bool,
     host: Host | None,
 ) -> Recovered | None:
-    claimed = read_json(job_dir.path / RECOVERY_FILE)
+    claimed = read_json(job_dir.path / RECOVERY_FILE, job_dir.store)
     if claimed is not None:
         # Recovered by an earlier start that stopped before its finish
         # was acknowledged: the claim stands, and is sent again.
@@ -194,13 +196,13 @@ async def _recover_one(
         if require_manual_clear and entry.claim is not Claim.UNKNOWN:
             # Switched on since that start: it still only tightens.
             entry = attrs.evolve(entry, claim=Claim.UNKNOWN)
-        if not job_dir.finish.exists():
+        if not job_dir.has_finish():
             await _write_lost(durable, job_dir, entry)
         return entry
-    journal = read_json(job_dir.journal)
-    finished = job_dir.finish.exists()
+    journal = read_json(job_dir.journal, job_dir.store)
+    finished = job_dir.has_finish()
     if journal is None or not journal.get("spawned"):
-        if not finished and not job_dir.journal.exists():
+        if not finished and not job_dir.store.exists(job_dir.journal):
             # Nothing was spawned (the crash came between creating the
             # directory and the journal): there is nothing to recover.
             job_dir.remove()

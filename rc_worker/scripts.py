@@ -25,16 +25,18 @@ they share:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 import trio
 
+from rc_worker.core.gpu_query import text_tail
 from rc_worker.host import Host, RunAs
-from rc_worker.labels import text_tail
+from rc_worker.statestore import LINUX_STORE, StateStore
 from rc_worker.supervise import REASON_MAX_RUNTIME, JobHandle, JobSpec, Result, run_job
 
 log = logging.getLogger("rc_worker.scripts")
@@ -77,15 +79,16 @@ class Listing:
     skipped: tuple[Skipped, ...] = ()
 
 
-def list_scripts(directory: str | os.PathLike[str]) -> Listing:
-    """The scripts of ``directory`` by the one listing rule (see the module docstring).
+def list_scripts(directory: str | os.PathLike[str], store: StateStore = LINUX_STORE) -> Listing:
+    """The scripts of ``directory`` by the one listing rule (see the module docstring),
+    as the host's ``store`` shows them (the real disk by default).
 
     A missing directory is an empty listing; any other failure to list it
     (not a directory, no permission) raises ``OSError``.
     """
     root = os.fspath(directory)
     try:
-        names = sorted(os.listdir(root))
+        names = store.listdir(Path(root))
     except FileNotFoundError:
         return Listing()
     scripts: list[Script] = []
@@ -95,15 +98,17 @@ def list_scripts(directory: str | os.PathLike[str]) -> Listing:
             continue
         path = os.path.join(root, name)
         try:
-            mode = os.stat(path).st_mode
+            entry = store.entry(Path(path))
+            if entry is None:  # gone since it was listed, or a dangling link
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         except OSError as e:
             scripts.append(Script(name, path, f"could not stat: {e.strerror or e}"))
             continue
-        if stat.S_ISDIR(mode):
+        if entry.kind == "dir":
             skipped.append(Skipped(path, "it is a directory"))
-        elif not stat.S_ISREG(mode):
+        elif entry.kind != "file":
             skipped.append(Skipped(path, "it is not a regular file"))
-        elif not os.access(path, os.X_OK):
+        elif not entry.executable:
             skipped.append(Skipped(path, "it is not executable (chmod +x to enable it)"))
         else:
             scripts.append(Script(name, path))

@@ -12,16 +12,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rc_worker.statestore import LINUX_STORE, StateStore
+
 log = logging.getLogger("rc_worker.sheets")
 
 SHEET_CAP = 64 * 1024
 
 
-def read_sheet(path: Path) -> str | None:
+def read_sheet(path: Path, store: StateStore = LINUX_STORE) -> str | None:
     """The sheet at ``path``, or None when absent, unreadable or too big (logged)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(SHEET_CAP + 1)
+        data = store.read(path, 0, SHEET_CAP + 1)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -36,18 +37,21 @@ def read_sheet(path: Path) -> str | None:
 class SheetReader:
     """Reads the sheets and notices when they change."""
 
-    def __init__(self, sheet_dir: str, devices: Iterable[str]) -> None:
+    def __init__(
+        self, sheet_dir: str, devices: Iterable[str], store: StateStore = LINUX_STORE
+    ) -> None:
+        self._store = store
         self._dir = Path(sheet_dir)
         self._devices = tuple(devices)
         self._last: dict[str, Any] | None = None
 
     def read(self) -> dict[str, Any]:
         sheets: dict[str, Any] = {
-            "host": read_sheet(self._dir / "host.md"),
+            "host": read_sheet(self._dir / "host.md", self._store),
             "devices": {},
         }
         for name in self._devices:
-            text = read_sheet(self._dir / "host.d" / f"{name}.md")
+            text = read_sheet(self._dir / "host.d" / f"{name}.md", self._store)
             if text is not None:
                 sheets["devices"][name] = text
         self._last = sheets

@@ -18,16 +18,15 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from rc_worker import boundedjson
 from rc_worker.changed import Changed
+from rc_worker.core import boundedjson
+from rc_worker.statestore import LINUX_STORE, StateStore
 
 log = logging.getLogger("rc_worker.spool")
 
@@ -38,18 +37,18 @@ DISK_ERROR_MARKER = (
 DAMAGED_DIR = "damaged"
 
 
-def move_aside(root: Path, path: Path, why: str) -> Path | None:
+def move_aside(root: Path, path: Path, why: str, store: StateStore = LINUX_STORE) -> Path | None:
     """Move a damaged file or directory of the state dir to ``state_dir/damaged/`` for an
     operator to look at; never deleted. Returns where it went (None if it could not move)."""
     damaged = root / DAMAGED_DIR
     try:
-        damaged.mkdir(mode=0o700, exist_ok=True)
+        store.mkdir(damaged)
         target = damaged / path.name
         n = 1
-        while target.exists():
+        while store.exists(target):
             n += 1
             target = damaged / f"{path.name}.{n}"
-        os.replace(path, target)
+        store.replace(path, target)
     except OSError as e:
         log.error("damaged state %s (%s) could not be moved aside: %s", path, why, e)
         return None
@@ -57,38 +56,36 @@ def move_aside(root: Path, path: Path, why: str) -> Path | None:
     return target
 
 
-def ensure_state_dir(path: str) -> Path:
+def ensure_state_dir(path: str, store: StateStore = LINUX_STORE) -> Path:
     """Create the state directory (mode 0700) and its subdirectories."""
     root = Path(path)
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store.mkdir(root, parents=True)
     # mkdir's mode is masked by the umask and ignored for an existing dir.
-    os.chmod(root, 0o700)
-    (root / "jobs").mkdir(mode=0o700, exist_ok=True)
-    (root / "faults").mkdir(mode=0o700, exist_ok=True)
+    store.chmod(root, 0o700)
+    store.mkdir(root / "jobs")
+    store.mkdir(root / "faults")
     return root
 
 
-def write_json_durably(path: Path, data: Mapping[str, Any]) -> None:
+def write_json_durably(
+    path: Path, data: Mapping[str, Any], store: StateStore = LINUX_STORE
+) -> None:
     """Write ``data`` so that after a crash the file is either whole or absent."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    store.write_synced(tmp, json.dumps(data, sort_keys=True).encode())
+    store.replace(tmp, path)
+    store.fsync_dir(path.parent)
 
 
 MAX_STATE_FILE_BYTES = 1 << 20
 """State files are a few hundred bytes; anything near this is damage, not data."""
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path, store: StateStore = LINUX_STORE) -> dict[str, Any] | None:
     """The JSON object in ``path``; None when absent or unreadable (logged). Bounded in size
     and depth, so a damaged file can cost neither the worker's memory nor its stack."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_STATE_FILE_BYTES + 1)
+        raw = store.read(path, 0, MAX_STATE_FILE_BYTES + 1)
         if len(raw) > MAX_STATE_FILE_BYTES:
             raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
         data = boundedjson.loads(raw)
@@ -100,18 +97,11 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class JobDir:
-    """One job attempt's directory."""
+    """One job attempt's directory, in ``store`` (the host's; the real disk by default)."""
 
-    def __init__(self, root: Path, key: str) -> None:
+    def __init__(self, root: Path, key: str, store: StateStore = LINUX_STORE) -> None:
+        self.store = store
         self.key = key
         self.path = root / "jobs" / key
         self.journal = self.path / "journal.json"
@@ -119,34 +109,38 @@ class JobDir:
         self.finish = self.path / "finish.json"
 
     def create(self) -> None:
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.output.touch(mode=0o600, exist_ok=True)
+        self.store.mkdir(self.path, parents=True)
+        self.store.touch(self.output)
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        self.store.rmtree(self.path)
+
+    def exists(self) -> bool:
+        return self.store.exists(self.path)
+
+    def has_finish(self) -> bool:
+        return self.store.exists(self.finish)
 
     def output_size(self) -> int:
         try:
-            return self.output.stat().st_size
+            return self.store.size(self.output)
         except FileNotFoundError:
             return 0
 
     def read_output(self, offset: int, limit: int) -> bytes:
         try:
-            with open(self.output, "rb") as f:
-                f.seek(offset)
-                return f.read(limit)
+            return self.store.read(self.output, offset, limit)
         except FileNotFoundError:
             return b""
 
 
-def job_dirs(root: Path) -> Iterator[JobDir]:
+def job_dirs(root: Path, store: StateStore = LINUX_STORE) -> Iterator[JobDir]:
     jobs = root / "jobs"
-    if not jobs.is_dir():
+    if not store.is_dir(jobs):
         return
-    for entry in sorted(jobs.iterdir()):
-        if entry.is_dir():
-            yield JobDir(root, entry.name)
+    for name in store.listdir(jobs):
+        if store.is_dir(jobs / name):
+            yield JobDir(root, name, store)
 
 
 class OutputSpool:
@@ -159,8 +153,8 @@ class OutputSpool:
 
     def __init__(self, job_dir: JobDir, *, cap: int) -> None:
         self._dir = job_dir
-        self._fd = os.open(job_dir.output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self.size = os.fstat(self._fd).st_size
+        self._file = job_dir.store.open_append(job_dir.output)
+        self.size = self._file.size()
         self._cap = cap
         self.truncated = 0
         # Whether the marker is written: decided by what was cut, not by the
@@ -197,7 +191,7 @@ class OutputSpool:
         view = memoryview(data)
         try:
             while view:
-                n = os.write(self._fd, view)
+                n = self._file.write(view)
                 view = view[n:]
                 self._on_disk += n
         except OSError as e:
@@ -215,7 +209,7 @@ class OutputSpool:
         # What did reach the file stays; the marker follows it, from memory if need be.
         self.size = self._on_disk
         try:
-            os.write(self._fd, marker)
+            self._file.write(memoryview(marker))
             self._on_disk += len(marker)
         except OSError:
             self._tail = marker
@@ -238,7 +232,7 @@ class OutputSpool:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            os.close(self._fd)
+            self._file.close()
             if self.truncated:
                 log.warning(
                     "job %s: %d bytes of output dropped past the spool cap of %d bytes",

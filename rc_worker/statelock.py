@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
-from rc_worker.errors import ConfigError
+from rc_worker.core.errors import ConfigError
 
 LOCK_NAME = "lock"
 

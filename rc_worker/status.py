@@ -33,9 +33,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from rc_worker import boundedjson
-from rc_worker.config import load_config
-from rc_worker.errors import ConfigError
+from rc_worker.config_load import load_config
+from rc_worker.core import boundedjson
+from rc_worker.core.errors import ConfigError
 from rc_worker.metrics import WorkerMetrics
 
 

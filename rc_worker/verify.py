@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from rc_worker.core.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.hooks import HOOK_GRACE
 from rc_worker.host import Host, RunAs
-from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.scripts import Budget, describe, list_scripts, log_skipped, run_script
+from rc_worker.statestore import LINUX_STORE
 
 log = logging.getLogger("rc_worker.verify")
 
@@ -33,7 +34,7 @@ async def run_verify(
 ) -> VerifyResult:
     """Run the verify pass over ``verify_dir``; ``env`` is each script's whole environment."""
     try:
-        listing = list_scripts(verify_dir)
+        listing = list_scripts(verify_dir, host.store if host is not None else LINUX_STORE)
     except OSError as e:
         return _failed(f"could not list {verify_dir}: {e.strerror or e}")
     log_skipped(listing.skipped)

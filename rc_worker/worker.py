@@ -27,7 +27,7 @@ import math
 import random
 import time
 from collections.abc import Mapping
-from contextlib import AsyncExitStack
+from contextlib import AbstractContextManager, AsyncExitStack
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,18 +42,11 @@ from rc_worker.cgroup import clear_strays, start_containment, state_tag
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.changed import Changed
 from rc_worker.client import ControllerClient
-from rc_worker.config import Config, cgroup_needs
 from rc_worker.context import WorkerContext, warn_token_file_mode
-from rc_worker.device import DeviceSupervisor
-from rc_worker.durable import Committer
-from rc_worker.errors import AssignmentError, ConfigError, ControllerError
-from rc_worker.gpu_health_coord import GpuHealthCoordinator
-from rc_worker.gpu_health_run import GpuHealthMonitor
-from rc_worker.health import not_ready_reason, tree_bytes
-from rc_worker.host import Host, LinuxHost
-from rc_worker.labels import ProbeResult, labels_payload
-from rc_worker.metrics import StateSnapshot, WorkerMetrics
-from rc_worker.model import (
+from rc_worker.core.config import Config, cgroup_needs
+from rc_worker.core.errors import AssignmentError, ConfigError, ControllerError
+from rc_worker.core.labels import ProbeResult, labels_payload
+from rc_worker.core.model import (
     PROTOCOL_VERSION,
     Assignment,
     IdleBehavior,
@@ -61,14 +54,20 @@ from rc_worker.model import (
     job_key,
     parse_assignment,
 )
+from rc_worker.core.reports import not_run_report, stale_offer_report
+from rc_worker.device import DeviceSupervisor
+from rc_worker.durable import Committer
+from rc_worker.gpu_health_coord import GpuHealthCoordinator
+from rc_worker.gpu_health_run import GpuHealthMonitor
+from rc_worker.health import not_ready_reason
+from rc_worker.host import Host, LinuxHost
+from rc_worker.metrics import StateSnapshot, WorkerMetrics
 from rc_worker.operator_errors import register_refused
 from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Damaged, Recovered, recover
-from rc_worker.reports import not_run_report, stale_offer_report
 from rc_worker.sheets import SheetReader
 from rc_worker.spool import JobDir, ensure_state_dir
-from rc_worker.statelock import StateDirLock
 from rc_worker.status import serve_status, status_app
 
 log = logging.getLogger("rc_worker.worker")
@@ -115,7 +114,7 @@ class Worker:
         self._poll_wait = config.poll_wait
         self._reprobe = trio.Event()
         self._prober = Prober(config, host=self.host, environ=self._environ)
-        self._sheets = SheetReader(config.sheet_dir, config.device_names)
+        self._sheets = SheetReader(config.sheet_dir, config.device_names, self.host.store)
         self.registered = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._labels: dict[str, Any] = {"host": {}, "devices": {}}
@@ -133,8 +132,8 @@ class Worker:
         # Who this process is, for the controller's "same process or new" at
         # register; in memory only, so no later process can repeat it.
         # ``rng``: every id and jitter of this worker; a simulation seeds it so that
-        # a run replays exactly. By default, seeded from the OS.
-        self._rng = rng if rng is not None else random.Random()
+        # a run replays exactly. By default, the host's (fresh entropy on a real one).
+        self._rng = rng if rng is not None else self.host.new_rng()
         self.instance_id = f"{self._rng.getrandbits(64):016x}"
         self._poll_seq = 0
 
@@ -186,17 +185,17 @@ class Worker:
         with self._lock_state_dir():
             await self._run_locked(task_status)
 
-    def _lock_state_dir(self) -> StateDirLock:
+    def _lock_state_dir(self) -> AbstractContextManager[object]:
         root = Path(self.config.state_dir)
         try:
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.host.store.mkdir(root, parents=True)
         except OSError as e:
             raise _state_dir_error(self.config.state_dir, e) from None
-        return StateDirLock.acquire(root, pid=self.host.own_pid())
+        return self.host.store.lock(root, pid=self.host.own_pid())
 
     async def _run_locked(self, task_status: trio.TaskStatus[None]) -> None:
         try:
-            root = ensure_state_dir(self.config.state_dir)
+            root = ensure_state_dir(self.config.state_dir, self.host.store)
         except OSError as e:
             raise _state_dir_error(self.config.state_dir, e) from None
         warning = warn_token_file_mode(self.config.token_file)
@@ -232,7 +231,7 @@ class Worker:
                 rng=self._rng,
                 urls=self.config.controller_urls,
             )
-            committer = Committer(self.host.run_blocking)
+            committer = Committer(self.host.run_blocking, store=self.host.store)
             outbox = Outbox(
                 root, client, on_change=self._poke_poller, committer=committer, rng=self._rng
             )
@@ -466,7 +465,7 @@ class Worker:
             reports_pending=self._ctx.outbox.pending() if self._ctx is not None else 0,
             registered=self.registered.is_set(),
             draining=self.draining,
-            spool_bytes=tree_bytes(Path(self.config.state_dir) / "jobs"),
+            spool_bytes=self.host.store.tree_bytes(Path(self.config.state_dir) / "jobs"),
         )
 
     # -- register -------------------------------------------------------------
@@ -494,7 +493,7 @@ class Worker:
             "recovery": [
                 r.register_entry()
                 for r in self.recovered
-                if (self._ctx.root / "jobs" / job_key(r.job_id, r.attempt)).exists()
+                if self.host.store.exists(self._ctx.root / "jobs" / job_key(r.job_id, r.attempt))
             ],
             "require_manual_clear": self.config.require_manual_clear,
         }
@@ -760,7 +759,7 @@ class Worker:
         assert self._ctx is not None
         if (job_id, attempt) in self._seen_attempts:
             return True
-        return JobDir(self._ctx.root, job_key(job_id, attempt)).path.exists()
+        return JobDir(self._ctx.root, job_key(job_id, attempt), self.host.store).exists()
 
     def _refuse_stale(
         self,

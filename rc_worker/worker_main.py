@@ -33,8 +33,9 @@ import attrs
 import httpx
 import trio
 
-from rc_worker.config import ENV_TOKEN, FOREIGN_ENV_VARS, Config, load_config
-from rc_worker.errors import ConfigError, RcWorkerError
+from rc_worker.config_load import load_config
+from rc_worker.core.config import ENV_TOKEN, FOREIGN_ENV_VARS, Config
+from rc_worker.core.errors import ConfigError, RcWorkerError
 from rc_worker.logs import setup_logging
 from rc_worker.operator_errors import EXIT_FAILED, EXIT_RESTART_WONT_HELP, unexpected
 from rc_worker.sd_notify import Notifier, status_line
@@ -55,7 +56,7 @@ MAX_TOKEN_BYTES = 16 * 1024
 
 def exec_without_token() -> None:
     """Re-execute this process without ``RC_TOKEN`` (nor the rc client's and controller's
-    credentials, :data:`~rc_worker.config.FOREIGN_ENV_VARS`) in its environment.
+    credentials, :data:`~rc_worker.core.config.FOREIGN_ENV_VARS`) in its environment.
 
     A process's initial environment stays readable in ``/proc/PID/environ`` for
     its whole life (to its user and root), whatever ``os.environ`` later says,

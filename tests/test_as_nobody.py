@@ -25,8 +25,8 @@ import trio
 
 from rc_worker.cgroup import CgroupUnavailable, set_up
 from rc_worker.cgroup import remove as remove_cgroup
+from rc_worker.core.model import Claim
 from rc_worker.host import LinuxHost
-from rc_worker.model import Claim
 from rc_worker.recovery import recover
 from rc_worker.spool import JobDir, write_json_durably
 from rc_worker.sweep import sweep_job_survivors, unproven

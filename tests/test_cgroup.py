@@ -39,18 +39,18 @@ from rc_worker.cgroup import (
     usage,
 )
 from rc_worker.cgroup import remove as remove_cgroup
-from rc_worker.cgroup_parse import (
+from rc_worker.core.cgroup_parse import (
     parse_io_stat,
     parse_keyed,
     parse_mountinfo,
     parse_pids,
     parse_proc_cgroup,
 )
-from rc_worker.errors import ConfigError
+from rc_worker.core.errors import ConfigError
+from rc_worker.core.model import Assignment, Claim, VerifyResult
+from rc_worker.core.reports import finish_report
 from rc_worker.host import LinuxHost
-from rc_worker.model import Assignment, Claim, VerifyResult
 from rc_worker.recovery import recover
-from rc_worker.reports import finish_report
 from rc_worker.spool import JobDir, write_json_durably
 from rc_worker.supervise import JobSpec, run_job
 from rc_worker.sweep import unproven

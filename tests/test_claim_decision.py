@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import rc_worker.claim_decision as claim_decision
 from rc_worker import recovery
 from rc_worker.claim_decision import Doubt, decide_claim, proven_clean, why_not_clean
-from rc_worker.lease import Lease
-from rc_worker.model import Claim, DeviceState, IdleBehavior, VerifyResult
+from rc_worker.core.lease import Lease
+from rc_worker.core.model import Claim, DeviceState, IdleBehavior, VerifyResult
 from rc_worker.sweep_report import SweepReport
 
 S = DeviceState

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rc_worker.cli import main
-from rc_worker.config import WORKER_ENV_VARS
+from rc_worker.core.config import WORKER_ENV_VARS
 from rc_worker.host import LinuxHost
 
 GOOD = """\

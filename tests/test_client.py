@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from rc_worker.client import ControllerClient
-from rc_worker.errors import ControllerError, UnknownSession
+from rc_worker.core.errors import ControllerError, UnknownSession
 
 TOKEN = "s3cret-token-for-client-tests"
 

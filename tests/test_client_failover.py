@@ -15,8 +15,8 @@ import trio
 import trio.testing
 
 from rc_worker.client import ControllerClient
-from rc_worker.config import load_config_text
-from rc_worker.errors import ConfigError
+from rc_worker.config_load import load_config_text
+from rc_worker.core.errors import ConfigError
 
 URLS = ("http://active-a:8080", "http://standby-b:8080")
 

@@ -22,8 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
-from rc_worker import config_parse
-from rc_worker.config import (
+from rc_worker.config_load import config_path, load_config, load_config_text
+from rc_worker.core import config_convert
+from rc_worker.core.config import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_HOOK_TIMEOUT,
@@ -46,12 +47,9 @@ from rc_worker.config import (
     GpuHealthConfig,
     HooksConfig,
     child_environ,
-    config_path,
-    load_config,
-    load_config_text,
-    resolved_json,
 )
-from rc_worker.errors import ConfigError
+from rc_worker.core.config_convert import resolved_json
+from rc_worker.core.errors import ConfigError
 
 
 def _write(directory: Path, text: str, name: str = "worker.yaml") -> Path:
@@ -576,7 +574,7 @@ def test_the_public_names() -> None:
 
 
 def test_config_error_is_an_rc_worker_error() -> None:
-    from rc_worker.errors import RcWorkerError
+    from rc_worker.core.errors import RcWorkerError
 
     assert issubclass(ConfigError, RcWorkerError)
 
@@ -1150,7 +1148,7 @@ _configs = _configs.map(
 
 @given(config=_configs, how=st.sampled_from(["json", "yaml"]), via_token_file=st.booleans())
 def test_any_valid_config_round_trips(config: Config, how: str, via_token_file: bool) -> None:
-    data = config_parse.unstructure(config)
+    data = config_convert.unstructure(config)
     assert data["token"] == config.token  # the real token, not resolved_json's mask
     with tempfile.TemporaryDirectory() as tmp:
         if via_token_file and config.token is not None:

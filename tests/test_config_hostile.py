@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from rc_worker.cli import main
-from rc_worker.config import config_warnings, load_config
-from rc_worker.errors import ConfigError
+from rc_worker.config_load import load_config
+from rc_worker.core.config import config_warnings
+from rc_worker.core.errors import ConfigError
 
 
 def _write(tmp_path: Path, text: str) -> Path:

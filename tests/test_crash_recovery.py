@@ -28,9 +28,9 @@ from typing import Any, BinaryIO
 import trio
 from hypercorn.trio import serve as hypercorn_serve
 
-from rc_worker.config import WORKER_ENV_VARS
 from rc_worker.controller import Store, StoreConfig, create_app
 from rc_worker.controller.serve import hypercorn_config
+from rc_worker.core.config import WORKER_ENV_VARS
 from rc_worker.host import LinuxHost
 
 HOST = "crash-host"

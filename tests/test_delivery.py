@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 
 from rc_worker import client as client_module
 from rc_worker import outbox as outbox_module
-from rc_worker.config import Config, DeviceConfig
 from rc_worker.controller import Store, StoreConfig
 from rc_worker.controller.messages import Event, JobInfo
+from rc_worker.core.config import Config, DeviceConfig
 from rc_worker.spool import TRUNCATION_MARKER, JobDir, OutputSpool, ensure_state_dir
 from rc_worker.testing import WORKER_TOKEN, LocalSystem, local_system, make_config
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.durations import (
+from rc_worker.core.durations import (
     DURATION_HELP,
     SIZE_HELP,
     format_duration,

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import trio
 
-from rc_worker.config import DeviceConfig, GpuHealthConfig
 from rc_worker.controller import create_app, rc_cli
+from rc_worker.core.config import DeviceConfig, GpuHealthConfig
 from rc_worker.testing import USER_TOKEN, LocalSystem, local_system, make_config
 
 FAKE = Path(__file__).parent / "probe_helpers" / "fake_gpu_smi.py"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import trio
@@ -204,3 +205,13 @@ def test_a_pin_reaches_its_process_and_nothing_after_it_is_gone() -> None:
         finally:
             child.kill()
     assert host.pin(child.pid, row.start_time) is None
+
+
+def test_the_real_host_keeps_its_files_on_the_real_disk_and_draws_fresh_ids(
+    tmp_path: Path,
+) -> None:
+    host = LinuxHost()
+    host.store.write_synced(tmp_path / "f", b"data")
+    assert (tmp_path / "f").read_bytes() == b"data"
+    assert host.store.which("sh", os.defpath) is not None
+    assert host.new_rng().getrandbits(64) != host.new_rng().getrandbits(64)

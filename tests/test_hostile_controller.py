@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
-from rc_worker.errors import AssignmentError
-from rc_worker.model import check_controller_url, parse_assignment
+from rc_worker.core.errors import AssignmentError
+from rc_worker.core.model import check_controller_url, parse_assignment
 from rc_worker.testing import make_config
 from rc_worker.worker import Worker
 

@@ -12,19 +12,15 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from rc_worker.labels import (
-    DROPIN_STDOUT_CAP,
+from rc_worker.core.dropin_output import DROPIN_STDOUT_CAP, parse_dropin_output
+from rc_worker.core.gpu_query import (
     NVIDIA_SMI,
-    ProbeResult,
-    SourceFacts,
     gpu_scope,
-    labels_payload,
-    merge_sources,
     normalize_bus_id,
     nvidia_smi_facts,
-    parse_dropin_output,
     parse_gpu_query,
 )
+from rc_worker.core.labels import ProbeResult, SourceFacts, labels_payload, merge_sources
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 GPUS8 = tuple(f"gpu{n}" for n in range(8))

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from rc_worker.lease import IllegalTransition, Lease
-from rc_worker.model import DeviceState, IdleBehavior, VerifyResult
+from rc_worker.core.lease import IllegalTransition, Lease
+from rc_worker.core.model import DeviceState, IdleBehavior, VerifyResult
 from rc_worker.sweep_report import SweepReport
 
 S = DeviceState

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import trio
 
-from rc_worker.config import DeviceConfig
-from rc_worker.model import VERIFY_REASON_PREFIX, VerifyResult
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.model import VERIFY_REASON_PREFIX, VerifyResult
 from rc_worker.testing import LocalSystem, local_system, make_config
 
 

@@ -29,7 +29,7 @@ async def test_a_longer_grace_is_cut_to_max_grace(
 
 
 def test_max_grace_is_a_config_key_with_a_five_minute_default(tmp_path: Path) -> None:
-    from rc_worker.config_parse import parse_text
+    from rc_worker.core.config_convert import parse_text
 
     plain = parse_text("devices: [gpu0]\n", name="w.yaml", base_dir=tmp_path, read_token=False)
     assert plain.max_grace == 300.0

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from rc_worker.errors import AssignmentError
-from rc_worker.model import assignment_identity, effective_limit, parse_assignment
+from rc_worker.core.errors import AssignmentError
+from rc_worker.core.model import assignment_identity, effective_limit, parse_assignment
 
 
 def _raw(**changes: Any) -> dict[str, Any]:

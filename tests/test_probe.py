@@ -17,9 +17,10 @@ import attrs
 import pytest
 import trio
 
-from rc_worker.config import Config, DeviceConfig
+from rc_worker.core.config import Config, DeviceConfig
+from rc_worker.core.gpu_query import NVIDIA_SMI_ARGS
+from rc_worker.core.labels import labels_payload
 from rc_worker.host import LinuxHost
-from rc_worker.labels import NVIDIA_SMI_ARGS, labels_payload
 from rc_worker.probe import ProbePass, Prober, SourceOutcome
 
 HELPERS = Path(__file__).parent / "probe_helpers"

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from rc_worker import client as client_module
 from rc_worker.controller import Store, StoreConfig
+from rc_worker.core.model import Claim
 from rc_worker.host import LinuxHost, ProcessInfo
-from rc_worker.model import Claim
 from rc_worker.recovery import RECOVERY_FILE, decide_claim, recover
 from rc_worker.spool import JobDir, ensure_state_dir, read_json, write_json_durably
 from rc_worker.sweep import NOT_SWEPT, SweepReport

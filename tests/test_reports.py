@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rc_worker.model import Assignment, Outcome, VerifyResult
-from rc_worker.reports import finish_report, lost_report, not_run_report, outcome_of
+from rc_worker.core.model import Assignment, Outcome, VerifyResult
+from rc_worker.core.reports import finish_report, lost_report, not_run_report, outcome_of
 from rc_worker.supervise import Result
 from rc_worker.sweep import SweepReport
 

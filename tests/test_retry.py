@@ -8,7 +8,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.retry import Backoff, RetryLog, is_transient_status, parse_retry_after
+from rc_worker.client import parse_retry_after
+from rc_worker.core.retry import Backoff, RetryLog, is_transient_status
 
 
 @given(seed=st.integers(), tries=st.integers(min_value=1, max_value=60))

@@ -13,7 +13,7 @@ import pytest
 import trio
 from test_signals import RC_WORKER, TOKEN, _wait, worker_process
 
-from rc_worker.errors import ConfigError
+from rc_worker.core.errors import ConfigError
 from rc_worker.statelock import StateDirLock, StateDirLocked
 from rc_worker.testing import local_system, make_config
 

@@ -96,7 +96,7 @@ def test_status_needs_neither_the_token_nor_its_file(
 
 
 async def test_a_status_address_in_use_is_a_clear_error(tmp_path: Path) -> None:
-    from rc_worker.errors import ConfigError
+    from rc_worker.core.errors import ConfigError
 
     with trio.socket.socket() as taken:
         await taken.bind(("127.0.0.1", 0))
@@ -117,7 +117,7 @@ async def test_a_status_address_in_use_is_a_clear_error(tmp_path: Path) -> None:
 
 
 async def test_an_unusable_state_dir_is_a_clear_error(tmp_path: Path) -> None:
-    from rc_worker.errors import ConfigError
+    from rc_worker.core.errors import ConfigError
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from rc_worker.model import VERIFY_REASON_PREFIX
+from rc_worker.core.model import VERIFY_REASON_PREFIX
 from rc_worker.verify import run_verify
 
 

@@ -23,8 +23,8 @@ from rc_worker.controller.messages import (
     JobSpec,
     SheetInfo,
 )
-from rc_worker.controller.selectors import Selector, SelectorError, parse_selector, parse_size
 from rc_worker.controller.store import Store, StoreConfig
+from rc_worker.core.selectors import Selector, SelectorError, parse_selector, parse_size
 
 __all__ = [
     "ApiError",

@@ -26,7 +26,7 @@ from rc_worker.controller.durable import Durability, DurableMiddleware
 from rc_worker.controller.errors import ApiError
 from rc_worker.controller.metrics import metrics_endpoint
 from rc_worker.controller.store import Store
-from rc_worker.model import PROTOCOL_VERSION
+from rc_worker.core.model import PROTOCOL_VERSION
 
 __all__ = ["create_app"]
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from rc_worker.controller.messages import JobSpec, RegisterRequest
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
-from rc_worker.controller.selectors import parse_selector
+from rc_worker.core.selectors import parse_selector
 
 if TYPE_CHECKING:
     from rc_worker.controller.state import StoreState

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rc_worker.errors import RcWorkerError
+from rc_worker.core.errors import RcWorkerError
 
 __all__ = [
     "ApiError",

@@ -36,7 +36,7 @@ from typing import Final
 
 import attrs
 
-from rc_worker.controller.selectors import Selector, Term
+from rc_worker.core.selectors import Selector, Term
 
 __all__ = ["Candidate", "Pending", "explain"]
 

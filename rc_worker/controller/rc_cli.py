@@ -25,7 +25,7 @@ from typing import Any, cast
 import httpx
 import trio
 
-from rc_worker import boundedjson, completion
+from rc_worker import completion
 from rc_worker._version import __version__
 from rc_worker.controller import rc_follow
 from rc_worker.controller import rc_format as fmt
@@ -45,7 +45,8 @@ from rc_worker.controller.serve import serve
 from rc_worker.controller.standby import Leader, guard_lead, wait_to_lead
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
-from rc_worker.durations import DURATION_HELP, parse_duration, parse_size
+from rc_worker.core import boundedjson
+from rc_worker.core.durations import DURATION_HELP, parse_duration, parse_size
 
 log = logging.getLogger("rc_worker.controller")
 

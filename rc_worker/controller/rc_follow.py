@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import trio
 
-from rc_worker import boundedjson
 from rc_worker.controller.messages import TERMINAL_STATES
-from rc_worker.durations import format_duration
+from rc_worker.core import boundedjson
+from rc_worker.core.durations import format_duration
 
 EXIT_CONTROLLER_GONE = 3
 RETRY_FIRST_S = 0.25

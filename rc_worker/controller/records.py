@@ -17,7 +17,7 @@ from rc_worker.controller.messages import (
     JobSpec,
     Verify,
 )
-from rc_worker.controller.selectors import Selector
+from rc_worker.core.selectors import Selector
 
 # The recommended step of a fault that arrives without one (an older worker,
 # or a fault the controller derives from a finish). Mirrors the worker's table.

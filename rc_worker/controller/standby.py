@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rc_worker.controller.serve import hypercorn_config
-from rc_worker.model import PROTOCOL_VERSION
+from rc_worker.core.model import PROTOCOL_VERSION
 
 __all__ = ["LEAD_CHECK_S", "STANDBY_TRY_S", "Leader", "guard_lead", "standby_app", "wait_to_lead"]
 

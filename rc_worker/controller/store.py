@@ -54,10 +54,10 @@ from rc_worker.controller.pending import Candidate, Pending, explain
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
-from rc_worker.controller.selectors import SelectorError, parse_selector
 from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState
 from rc_worker.controller.validate import check_job
-from rc_worker.model import PROTOCOL_VERSION
+from rc_worker.core.model import PROTOCOL_VERSION
+from rc_worker.core.selectors import SelectorError, parse_selector
 
 __all__ = ["Store", "StoreConfig"]
 

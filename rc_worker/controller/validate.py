@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from rc_worker import boundedjson
 from rc_worker.controller.errors import BadRequest
+from rc_worker.core import boundedjson
 
 __all__ = [
     "MAX_COMMAND_ARGS",

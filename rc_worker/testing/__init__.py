@@ -32,10 +32,10 @@ import attrs
 import httpx
 import trio
 
-from rc_worker.config import Config, DeviceConfig, GpuHealthConfig
 from rc_worker.controller import create_app
 from rc_worker.controller.messages import DeviceInfo, JobInfo
 from rc_worker.controller.store import Store, StoreConfig
+from rc_worker.core.config import Config, DeviceConfig, GpuHealthConfig
 from rc_worker.host import Host
 from rc_worker.worker import Worker
 

@@ -53,12 +53,12 @@ import httpx
 import trio
 import trio.testing
 
-from rc_worker.config import Config, DeviceConfig
 from rc_worker.controller import create_app
 from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
-from rc_worker.labels import gpu_scope
+from rc_worker.core.config import Config, DeviceConfig
+from rc_worker.core.gpu_query import gpu_scope
 from rc_worker.testing.sim import Script, SimHost, SimProcess
 from rc_worker.worker import Worker
 

@@ -38,6 +38,17 @@ run while it is cancelled) has no effect, since a SIGKILLed process runs no
 code at all. :meth:`SimHost.worker_started` is the next worker process;
 :meth:`SimHost.reboot` ends everything and changes the boot id.
 
+Its files are in memory (:class:`~rc_worker.testing.simdisk.SimDisk`, as
+``host.disk``, which is also ``host.store``): the worker's state directory, and
+a file at the path of each program registered under one (so that drop-in
+listings and ``which`` find it). Faults of the disk are injected there (a full
+disk, a torn write at :meth:`SimHost.power_loss`, a directory that vanishes).
+
+The parts live in their own modules, every name re-exported here:
+``sim_script`` (:class:`Script` and its steps), ``sim_pipe`` (:class:`SimPipe`),
+``sim_process`` (:class:`SimProcess`), ``sim_cgroup`` (the cgroup v2 tree) and
+``simdisk``.
+
 Process tasks run as Trio system tasks, so a SimHost needs no nursery; they
 end with the run. Only ``trio.sleep`` and ``trio.current_time`` are used: no
 threads, no real I/O.
@@ -46,17 +57,32 @@ threads, no real I/O.
 from __future__ import annotations
 
 import errno
+import random
 import signal
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TypeVar
 
-import attrs
 import trio
 
 from rc_worker.cgroup import Containment
 from rc_worker.host import HostProcess, ProcessInfo, ProcessPin, RunAs
+from rc_worker.statestore import StateStore
 from rc_worker.testing.sim_cgroup import SimCgroupFs
+from rc_worker.testing.sim_pipe import DEFAULT_PIPE_CAPACITY, SimPipe, _BrokenPipe, _PipeWriter
+from rc_worker.testing.sim_process import SimProcess, _SimHandle, _SimPin
+from rc_worker.testing.sim_script import (
+    EchoStdin,
+    Fork,
+    Hang,
+    HostFacts,
+    OnSigterm,
+    Script,
+    Sleep,
+    Step,
+    Write,
+)
+from rc_worker.testing.simdisk import SimDisk
 
 T = TypeVar("T")
 
@@ -76,9 +102,6 @@ __all__ = [
     "Write",
 ]
 
-DEFAULT_PIPE_CAPACITY = 4096
-"""Bytes a simulated pipe holds: small, so that backpressure is exercised."""
-
 INIT_PID = 1
 
 CLOCK_TICKS = 100
@@ -87,423 +110,6 @@ CLOCK_TICKS = 100
 # Signals whose default action is to do nothing; everything else not handled
 # below kills, as the default disposition does.
 _IGNORED_BY_DEFAULT = frozenset({signal.SIGCHLD, signal.SIGCONT, signal.SIGURG, signal.SIGWINCH})
-
-
-# -- scripts ------------------------------------------------------------------
-
-
-@attrs.frozen
-class Sleep:
-    """Run (asleep, state ``S``) for ``seconds`` of virtual time."""
-
-    seconds: float
-
-
-@attrs.frozen
-class Write:
-    """Write ``data`` to stdout, or to stderr (which is stdout unless spawned separate).
-
-    ``repeat`` writes it that many times over, in one go: a big output that
-    still reads (and prints in a failing example) in one line.
-    """
-
-    data: bytes
-    stderr: bool = False
-    repeat: int = 1
-
-    @property
-    def payload(self) -> bytes:
-        return self.data * self.repeat
-
-
-@attrs.frozen
-class Hang:
-    """Uninterruptible sleep (state ``D``) for ``seconds``; ``math.inf`` for ever.
-
-    Signals sent meanwhile are held and acted on when it ends: a SIGKILL
-    then kills at once. This is the process that survives SIGKILL.
-    """
-
-    seconds: float
-
-
-@attrs.frozen
-class EchoStdin:
-    """Read standard input to its end, writing each piece to stdout as it comes."""
-
-
-@attrs.frozen
-class Fork:
-    """Start ``child`` alongside and carry on at once.
-
-    The child inherits the environment (``RC_JOB_ID`` included). With
-    ``setsid`` it leaves the process group and session (it escapes group
-    teardown); with ``holds_output`` (the default) it holds the parent's
-    stdout and stderr open, else its output goes to ``/dev/null``.
-    """
-
-    child: Script
-    setsid: bool = False
-    holds_output: bool = True
-
-
-@attrs.frozen
-class OnSigterm:
-    """What a process does on SIGTERM.
-
-    The default dies of it. ``ignore`` ignores it (only SIGKILL works then);
-    otherwise a handler runs ``delay`` seconds (the rest of the script does
-    not), then exits with ``exit_code``, or dies of the signal when ``None``.
-    """
-
-    ignore: bool = False
-    delay: float = 0.0
-    exit_code: int | None = None
-
-
-def _steps(steps: Iterable[Step]) -> tuple[Step, ...]:
-    return tuple(steps)
-
-
-@attrs.frozen
-class Script:
-    """What a simulated process does: ``steps`` in order, then exit with ``exit_code``.
-
-    Frozen and built from frozen parts, so scripts compose (:meth:`then`) and
-    hypothesis can build them (``st.builds(Script, ...)``). ``environ_readable``
-    False makes the process's environment unreadable to the worker (another
-    user's process, for a worker that is not root): sweeps go blind.
-    ``uid`` is the owner the process table shows.
-    """
-
-    steps: tuple[Step, ...] = attrs.field(default=(), converter=_steps)
-    exit_code: int = 0
-    on_sigterm: OnSigterm = OnSigterm()
-    environ_readable: bool = True
-    uid: int = 0
-
-    @classmethod
-    def sleeping(cls, seconds: float, *, exit_code: int = 0) -> Script:
-        """Run ``seconds`` of virtual time, print nothing, exit with ``exit_code``."""
-        return cls((Sleep(seconds),), exit_code=exit_code)
-
-    @classmethod
-    def printing(cls, *chunks: tuple[float, bytes], exit_code: int = 0) -> Script:
-        """Print each ``(at, data)`` at ``at`` seconds after the start (in order), then exit."""
-        steps: list[Step] = []
-        now = 0.0
-        for at, data in chunks:
-            if at > now:
-                steps.append(Sleep(at - now))
-                now = at
-            steps.append(Write(data))
-        return cls(steps, exit_code=exit_code)
-
-    def then(self, *steps: Step) -> Script:
-        """This script with ``steps`` appended."""
-        return attrs.evolve(self, steps=(*self.steps, *steps))
-
-    def exiting(self, exit_code: int) -> Script:
-        return attrs.evolve(self, exit_code=exit_code)
-
-    def ignoring_sigterm(self) -> Script:
-        return attrs.evolve(self, on_sigterm=OnSigterm(ignore=True))
-
-    def on_term(self, delay: float, exit_code: int | None = 0) -> Script:
-        """On SIGTERM, stop, spend ``delay`` seconds cleaning up, then exit."""
-        return attrs.evolve(self, on_sigterm=OnSigterm(delay=delay, exit_code=exit_code))
-
-    @property
-    def duration(self) -> float:
-        """Virtual seconds its own steps take when nothing blocks or signals it."""
-        return sum(s.seconds for s in self.steps if isinstance(s, Sleep | Hang))
-
-    @property
-    def output(self) -> bytes:
-        """What its own steps write (stdout and stderr), forks and stdin left out."""
-        return b"".join(s.payload for s in self.steps if isinstance(s, Write))
-
-
-Step = Sleep | Write | Hang | EchoStdin | Fork
-"""One step of a :class:`Script`."""
-
-
-@attrs.frozen
-class HostFacts:
-    """The built-in facts a SimHost reports; replace ``SimHost.facts`` to change them."""
-
-    hostname: str = "sim-host"
-    kernel: str = "6.1.0-sim"
-    cpu_count: int = 8
-    mem_total_bytes: int = 64 * 2**30
-    disk_free_bytes: int = 500 * 10**9
-
-
-# -- pipes --------------------------------------------------------------------
-
-
-class _BrokenPipe(Exception):
-    """The reader has gone: EPIPE, which a writer's default disposition turns into SIGPIPE."""
-
-
-class SimPipe:
-    """A pipe with a small buffer: one reader, any number of writers.
-
-    ``written`` is every byte that got into the pipe and ``read`` every byte
-    the reader took out, both in order: what a job printed, and what the
-    worker saw of it.
-    """
-
-    def __init__(self, capacity: int = DEFAULT_PIPE_CAPACITY) -> None:
-        if capacity <= 0:
-            raise ValueError(f"a pipe's capacity must be at least 1 byte, got {capacity}")
-        self.capacity = capacity
-        self.written = bytearray()
-        self.read = bytearray()
-        self._buffer = bytearray()
-        self._writers = 0
-        self._reader_open = True
-        self._severed = False
-        self._lot = trio.lowlevel.ParkingLot()
-
-    @property
-    def writers(self) -> int:
-        """How many ends are open for writing."""
-        return self._writers
-
-    def add_writer(self) -> None:
-        self._writers += 1
-
-    def close_writer(self) -> None:
-        self._writers -= 1
-        self._lot.unpark_all()
-
-    def close_reader(self) -> None:
-        self._reader_open = False
-        self._buffer.clear()
-        self._lot.unpark_all()
-
-    def sever(self) -> None:
-        """The reading process died: writers get SIGPIPE, its old end reads EOF."""
-        self._severed = True
-        self.close_reader()
-
-    async def write(self, data: bytes) -> None:
-        """Put all of ``data`` in, blocking while full. Raises ``_BrokenPipe``."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        view = memoryview(data)
-        while view:
-            if not self._reader_open:
-                raise _BrokenPipe
-            room = self.capacity - len(self._buffer)
-            if room <= 0:
-                await self._lot.park()
-                continue
-            piece = bytes(view[:room])
-            view = view[room:]
-            self._buffer += piece
-            self.written += piece
-            self._lot.unpark_all()
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
-    async def receive(self, max_bytes: int) -> bytes:
-        """Up to ``max_bytes``; ``b""`` at end of file (every writer gone)."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            if self._severed:
-                piece = b""
-                break
-            if not self._reader_open:
-                raise trio.ClosedResourceError("this end of the pipe was already closed")
-            if self._buffer:
-                piece = bytes(self._buffer[:max_bytes])
-                del self._buffer[:max_bytes]
-                self.read += piece
-                self._lot.unpark_all()
-                break
-            if self._writers <= 0:
-                piece = b""
-                break
-            await self._lot.park()
-        # Taken before this point, so a cancellation here must not lose it.
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return piece
-
-
-class _PipeReader(trio.abc.ReceiveStream):
-    def __init__(self, pipe: SimPipe) -> None:
-        self._pipe = pipe
-        self._closed = False
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._closed:
-            raise trio.ClosedResourceError("the stream was already closed")
-        return await self._pipe.receive(max_bytes or 65536)
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pipe.close_reader()
-        await trio.lowlevel.checkpoint()
-
-
-class _PipeWriter(trio.abc.SendStream):
-    def __init__(self, pipe: SimPipe) -> None:
-        self._pipe = pipe
-        self._closed = False
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the stream was already closed")
-        try:
-            await self._pipe.write(bytes(data))
-        except _BrokenPipe:
-            raise trio.BrokenResourceError("the process no longer reads its input") from None
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await trio.lowlevel.checkpoint()
-
-    def drop(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pipe.close_writer()
-
-    async def aclose(self) -> None:
-        self.drop()
-        await trio.lowlevel.checkpoint()
-
-
-# -- processes ----------------------------------------------------------------
-
-
-@attrs.define(eq=False)
-class SimProcess:
-    """One process of the simulated table, and its record once it has ended.
-
-    ``signals`` lists every signal delivered to it (0 excluded), in order;
-    ``stdout`` is the pipe it writes to (shared with the forks holding it).
-    """
-
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    argv: tuple[str, ...]
-    environ: Mapping[str, str]
-    script: Script
-    started_at: float
-    spawned_by_worker: bool
-    readable: bool = True
-    started_ticks: int = 0
-    cgroup: str = "/"
-    signalable: bool = True
-    state: str = "R"
-    returncode: int | None = None
-    ended_at: float | None = None
-    reaped: bool = False
-    signals: list[int] = attrs.Factory(list)
-    stdout: SimPipe | None = None
-    stderr: SimPipe | None = None
-    stdin: SimPipe | None = None
-    _auto_reap: bool = False
-    _pending: list[int] = attrs.Factory(list)
-    _handler: OnSigterm | None = None
-    _life: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    _flow: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    _exited: trio.Event = attrs.Factory(trio.Event)
-
-    @property
-    def alive(self) -> bool:
-        """Not yet exited (a zombie has)."""
-        return self.returncode is None
-
-    @property
-    def job_id(self) -> str | None:
-        return self.environ.get("RC_JOB_ID")
-
-    @property
-    def signalled(self) -> bool:
-        """Whether any signal reached it before it ended."""
-        return bool(self.signals)
-
-    @property
-    def start_time(self) -> int:
-        """When it started, in clock ticks since the (simulated) boot."""
-        return self.started_ticks
-
-    def info(self) -> ProcessInfo:
-        return ProcessInfo(
-            self.pid,
-            self.ppid,
-            self.pgid,
-            self.sid,
-            self.state,
-            start_time=self.started_ticks,
-            uid=self.script.uid,
-        )
-
-    def _outputs(self) -> list[SimPipe]:
-        # stderr merged into stdout is one pipe, held once.
-        pipes = [p for p in (self.stdout, self.stderr) if p is not None]
-        return pipes if len(pipes) < 2 or pipes[0] is not pipes[1] else pipes[:1]
-
-
-class _SimHandle:
-    """What ``spawn`` returns: a :class:`~rc_worker.host.HostProcess`."""
-
-    def __init__(
-        self,
-        host: SimHost,
-        proc: SimProcess,
-        stdin: _PipeWriter | None,
-        stdout: SimPipe,
-        stderr: SimPipe | None,
-    ) -> None:
-        self._host = host
-        self._proc = proc
-        self.pid = proc.pid
-        self._stdin_writer = stdin
-        self.stdin: trio.abc.SendStream | None = stdin
-        self.stdout: trio.abc.ReceiveStream = _PipeReader(stdout)
-        self.stderr: trio.abc.ReceiveStream | None = None if stderr is None else _PipeReader(stderr)
-        self._pipes = [p for p in (stdout, stderr) if p is not None]
-
-    @property
-    def returncode(self) -> int | None:
-        # Like trio.Process.returncode (Popen.poll), looking reaps.
-        if self._proc.returncode is not None:
-            self._host._reap(self._proc)
-        return self._proc.returncode
-
-    async def wait(self) -> int:
-        await self._proc._exited.wait()
-        self._host._reap(self._proc)
-        assert self._proc.returncode is not None
-        return self._proc.returncode
-
-    def _sever(self) -> None:
-        for pipe in self._pipes:
-            pipe.sever()
-        if self._stdin_writer is not None:
-            self._stdin_writer.drop()
-
-
-class _SimPin:
-    """A pidfd: it reaches the one process it was opened on, or nothing."""
-
-    def __init__(self, host: SimHost, proc: SimProcess) -> None:
-        self._host = host
-        self._proc: SimProcess | None = proc
-
-    def send_signal(self, sig: int) -> bool:
-        proc = self._proc
-        if proc is None or not self._host.worker_alive or not proc.alive:
-            return False
-        self._host._deliver(proc, sig)
-        return True
-
-    def close(self) -> None:
-        self._proc = None
 
 
 # -- the host -------------------------------------------------------------------
@@ -519,8 +125,14 @@ class SimHost(SimCgroupFs):
         boot_id: str | None = None,
         facts: HostFacts | None = None,
         pipe_capacity: int = DEFAULT_PIPE_CAPACITY,
+        seed: int | str | None = None,
     ) -> None:
         self.name = name
+        self.disk = SimDisk()
+        """Every file of this host, in memory (``simdisk.py``): its faults are injected there."""
+        self.store: StateStore = self.disk
+        self.seed = seed
+        """Seeds each worker process's generator (:meth:`new_rng`); ``None``: fresh entropy."""
         self.facts = facts if facts is not None else HostFacts(hostname=name)
         self.pipe_capacity = pipe_capacity
         self.current_boot_id = boot_id if boot_id is not None else f"{name}-boot-1"
@@ -554,6 +166,9 @@ class SimHost(SimCgroupFs):
         if not name:
             raise ValueError("a program needs a name, e.g. 'train' or '/opt/bin/train'")
         self._programs[name] = script
+        if name.startswith("/"):
+            # A program at a path is a file there too: listed, found by ``which``.
+            self.disk.install(name)
 
     def start(
         self,
@@ -603,6 +218,8 @@ class SimHost(SimCgroupFs):
         if not self.worker_alive:
             return
         self.worker_alive = False
+        self.disk.release_locks(self.worker_pid)
+        self.disk.frozen = True
         for handle in self._handles:
             handle._sever()
         self._handles.clear()
@@ -618,16 +235,28 @@ class SimHost(SimCgroupFs):
         self.worker_died()
         self.worker_pid = self._allocate_pid()
         self.worker_alive = True
+        self.disk.frozen = False
         self.worker_cgroup = self.service_cgroup
         self.containment = None
         return self.worker_pid
 
     def reboot(self, boot_id: str | None = None) -> None:
-        """Power-cycle: every process ends (whatever its state), the boot id changes.
+        """Reboot: every process ends (whatever its state), the boot id changes.
 
-        The worker dies with the rest; call :meth:`worker_started` for the
-        one the service manager starts after the boot.
+        A clean reboot syncs the disks first, so nothing written is lost
+        (:meth:`power_loss` is the other kind). The worker dies with the rest;
+        call :meth:`worker_started` for the one the service manager starts after the boot.
         """
+        self.disk.sync()
+        self._restart_machine(boot_id)
+
+    def power_loss(self, boot_id: str | None = None) -> None:
+        """The machine loses power and boots again: as :meth:`reboot`, but the disk
+        keeps only what was durable (``SimDisk.power_loss``: fsynced data and names)."""
+        self.disk.power_loss()
+        self._restart_machine(boot_id)
+
+    def _restart_machine(self, boot_id: str | None) -> None:
         self.worker_died()
         for proc in list(self._table.values()):
             proc._pending.clear()
@@ -772,6 +401,12 @@ class SimHost(SimCgroupFs):
 
     def own_pid(self) -> int:
         return self.worker_pid
+
+    def new_rng(self) -> random.Random:
+        if self.seed is None:
+            return random.Random()
+        # One stream per worker process: a restart is a new process with new ids.
+        return random.Random(f"{self.seed}/{self.name}/{self.worker_pid}")
 
     async def run_blocking(self, fn: Callable[[], T]) -> T:
         # Inline: a real thread would leave every task blocked for a moment,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rc_worker.controller import Store
 from rc_worker.controller.pending import Candidate, explain
-from rc_worker.controller.selectors import parse_selector
+from rc_worker.core.selectors import parse_selector
 
 from .helpers import USER_TOKEN, FakeWorker, auth
 

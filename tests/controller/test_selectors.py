@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.controller.selectors import (
+from rc_worker.core.selectors import (
     SelectorError,
     parse_number,
     parse_selector,

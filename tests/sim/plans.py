@@ -19,8 +19,8 @@ import attrs
 import trio
 from hypothesis import strategies as st
 
-from rc_worker.config import DeviceConfig
 from rc_worker.controller.errors import NotFound
+from rc_worker.core.config import DeviceConfig
 from rc_worker.testing.fleet import Fault, Fleet
 from rc_worker.testing.sim import Fork, Hang, OnSigterm, Script, Sleep, Step, Write
 

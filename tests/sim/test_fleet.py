@@ -17,8 +17,8 @@ import pytest
 import trio
 from hypothesis import given, note, settings
 
-from rc_worker.config import DeviceConfig
-from rc_worker.retry import Backoff
+from rc_worker.core.config import DeviceConfig
+from rc_worker.core.retry import Backoff
 from rc_worker.testing.fleet import Fault, Fleet, SimulationStalled, SimulationTimedOut, simulate
 from rc_worker.testing.sim import Fork, Hang, Script, Sleep, Write
 

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from rc_worker import worker as worker_module
-from rc_worker.labels import ProbeResult
+from rc_worker.core.labels import ProbeResult
 from rc_worker.testing.fleet import Fleet, simulate
 from rc_worker.testing.sim import Script, Sleep, Write
 

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from rc_worker import device as device_module
-from rc_worker.config import DeviceConfig
+from rc_worker.core.config import DeviceConfig
 from rc_worker.device import DeviceSupervisor
 from rc_worker.hooks import HookOutcome
 from rc_worker.outbox import Outbox

@@ -385,3 +385,14 @@ async def test_a_pid_recycled_between_scan_and_signal_is_never_signalled(
     assert host.newcomer.alive
     assert result.sweep.found == (host.victim,)
     assert result.sweep.clean
+
+
+async def test_a_seeded_host_gives_each_worker_process_its_own_repeatable_ids(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    first, again, unseeded = SimHost(seed=7), SimHost(seed=7), SimHost()
+    draws = [h.new_rng().getrandbits(64) for h in (first, again)]
+    assert draws[0] == draws[1]  # the same seed: the same ids, run after run
+    first.worker_started()  # a new worker process: a stream of its own
+    assert first.new_rng().getrandbits(64) != draws[0]
+    assert unseeded.new_rng().getrandbits(64) != unseeded.new_rng().getrandbits(64)

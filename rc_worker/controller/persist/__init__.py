@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from rc_worker.controller.persist.codec import Batch, Loaded
-from rc_worker.errors import RcWorkerError
+from rc_worker.core.errors import RcWorkerError
 
 __all__ = ["Backend", "MemoryBackend", "StoreOpenError", "StoreWriteError"]
 

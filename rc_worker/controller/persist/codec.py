@@ -19,8 +19,8 @@ import attrs
 from rc_worker.controller.journal import Marks
 from rc_worker.controller.messages import Event, JobSpec, Verify
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
-from rc_worker.controller.selectors import parse_selector
 from rc_worker.controller.state import StoreState
+from rc_worker.core.selectors import parse_selector
 
 __all__ = ["Batch", "JobRow", "Loaded", "restore", "take_batch"]
 

@@ -4,13 +4,14 @@ Capped exponential backoff with full jitter (the AWS architecture blog's
 "full jitter": sleep uniformly in [0, min(cap, base * 2**n)]), so a fleet of
 workers that lost their controller at the same moment do not come back in
 lock-step. A server's ``Retry-After`` is a floor, never ignored.
+
+Pure: the caller gives the time and the random source (``client.py``).
 """
 
 from __future__ import annotations
 
 import email.utils
-import random
-import time
+from typing import Protocol
 
 import attrs
 
@@ -22,8 +23,15 @@ def is_transient_status(status: int) -> bool:
     return status in TRANSIENT_STATUSES or status >= 500
 
 
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+class Uniform(Protocol):
+    """A random source (``random.Random``): the jitter is drawn from it."""
+
+    def uniform(self, a: float, b: float) -> float: ...
+
+
+def retry_after_seconds(value: str | None, *, now: float) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date);
+    ``now`` is the wall-clock time, which an HTTP date is measured against."""
     if value is None:
         return None
     value = value.strip()
@@ -33,8 +41,6 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    # A reported timestamp, not a timeout: the only place wall time is read.
-    now = time.time() if now is None else now
     return max(0.0, when.timestamp() - now)
 
 
@@ -45,7 +51,7 @@ class Backoff:
     base: float = 0.2
     cap: float = 30.0
     retry_after_cap: float = 300.0
-    rng: random.Random = attrs.field(factory=random.Random)
+    rng: Uniform = attrs.field(kw_only=True)
     attempts: int = 0
 
     def next_delay(self, retry_after: float | None = None) -> float:

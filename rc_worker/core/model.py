@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from rc_worker.errors import AssignmentError
+from rc_worker.core.errors import AssignmentError
 
 # Job ids name files in the state directory, so their alphabet is closed.
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

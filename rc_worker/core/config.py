@@ -1,24 +1,16 @@
-"""The worker's configuration: attrs classes, and the loader that validates them.
+"""The worker's configuration: its attrs classes, defaults and environment names (pure).
 
-``load_config`` reads YAML with ruamel's round-trip loader, so every value
-keeps its line and column, structures it with one private cattrs converter,
-and resolves every default once: after it returns, nothing is unset.
-Every problem is a ``ConfigError`` that reads
-``PATH:LINE:COLUMN: key.path: what is wrong; what is expected``.
+The types live here, apart from the converter that builds them
+(``config_convert``), which imports them: the types import nothing of the
+converter; ``rc_worker.config_load`` (the shell) reads the file and the machine.
+After loading, every default is resolved: nothing is unset.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 import attrs
-
-from rc_worker import config_parse
-from rc_worker.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = "/etc/rc/worker.yaml"
 
@@ -59,8 +51,8 @@ WORKER_ENV_VARS = frozenset(
 # no child of it ever sees them.
 FOREIGN_ENV_VARS = frozenset({"RC_USER_TOKEN", "RC_USER_TOKENS", "RC_WORKER_TOKENS", "RC_URL"})
 
-_TRUTHY = frozenset({"1", "true", "yes", "on"})
-_FALSY = frozenset({"0", "false", "no", "off", ""})
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @attrs.frozen
@@ -177,85 +169,6 @@ class Config:
         return tuple(dev.name for dev in self.devices)
 
 
-def config_path(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
-    """The file to read: ``path``, else ``$RC_WORKER_CONFIG``, else the default."""
-    if path is not None:
-        return Path(path)
-    return Path(environ.get(ENV_CONFIG) or DEFAULT_CONFIG_PATH)
-
-
-def load_config(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    need_token: bool = True,
-) -> Config:
-    """Read, validate and resolve the worker's config file.
-
-    ``environ`` (default ``os.environ``) supplies ``RC_WORKER_CONFIG`` (the
-    path, when ``path`` is None) and the overrides ``RC_CONTROLLER_URL``,
-    ``RC_TOKEN``, ``RC_HOST`` and ``RC_REQUIRE_MANUAL_CLEAR``.
-
-    ``need_token=False`` is for tools that never talk to the controller
-    (``rc-worker status``, ``rc-worker probe``): the token file is not read,
-    so an operator can run them without the worker's secret, and a missing
-    token is not an error.
-    """
-    env = os.environ if environ is None else environ
-    file = config_path(path, env)
-    config = _apply_environ(config_parse.parse_file(file, read_token=need_token), env)
-    if need_token and config.controller_url is not None and config.token is None:
-        # Checked after the overrides: RC_TOKEN may be what supplies it.
-        raise ConfigError(
-            f"{file}:1:1: token: controller_url is set but no worker token is; "
-            "expected token, token_file or the RC_TOKEN variable (leave controller_url "
-            "out for an embedded controller)"
-        )
-    return config
-
-
-def load_config_text(text: str, *, name: str = "<string>", base_dir: str = ".") -> Config:
-    """Validate and resolve config ``text`` (no environment overrides); for tests and tools."""
-    return _apply_environ(config_parse.parse_text(text, name=name, base_dir=Path(base_dir)), {})
-
-
-def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
-    changes: dict[str, Any] = {}
-    if env.get(ENV_CONTROLLER_URL):
-        # One URL, or several separated by commas (a standby controller's after the active's).
-        urls = [u.strip() for u in env[ENV_CONTROLLER_URL].split(",")]
-        for url in urls:
-            problem = config_parse.controller_url_problem(url)
-            if problem:
-                raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
-        changes["controller_url"] = urls[0] if len(urls) == 1 else tuple(urls)
-    if env.get(ENV_TOKEN, "").strip():
-        changes["token"] = env[ENV_TOKEN].strip()
-    if env.get(ENV_HOST):
-        host = env[ENV_HOST]
-        problem = config_parse.host_problem(host)
-        if problem:
-            raise ConfigError(f"{ENV_HOST}: {problem}")
-        changes["host"] = host
-    # RC_REQUIRE_MANUAL_CLEAR can only make the worker more cautious: it is
-    # ORed in, never overrides, and an unrecognised value is an error rather
-    # than a silent false (the seed's RequireManualClear comment).
-    if ENV_REQUIRE_MANUAL_CLEAR in env:
-        raw = env[ENV_REQUIRE_MANUAL_CLEAR].strip().lower()
-        if raw in _TRUTHY:
-            changes["require_manual_clear"] = True
-        elif raw not in _FALSY:
-            raise ConfigError(
-                f"{ENV_REQUIRE_MANUAL_CLEAR}: {env[ENV_REQUIRE_MANUAL_CLEAR]!r} is not a boolean; "
-                "expected 1, true, yes or on to switch manual clearing on "
-                "(0, false, no, off or empty change nothing)"
-            )
-    config = attrs.evolve(config, **changes) if changes else config
-    if not config.host:
-        config = attrs.evolve(config, host=socket.gethostname())
-    return config
-
-
 def config_warnings(config: Config, *, euid: int) -> list[str]:
     """What ``check-config`` warns about: settings that work but are unsafe."""
     warnings = []
@@ -301,12 +214,3 @@ def probe_environ(environ: Mapping[str, str]) -> dict[str, str]:
     worker's settings, its token and other people's credentials."""
     drop = WORKER_ENV_VARS | FOREIGN_ENV_VARS
     return {k: v for k, v in environ.items() if k not in drop}
-
-
-def resolved_json(config: Config) -> dict[str, Any]:
-    """The config as JSON-ready data, durations in seconds, the token masked."""
-    data = config_parse.unstructure(config)
-    for secret in ("token", "status_token"):
-        if data.get(secret) is not None:
-            data[secret] = "***"
-    return data

@@ -1,15 +1,53 @@
-"""The bodies of ``finish`` reports (sans-IO)."""
+"""The bodies of ``finish`` reports (sans-IO).
+
+A job's ``Result`` (``supervise.py``) and its ``SweepReport`` (``sweep.py``)
+belong to the shell that produces them; this module reads them through the
+two protocols below, which name exactly the fields a report is made from.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-from rc_worker.model import Assignment, Outcome, VerifyResult
-from rc_worker.supervise import Result
-from rc_worker.sweep import SweepReport
+from rc_worker.core.model import Assignment, Outcome, VerifyResult
 
 
-def sweep_json(sweep: SweepReport | None) -> dict[str, Any] | None:
+class SweepFacts(Protocol):
+    """What a report says of a sweep: the fields of ``sweep.SweepReport``."""
+
+    @property
+    def scanned(self) -> bool: ...
+    @property
+    def found(self) -> tuple[int, ...]: ...
+    @property
+    def remaining(self) -> tuple[int, ...]: ...
+    @property
+    def blind(self) -> bool: ...
+    @property
+    def blind_pids(self) -> tuple[int, ...]: ...
+    @property
+    def method(self) -> str: ...
+
+
+class JobEnd(Protocol):
+    """What a report says of how a job ended: the fields of ``supervise.Result``."""
+
+    @property
+    def exit_code(self) -> int | None: ...
+    @property
+    def killed(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def sweep(self) -> SweepFacts: ...
+    @property
+    def usage(self) -> Mapping[str, int]: ...
+
+
+def sweep_json(sweep: SweepFacts | None) -> dict[str, Any] | None:
     if sweep is None:
         return None
     return {
@@ -37,7 +75,7 @@ def outcome_of(exit_code: int | None, killed: bool, error: str | None, reason: s
 
 def finish_report(
     a: Assignment,
-    result: Result,
+    result: JobEnd,
     *,
     verify: VerifyResult,
     fault_id: str | None,
@@ -91,7 +129,7 @@ def not_run_report(
 
 
 def lost_report(
-    job_id: str, attempt: int, device: str, *, sweep: SweepReport | None, output_bytes: int
+    job_id: str, attempt: int, device: str, *, sweep: SweepFacts | None, output_bytes: int
 ) -> dict[str, Any]:
     """The finish a restarted worker sends, from its journal, for an interrupted job."""
     return {

@@ -24,7 +24,7 @@ from collections.abc import Collection, Mapping
 import attrs
 
 from rc_worker.claim_decision import why_not_clean
-from rc_worker.model import DeviceState, IdleBehavior, VerifyResult
+from rc_worker.core.model import DeviceState, IdleBehavior, VerifyResult
 from rc_worker.sweep_report import SweepReport
 
 S = DeviceState

@@ -1,22 +1,23 @@
 """From YAML text to a resolved ``Config``: the converter, its hooks, and error locations.
 
-Sans-IO apart from reading the file (and a token file) in ``parse_file``.
-The converter's hooks carry the user-facing validation; a failure anywhere
-is walked back to its key path and looked up in the round-trip YAML tree
-for its line and column.
+Sans-IO: what a check needs of the machine (a token file's bytes, whether a
+``job_user`` exists, the HTTP client's opinion of a URL) is asked of a
+``ConfigMachine`` that the shell (``rc_worker.config_load``) supplies, and
+the file itself is read there. The converter's hooks carry the user-facing
+validation; a failure anywhere is walked back to its key path and looked up
+in the round-trip YAML tree for its line and column.
 """
 
 from __future__ import annotations
 
+import errno
 import math
-import os
 import re
-import stat
+import typing
 import warnings
-from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
-from urllib.parse import urlsplit
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import PurePath, PurePosixPath
+from typing import Any, NoReturn
 
 import attrs
 import cattrs
@@ -32,14 +33,11 @@ from ruamel.yaml.error import MarkedYAMLError, ReusedAnchorWarning
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.scalarbool import ScalarBoolean
 
-from rc_worker.cgroup_parse import CGROUP_MODES
-from rc_worker.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
-from rc_worker.errors import ConfigError
-from rc_worker.logs import LOG_FORMATS, LOG_LEVELS
-from rc_worker.names import DEVICE_NAME_HELP, is_device_name, split_label_key
-
-if TYPE_CHECKING:
-    from rc_worker.config import Config, DeviceConfig, HooksConfig
+from rc_worker.core.cgroup_parse import CGROUP_MODES
+from rc_worker.core.config import LOG_FORMATS, LOG_LEVELS, Config, DeviceConfig, HooksConfig
+from rc_worker.core.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
+from rc_worker.core.errors import ConfigError
+from rc_worker.core.names import DEVICE_NAME_HELP, is_device_name, split_label_key
 
 PathKey = tuple[str | int, ...]
 
@@ -118,8 +116,6 @@ def _describe(value: Any) -> str:
 
 
 def _make_converter() -> cattrs.Converter:
-    from rc_worker.config import DeviceConfig
-
     conv = cattrs.Converter(forbid_extra_keys=True)
     conv.register_structure_hook(str, _expect_str)
     conv.register_structure_hook(bool, _expect_bool)
@@ -177,65 +173,63 @@ def unstructure(config: Config) -> dict[str, Any]:
     return data
 
 
-MAX_CONFIG_BYTES = 1 << 20
 MAX_TOKEN_FILE_BYTES = 64 * 1024
 MAX_YAML_DEPTH = 50
 """A worker config nests five levels deep; ruamel recurses per level, so bound it."""
 
 
-def read_regular_file(path: Path, limit: int) -> bytes:
-    """The bytes of ``path``, which must be a regular file of at most ``limit`` bytes.
+def resolved_json(config: Config) -> dict[str, Any]:
+    """The config as JSON-ready data, durations in seconds, the token masked."""
+    data = unstructure(config)
+    for secret in ("token", "status_token"):
+        if data.get(secret) is not None:
+            data[secret] = "***"
+    return data
 
-    Opened non-blocking, so a FIFO cannot hang the worker, and never read past
-    ``limit``, so ``/dev/zero`` cannot exhaust its memory. ``ValueError`` names the
-    problem; ``OSError`` as from ``open``.
+
+def url_shape_problem(url: str) -> str | None:
+    """Why ``url`` is not even shaped like the controller's URL, or None (see
+    ``config_load.controller_url_problem`` for the whole check)."""
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+        return f"{url!r} is not a URL; expected http://HOST:PORT or https://HOST"
+    return None
+
+
+def _no_file(path: str, limit: int) -> bytes:
+    raise OSError(errno.ENOENT, "no machine to read it from", path)
+
+
+@attrs.frozen
+class ConfigMachine:
+    """What checking a config asks of the machine it is for.
+
+    ``rc_worker.config_load.THIS_MACHINE`` answers for real; ``NO_MACHINE``
+    (the default) reads no file, knows every user and checks only a URL's
+    shape, for pure callers and tests.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("is not a regular file (a pipe, a device or a directory)")
-        if st.st_size > limit:
-            raise ValueError(f"is larger than {limit} bytes")
-        chunks = []
-        total = 0
-        while total <= limit:
-            chunk = os.read(fd, limit + 1 - total)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > limit:
-            raise ValueError(f"is larger than {limit} bytes")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+
+    read_file: Callable[[str, int], bytes] = _no_file
+    """The bytes of a regular file of at most the given size; ``ValueError``
+    names the problem, ``OSError`` as from ``open``."""
+    user_problem: Callable[[str], str | None] = lambda _name: None
+    """Why a name cannot be a ``job_user`` here, or None."""
+    url_problem: Callable[[str], str | None] = url_shape_problem
+    """Why a URL cannot be the controller's, or None."""
 
 
-def parse_file(file: Path, *, read_token: bool = True) -> Config:
-    try:
-        text = read_regular_file(file, MAX_CONFIG_BYTES).decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{file}:1:1: (file): no such file; create it, or name another config file "
-            "on the command line or in RC_WORKER_CONFIG"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(
-            f"{file}:1:1: (file): the config {e}; name a regular file of at most 1 MiB"
-        ) from None
-    except OSError as e:
-        raise ConfigError(
-            f"{file}:1:1: (file): cannot read it ({e}); fix its permissions or encoding"
-        ) from None
-    # Relative paths in the file mean "next to this file", wherever the
-    # worker was started from: the directory, absolute and without symlinks.
-    return parse_text(text, name=str(file), base_dir=file.parent.resolve(), read_token=read_token)
+NO_MACHINE = ConfigMachine()
 
 
-def parse_text(text: str, *, name: str, base_dir: Path, read_token: bool = True) -> Config:
-    from rc_worker.config import Config
-
+def parse_text(
+    text: str,
+    *,
+    name: str,
+    base_dir: str | PurePath,
+    read_token: bool = True,
+    machine: ConfigMachine = NO_MACHINE,
+) -> Config:
+    """Validate and resolve config ``text``; relative paths are taken from ``base_dir``,
+    which should be absolute (the shell makes it so)."""
     loc = _Locator(name)
     try:
         with warnings.catch_warnings():
@@ -276,18 +270,18 @@ def parse_text(text: str, *, name: str, base_dir: Path, read_token: bool = True)
         loc.fail_at(("hooks", "timeout"), f"timeout must be more than zero; expected {_POSITIVE}")
     _prepare_devices(loc, data, hooks)
     _prepare_gpu_health(loc, data)
-    _prepare_controller_urls(loc, data)
+    _prepare_controller_urls(loc, data, machine)
     try:
         config: Config = _conv().structure(data, Config)
     except Exception as e:
         _raise_located(loc, e)
-    _check(loc, config)
-    return _resolve_paths(loc, config, base_dir, read_token=read_token)
+    _check(loc, config, machine)
+    return _resolve_paths(
+        loc, config, PurePosixPath(base_dir), read_token=read_token, machine=machine
+    )
 
 
 def _structure_part(loc: _Locator, value: Any, key: str) -> HooksConfig:
-    from rc_worker.config import HooksConfig
-
     try:
         result: HooksConfig = _conv().structure(value, HooksConfig)
     except Exception as e:
@@ -374,7 +368,7 @@ def _prepare_gpu_health(loc: _Locator, data: dict[str, Any]) -> None:
         )
 
 
-def _check(loc: _Locator, config: Config) -> None:
+def _check(loc: _Locator, config: Config, machine: ConfigMachine) -> None:
     if not config.devices:
         loc.fail_at(("devices",), "no devices; expected at least one device name")
     seen: set[str] = set()
@@ -455,7 +449,7 @@ def _check(loc: _Locator, config: Config) -> None:
     if config.token is not None and config.token_file is not None:
         loc.fail_at(("token_file",), "both token and token_file are set; expected only one")
     if isinstance(config.controller_url, str):  # a list's were checked one by one
-        problem = controller_url_problem(config.controller_url)
+        problem = machine.url_problem(config.controller_url)
         if problem:
             loc.fail_at(("controller_url",), problem)
     if config.host:
@@ -485,12 +479,12 @@ def _check(loc: _Locator, config: Config) -> None:
     if config.status_token is not None and not config.status_token.strip():
         loc.fail_at(("status_token",), "the token is empty; expected a token, or leave it out")
     if config.job_user is not None:
-        problem = user_problem(config.job_user)
+        problem = machine.user_problem(config.job_user)
         if problem:
             loc.fail_at(("job_user",), problem)
     for i, dev in enumerate(config.devices):
         if dev.job_user is not None and dev.job_user != config.job_user:
-            problem = user_problem(dev.job_user)
+            problem = machine.user_problem(dev.job_user)
             if problem:
                 loc.fail_at(("devices", i, "job_user"), problem)
 
@@ -552,11 +546,18 @@ def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:
     return label
 
 
-def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token: bool) -> Config:
+def _resolve_paths(
+    loc: _Locator,
+    config: Config,
+    base_dir: PurePosixPath,
+    *,
+    read_token: bool,
+    machine: ConfigMachine,
+) -> Config:
     def resolve(p: str | None) -> str | None:
         if p is None or p == "":
             return p
-        return str(Path(p) if Path(p).is_absolute() else (base_dir / p).absolute())
+        return str(base_dir / p)
 
     changes: dict[str, Any] = {
         k: resolve(getattr(config, k)) for k in _PATH_FIELDS if hasattr(config, k)
@@ -566,9 +567,7 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token:
         changes["token_file"] = token_file
     elif token_file is not None:
         try:
-            token = (
-                read_regular_file(Path(token_file), MAX_TOKEN_FILE_BYTES).decode("utf-8").strip()
-            )
+            token = machine.read_file(token_file, MAX_TOKEN_FILE_BYTES).decode("utf-8").strip()
         except ValueError as e:
             loc.fail_at(
                 ("token_file",), f"the token file {e}; expected a small file holding the token"
@@ -600,7 +599,7 @@ def _resolve_paths(loc: _Locator, config: Config, base_dir: Path, *, read_token:
     return attrs.evolve(config, devices=devices, gpu_health=health, **changes)
 
 
-def _prepare_controller_urls(loc: _Locator, data: dict[str, Any]) -> None:
+def _prepare_controller_urls(loc: _Locator, data: dict[str, Any], machine: ConfigMachine) -> None:
     """``controller_url`` may be a list (the active controller's, then standbys'):
     each is checked where it stands, and a list becomes a tuple."""
     urls = data.get("controller_url")
@@ -613,28 +612,10 @@ def _prepare_controller_urls(loc: _Locator, data: dict[str, Any]) -> None:
     for i, url in enumerate(urls):
         if not isinstance(url, str):
             loc.fail_at(("controller_url", i), f"{url!r} is not a URL; expected http://HOST:PORT")
-        problem = controller_url_problem(url)
+        problem = machine.url_problem(url)
         if problem:
             loc.fail_at(("controller_url", i), problem)
     data["controller_url"] = tuple(urls)
-
-
-def controller_url_problem(url: str) -> str | None:
-    """Why ``url`` cannot be the controller's URL, or None: the same checks as the HTTP
-    client ``rc-worker run`` opens it with, so check-config passes only what run accepts."""
-    bad = f"{url!r} is not a URL; expected http://HOST:PORT or https://HOST"
-    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
-        return bad
-    try:
-        import httpx
-
-        parsed = httpx.URL(url)
-        _ = urlsplit(url).port
-    except (ValueError, httpx.InvalidURL) as e:
-        return f"{bad} ({e})"
-    if not parsed.host:
-        return bad
-    return None
 
 
 def _flow_depth(text: str) -> int:
@@ -681,17 +662,6 @@ def _refuse_tags(name: str, root: Node | None) -> None:
 def host_problem(host: str) -> str | None:
     if not _HOST_RE.fullmatch(host):
         return f"host {host!r} is not valid; expected letters, digits, '.', '_' and '-'"
-    return None
-
-
-def user_problem(name: str) -> str | None:
-    """Why ``name`` cannot be a ``job_user`` on this machine, or None."""
-    import pwd
-
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        return f"no user {name!r} on this machine; expected an existing user such as nobody"
     return None
 
 
@@ -751,10 +721,6 @@ def _raise_located(loc: _Locator, error: BaseException, prefix: PathKey = ()) ->
 
 
 def _expected(path: PathKey) -> str:
-    import typing
-
-    from rc_worker.config import Config
-
     hint: Any = Config
     for part in path:
         if attrs.has(hint) and isinstance(part, str):

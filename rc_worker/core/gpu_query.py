@@ -1,38 +1,20 @@
-"""Probe output and the ProbeResult merger (sans-IO: no Trio, no processes).
+"""nvidia-smi's output as label facts (sans-IO): its CSV, its error cells, and the
+"Unable to determine the device handle" lines that stand in a lost GPU's place.
 
-A probe pass has several sources: the built-in host facts, ``nvidia-smi``,
-and the drop-in executables of ``probe_dir``. The shell in ``probe.py`` runs
-them; this module decides what their output means:
-
-- ``parse_gpu_query`` / ``nvidia_smi_facts``: nvidia-smi's CSV, its error
-  cells, and the "Unable to determine the device handle" lines that stand in
-  a lost GPU's place;
-- ``parse_dropin_output``: one drop-in's JSON object of flat label keys;
-- ``merge_sources``: every source's outcome this pass, plus which devices
-  each drop-in spoke for the last time it worked, into a ``ProbeResult``;
-- ``labels_payload``: the ``PUT /v1/hosts/{host}/labels`` body.
-
-The rule the merger exists for (ARCHITECTURE invariant 4): a device whose
-facts a pass could not confirm is left out of the payload so it keeps its
-previous facts, while host facts from every source that worked are always
-sent. Freezing them on one source's failure once advertised a full disk as
-free and routed a job onto it.
+``parse_gpu_query`` reads the listing; ``nvidia_smi_facts`` turns one run
+into the merger's ``SourceFacts`` (see ``labels``).
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Mapping
 
 import attrs
 
-from rc_worker.names import split_label_key
+from rc_worker.core.labels import SourceFacts
 
 NVIDIA_SMI = "nvidia-smi"
-BUILTIN = "builtin"
-DROPIN_PREFIX = "probe.d/"
 
 # The columns asked for, in order. Parsing is positional unless a header
 # says otherwise, and extra trailing columns are ignored, so the fixtures'
@@ -63,8 +45,6 @@ _GPU_LABELS = {
 }
 _MIB = 2**20
 
-DROPIN_STDOUT_CAP = 64 * 1024
-
 _GPU_DEVICE_RE = re.compile(r"gpu(0|[1-9][0-9]*)")
 _BUS = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]"
 _BUS_RE = re.compile(_BUS)
@@ -75,127 +55,6 @@ _LOST_BUS_FIRST_RE = re.compile(rf"for gpu\s*(?P<bus>{_BUS})", re.IGNORECASE)
 _LOST_INDEX_RE = re.compile(rf"for gpu\s*(?P<index>[0-9]+)\s*:\s*(?P<bus>{_BUS})?", re.IGNORECASE)
 _UINT_RE = re.compile(r"[0-9]+")
 _HEADER_UNIT_RE = re.compile(r"^(?P<name>[^\[]*?)\s*(?:\[(?P<unit>[^\]]*)\])?$")
-
-
-# --------------------------------------------------------------------------
-# Results
-
-
-@attrs.frozen
-class ProbeResult:
-    """What one probe pass produced.
-
-    ``host`` holds host-wide facts; ``device`` has an entry for every declared
-    device (possibly empty); ``unconfirmed`` names the declared devices whose
-    own facts this pass could not confirm, because a source understood to
-    speak for them failed. Those are left out of the label payload, so the
-    controller keeps their previous facts instead of clearing them on a
-    guess. None of the three is ever None.
-    """
-
-    host: Mapping[str, str] = attrs.field(factory=dict)
-    device: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
-    unconfirmed: frozenset[str] = frozenset()
-
-    @property
-    def confirmed(self) -> tuple[str, ...]:
-        """The devices whose facts this pass confirmed, in declared order."""
-        return tuple(d for d in self.device if d not in self.unconfirmed)
-
-
-@attrs.frozen
-class SourceFacts:
-    """One source's outcome this pass, as the merger sees it.
-
-    ``ok`` False means the source failed and none of its output is used.
-    ``unconfirmed`` lets a source that worked in part (nvidia-smi with one
-    GPU lost) name the devices it could not confirm. ``scope`` is the set of
-    devices a source speaks for whatever its history (nvidia-smi's declared
-    ``gpu<N>`` devices; empty for the built-ins); None means it is learned:
-    the devices it named on its last success in this process.
-    """
-
-    name: str
-    ok: bool
-    host: Mapping[str, str] = attrs.field(factory=dict)
-    device: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
-    unconfirmed: frozenset[str] = frozenset()
-    scope: frozenset[str] | None = None
-
-    @classmethod
-    def failed(cls, name: str, scope: frozenset[str] | None = None) -> SourceFacts:
-        return cls(name=name, ok=False, scope=scope)
-
-
-History = Mapping[str, frozenset[str]]
-
-
-@attrs.frozen
-class MergedPass:
-    result: ProbeResult
-    history: History
-
-
-# --------------------------------------------------------------------------
-# The merger
-
-
-def merge_sources(
-    declared: Mapping[str, Mapping[str, str]],
-    sources: Sequence[SourceFacts],
-    history: History,
-) -> MergedPass:
-    """Merge one pass's sources, in order, into a ``ProbeResult`` and the next history.
-
-    ``declared`` maps every declared device, in config order, to its declared
-    labels, which override every probe. A later source overrides an earlier
-    one on the same key. ``history`` maps a learned-scope source's name to
-    the devices it named on its last success; sources that did not run this
-    pass keep theirs, so one that comes back broken still unconfirms what it
-    last spoke for.
-    """
-    host: dict[str, str] = {}
-    device: dict[str, dict[str, str]] = {name: {} for name in declared}
-    unconfirmed: set[str] = set()
-    next_history = dict(history)
-    for source in sources:
-        if not source.ok:
-            # A source never seen to work speaks for nothing: its failure
-            # must not freeze devices it may never have described, or their
-            # labels could never be cleared.
-            reach = source.scope if source.scope is not None else history.get(source.name)
-            unconfirmed.update(reach or ())
-            continue
-        host.update(source.host)
-        for name, facts in source.device.items():
-            if name in device:
-                device[name].update(facts)
-        unconfirmed.update(source.unconfirmed)
-        if source.scope is None:
-            spoke = set(source.device) | source.unconfirmed
-            next_history[source.name] = frozenset(spoke & declared.keys())
-    for name, labels in declared.items():
-        device[name].update(labels)
-    result = ProbeResult(
-        host=host, device=device, unconfirmed=frozenset(unconfirmed & declared.keys())
-    )
-    return MergedPass(result=result, history=next_history)
-
-
-def labels_payload(result: ProbeResult) -> dict[str, Any]:
-    """The body of ``PUT /v1/hosts/{host}/labels`` (less the session).
-
-    Host facts always; every confirmed device, an empty map included (that
-    clears its facts); unconfirmed devices left out, so they keep theirs.
-    """
-    return {
-        "host": dict(result.host),
-        "devices": {name: dict(result.device[name]) for name in result.confirmed},
-    }
-
-
-# --------------------------------------------------------------------------
-# nvidia-smi
 
 
 def gpu_scope(device_names: Collection[str]) -> dict[int, str]:
@@ -472,97 +331,3 @@ def text_tail(text: str, limit: int = 200) -> str:
     """The last non-blank lines of ``text``, on one line, at most ``limit`` characters."""
     flat = " | ".join(line.strip() for line in text.splitlines() if line.strip())
     return flat if len(flat) <= limit else "…" + flat[-(limit - 1) :]
-
-
-# --------------------------------------------------------------------------
-# Drop-in probes
-
-
-class _Duplicate(ValueError):
-    pass
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Duplicate(f"key {key!r} appears twice")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, bool):
-        return "a boolean"
-    return "a string or number"
-
-
-def parse_dropin_output(
-    data: bytes, declared_devices: Collection[str]
-) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """One drop-in's stdout as ``(host facts, device facts)``.
-
-    It must be ONE JSON object of flat keys to strings, numbers or booleans:
-    ``true`` becomes ``"true"`` and a number keeps its JSON text. A bare key
-    is host-scoped, ``<device>.<label>`` device-scoped, and that device must
-    be declared. Raises ``ValueError`` with a short reason otherwise; the
-    caller then uses none of the output.
-    """
-    if len(data) > DROPIN_STDOUT_CAP:
-        raise ValueError(f"output over the {DROPIN_STDOUT_CAP}-byte cap")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("not JSON: the output is not UTF-8") from None
-    if not text.strip():
-        raise ValueError("not JSON: the output is empty")
-    try:
-        # Numbers arrive as their own text, so 1.50 stays "1.50" and a large
-        # integer is not rounded through a float.
-        obj = json.loads(
-            text,
-            parse_int=str,
-            parse_float=str,
-            parse_constant=_no_constant,
-            object_pairs_hook=_pairs,
-        )
-    except _Duplicate as e:
-        raise ValueError(f"ambiguous output: {e}") from None
-    except RecursionError:
-        raise ValueError("not JSON we accept: nested too deep") from None
-    except ValueError as e:
-        raise ValueError(f"not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"not a JSON object: got {_kind(obj)}")
-    host: dict[str, str] = {}
-    device: dict[str, dict[str, str]] = {}
-    for key, value in obj.items():
-        if isinstance(value, bool):
-            text_value = "true" if value else "false"
-        elif isinstance(value, str):
-            text_value = value
-        else:
-            raise ValueError(
-                f"key {key!r} holds {_kind(value)}; values must be strings, numbers or booleans"
-            )
-        try:
-            dev, label = split_label_key(key)
-        except ValueError as e:
-            raise ValueError(f"invalid key: {e}") from None
-        if dev is None:
-            host[label] = text_value
-        elif dev not in declared_devices:
-            raise ValueError(f"names undeclared device {dev}")
-        else:
-            device.setdefault(dev, {})[label] = text_value
-    return host, device
