@@ -11,13 +11,13 @@ winds down.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import trio
 
 from rc_worker.client import ControllerClient
 from rc_worker.core.errors import ControllerError
+from rc_worker.core.protocol import CancelOrder
 
 log = logging.getLogger("rc_worker.cancel_watch")
 
@@ -28,7 +28,7 @@ async def watch_cancels(
     client: ControllerClient,
     *,
     held: Callable[[], set[JobRef]],
-    apply: Callable[[Mapping[str, Any]], None],
+    apply: Callable[[CancelOrder], None],
     changed: Callable[[], trio.Event],
     wait_s: Callable[[], float],
     pause_s: Callable[[], float],
@@ -55,7 +55,5 @@ async def watch_cancels(
             await trio.sleep(pause_s())
             continue
         for cancel in cancels:
-            job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
-            if isinstance(job_id, str) and isinstance(attempt, int):
-                known.add((job_id, attempt))
+            known.add((cancel.job_id, cancel.attempt))
             apply(cancel)

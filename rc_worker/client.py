@@ -21,13 +21,26 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import trio
 
-from rc_worker.core import boundedjson
+from rc_worker.core import boundedjson, protocol
 from rc_worker.core.errors import ControllerError, UnknownSession
+from rc_worker.core.protocol import (
+    CancelOrder,
+    DeviceReport,
+    ErrorReply,
+    HeartbeatReply,
+    KnownCancel,
+    OutputReply,
+    PollReply,
+    PollRequest,
+    ProtocolError,
+    RegisterReply,
+    StartRequest,
+)
 from rc_worker.core.retry import Backoff, RetryLog, is_transient_status, retry_after_seconds
 
 log = logging.getLogger("rc_worker.client")
@@ -35,8 +48,16 @@ log = logging.getLogger("rc_worker.client")
 RegisterFn = Callable[["ControllerClient"], Awaitable[None]]
 # Told of every answer: the endpoint's name and the status ("error" when none came).
 AnswerFn = Callable[[str, str], None]
-# A request body, or a function giving it afresh at every try.
-Payload = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+# A request body (a protocol message, or the wire form of one kept on disk), or a
+# function giving it afresh at every try. The client adds the live session.
+Body = Mapping[str, Any] | protocol.Message
+Payload = Body | Callable[[], Body]
+T = TypeVar("T")
+# A heartbeat's device states, or a function giving them afresh at every try.
+DeviceStates = (
+    Mapping[str, DeviceReport | Mapping[str, Any]]
+    | Callable[[], Mapping[str, DeviceReport | Mapping[str, Any]]]
+)
 # Raw bytes, or a function giving a fresh stream of them at every try: a
 # streamed body cannot be replayed, so a retry starts a new one.
 Content = bytes | Callable[[], AsyncIterable[bytes]]
@@ -96,19 +117,19 @@ class ControllerClient:
 
     # -- worker endpoints -------------------------------------------------
 
-    async def register(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+    async def register(self, payload: Body) -> RegisterReply:
         body = await self._call("POST", f"/v1/hosts/{self.host}/register", payload, session=False)
         session = body.get("session")
         if not isinstance(session, str) or not session:
             raise ControllerError(200, "bad_response", "register answered without a session")
+        reply = _reply("register", body, RegisterReply)
         self.session = session
         self._generation += 1
-        return body
+        return reply
 
-    async def heartbeat(
-        self, devices: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
-    ) -> dict[str, Any]:
-        """Report device states; pass a callable to have them read afresh at every try.
+    async def heartbeat(self, devices: DeviceStates) -> dict[str, Any]:
+        """Report device states; the answer as it came (:meth:`heartbeat_reply` gives
+        it as its message). Pass a callable to have them read afresh at every try.
 
         A heartbeat retried through an outage, or resent after registering
         again, must not carry the states of before: the controller drops a
@@ -122,52 +143,60 @@ class ControllerClient:
 
         return await self._call("POST", f"/v1/hosts/{self.host}/heartbeat", body)
 
+    async def heartbeat_reply(self, devices: DeviceStates) -> HeartbeatReply:
+        """:meth:`heartbeat`, its answer as the protocol's message (a malformed one is a
+        ``ControllerError`` naming the field)."""
+        return _reply("heartbeat", await self.heartbeat(devices), HeartbeatReply)
+
     async def poll(
         self, ready: list[str], wait_s: float, withdrawn: list[str] | None = None
-    ) -> list[Any]:
+    ) -> list[object]:
         """Long-poll for assignments to ``ready``; ``withdrawn`` names devices an
-        earlier poll still parked listed that are no longer offerable."""
-        payload: dict[str, Any] = {"ready": ready, "wait_s": wait_s}
-        if withdrawn:
-            payload["withdrawn"] = withdrawn
+        earlier poll still parked listed that are no longer offerable. Each
+        assignment comes back raw: the worker checks each on its own."""
+        payload = PollRequest(
+            protocol.NO_SESSION, ready=tuple(ready), wait_s=wait_s, withdrawn=tuple(withdrawn or ())
+        )
         body = await self._call(
             "POST",
             f"/v1/hosts/{self.host}/poll",
             payload,
             read_timeout=wait_s + POLL_SLACK_S,
         )
-        assignments = body.get("assignments", [])
-        return assignments if isinstance(assignments, list) else []
+        return list(_reply("poll", body, PollReply).assignments)
 
     async def watch_cancels(
         self, known: list[tuple[str, int]], wait_s: float
-    ) -> list[Mapping[str, Any]]:
+    ) -> tuple[CancelOrder, ...]:
         """A long poll for no device that answers as soon as a cancel not in ``known``
         exists for this host's jobs (``watch_cancels``, docs/protocol.md): a cancel
         reaches a running job without waiting for the next heartbeat."""
         body = await self._call(
             "POST",
             f"/v1/hosts/{self.host}/poll",
-            {
-                "ready": [],
-                "wait_s": wait_s,
-                "watch_cancels": True,
-                "known_cancels": [{"job_id": j, "attempt": n} for j, n in known],
-            },
+            PollRequest(
+                protocol.NO_SESSION,
+                wait_s=wait_s,
+                watch_cancels=True,
+                known_cancels=tuple(KnownCancel(j, n) for j, n in known),
+            ),
             read_timeout=wait_s + POLL_SLACK_S,
         )
-        cancels = body.get("cancel", [])
-        return [c for c in cancels if isinstance(c, Mapping)] if isinstance(cancels, list) else []
+        return _reply("poll", body, PollReply).cancel
 
     async def deregister(self) -> None:
         """Tell the controller this worker is leaving on purpose (after a drain)."""
-        await self._call("POST", f"/v1/hosts/{self.host}/deregister", {})
+        await self._call(
+            "POST",
+            f"/v1/hosts/{self.host}/deregister",
+            protocol.DeregisterRequest(protocol.NO_SESSION),
+        )
 
     async def start(self, job_id: str, attempt: int, device: str, boot_id: str) -> None:
         await self._call(
             "POST",
             f"/v1/jobs/{job_id}/start",
-            {"attempt": attempt, "device": device, "boot_id": boot_id},
+            StartRequest(protocol.NO_SESSION, attempt, device, boot_id),
         )
 
     async def output(self, job_id: str, attempt: int, offset: int, data: Content) -> int:
@@ -189,25 +218,30 @@ class ControllerClient:
                 params={"attempt": attempt, "offset": offset},
             )
         except ControllerError as e:
-            if e.status == 409 and e.code == "gap" and isinstance(e.body.get("committed"), int):
-                committed: int = e.body["committed"]
-                return committed
+            if e.status == 409 and e.code == "gap":
+                try:
+                    return protocol.structure(e.body, OutputReply).committed
+                except ProtocolError:
+                    pass
             raise
-        answer = body.get("committed")
-        if not isinstance(answer, int):
-            raise ControllerError(200, "bad_response", "output answered without 'committed'")
-        return answer
+        try:
+            return protocol.structure(body, OutputReply).committed
+        except ProtocolError:
+            raise ControllerError(
+                200, "bad_response", "output answered without 'committed'"
+            ) from None
 
-    async def finish(self, job_id: str, report: Mapping[str, Any]) -> None:
+    async def finish(self, job_id: str, report: Body) -> None:
+        """Send a ``finish`` (the wire form the outbox keeps on disk, or the message)."""
         await self._call("POST", f"/v1/jobs/{job_id}/finish", report)
 
-    async def fault(self, device: str, report: Mapping[str, Any]) -> None:
+    async def fault(self, device: str, report: Body) -> None:
         await self._call("POST", f"/v1/hosts/{self.host}/devices/{device}/fault", report)
 
-    async def put_labels(self, payload: Mapping[str, Any]) -> None:
+    async def put_labels(self, payload: Body) -> None:
         await self._call("PUT", f"/v1/hosts/{self.host}/labels", payload)
 
-    async def put_sheets(self, sheets: Mapping[str, Any]) -> None:
+    async def put_sheets(self, sheets: Body) -> None:
         await self._call("PUT", f"/v1/hosts/{self.host}/sheets", sheets)
 
     async def stdin(self, url: str) -> AsyncIterator[bytes]:
@@ -354,7 +388,9 @@ class ControllerClient:
     ) -> dict[str, Any]:
         json_body: dict[str, Any] | None = None
         if payload is not None:
-            json_body = dict(payload() if callable(payload) else payload)
+            wire = protocol.to_wire(payload() if callable(payload) else payload)
+            assert isinstance(wire, dict)
+            json_body = wire
             if session:
                 json_body["session"] = self.session
         query = dict(params or {})
@@ -391,6 +427,17 @@ class ControllerClient:
                 return
             log.warning("the controller forgot session %s; registering again", self.session)
             await self._on_unknown_session(self)
+
+
+def _reply(endpoint: str, body: dict[str, Any], cls: type[T]) -> T:
+    """A success's body as its message; one that does not fit is a final error naming
+    the field (a controller that answers like that will not answer better on a retry)."""
+    try:
+        return protocol.structure(body, cls)
+    except ProtocolError as e:
+        raise ControllerError(
+            200, "bad_response", f"{endpoint} answered a malformed body: {e}"
+        ) from None
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
@@ -449,11 +496,15 @@ def _decode(response: httpx.Response, data: bytes) -> dict[str, Any]:
     if 200 <= status < 300:
         return body
     retry_after = parse_retry_after(response.headers.get("Retry-After"))
+    try:
+        said = protocol.structure(body, ErrorReply)
+    except ProtocolError:
+        said = ErrorReply()
     if is_transient_status(status):
-        standby = status == 503 and body.get("error") == "standby"
+        standby = status == 503 and said.error == "standby"
         raise _Transient(f"status {status}", retry_after, status, failover=standby)
-    code = str(body.get("error", "")) or f"http_{status}"
-    message = str(body.get("message", "")) or response.reason_phrase
+    code = said.error or f"http_{status}"
+    message = said.message or response.reason_phrase
     if status == 409 and code == "unknown_session":
         raise UnknownSession(status, code, message, body)
     raise ControllerError(status, code, message, body)

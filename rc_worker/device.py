@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rc_worker.changed import Changed
+from rc_worker.core import protocol
 from rc_worker.core.config import DeviceConfig
 from rc_worker.core.errors import ControllerError
 from rc_worker.core.lease import Lease
@@ -31,6 +32,14 @@ from rc_worker.core.model import (
     VerifyResult,
     effective_limit,
     job_key,
+)
+from rc_worker.core.protocol import (
+    NO_SESSION,
+    DeviceDecl,
+    DeviceReport,
+    FaultRequest,
+    HeldFault,
+    RunningClaim,
 )
 from rc_worker.core.reports import finish_report, not_run_report, stale_offer_report
 from rc_worker.gpu_health import Fault, kind_defaults
@@ -198,17 +207,9 @@ class DeviceSupervisor:
         self.ctx.metrics.quarantines.labels(kind).inc()
         if report:
             severity, action = kind_defaults(kind)
-            body: dict[str, Any] = {
-                "fault_id": fault_id,
-                "kind": kind,
-                "reason": reason,
-                "severity": severity,
-                "action": action,
-                **(extra or {}),
-            }
-            if job_id is not None:
-                body["job_id"] = job_id
-            self.ctx.outbox.fault(self.name, body)
+            fields: dict[str, Any] = {"severity": severity, "action": action, **(extra or {})}
+            body = FaultRequest(NO_SESSION, fault_id, kind, reason, job_id=job_id, **fields)
+            self.ctx.outbox.fault(self.name, protocol.unstructure(body))
         self.lease.add_fault(fault_id)
         self._poke()
         return fault_id
@@ -289,36 +290,38 @@ class DeviceSupervisor:
             entry["linger_left_s"] = round(max(0.0, self._linger_until - trio.current_time()), 3)
         return entry
 
-    def register_claims(self) -> dict[str, Any]:
-        """What this device holds, for ``register`` (protocol 2): the faults, with kind and
-        reason, and the attempt it runs, so a controller that lost its store learns them."""
-        claims: dict[str, Any] = {
-            "faults": [
-                {"fault_id": f, "kind": kind, "reason": reason}
-                for f in sorted(self.lease.faults)
-                for kind, reason in [self.fault_notes.get(f, ("fault", ""))]
-            ]
-        }
+    def register_decl(self, declared_labels: Mapping[str, str]) -> DeviceDecl:
+        """This device for ``register``; with what it holds (protocol 2): the faults, with
+        kind and reason, and the attempt it runs, so a controller that lost its store
+        learns them."""
+        running = None
         if self.lease.job is not None and self.lease.state is S.RUNNING:
             job_id, attempt = self.lease.job
             job_dir = JobDir(self.ctx.root, job_key(job_id, attempt), self.ctx.host.store)
-            claims["running"] = {
-                "job_id": job_id,
-                "attempt": attempt,
-                "output_bytes": job_dir.output_size(),
-                "started_at": self._started_at,
-            }
-        return claims
+            running = RunningClaim(job_id, attempt, job_dir.output_size(), self._started_at)
+        return DeviceDecl(
+            self.name,
+            dict(declared_labels),
+            faults=tuple(
+                HeldFault(f, kind, reason)
+                for f in sorted(self.lease.faults)
+                for kind, reason in [self.fault_notes.get(f, ("fault", ""))]
+            ),
+            running=running,
+        )
+
+    def heartbeat_report(self) -> DeviceReport:
+        job_id, attempt = self.lease.job if self.lease.job is not None else (None, None)
+        return DeviceReport(
+            str(self.lease.state),
+            job_id,
+            attempt,
+            tuple(sorted(self.lease.faults)),
+            self.health_reason() if self.lease.health_hold else None,
+        )
 
     def heartbeat_entry(self) -> dict[str, Any]:
-        entry: dict[str, Any] = {"state": str(self.lease.state)}
-        if self.lease.job is not None:
-            entry["job_id"], entry["attempt"] = self.lease.job
-        if self.lease.faults:
-            entry["faults"] = sorted(self.lease.faults)
-        if self.lease.health_hold:
-            entry["held_for_health"] = self.health_reason()
-        return entry
+        return protocol.unstructure(self.heartbeat_report())
 
     def linger_deadline(self) -> float:
         return self._linger_until if self.lease.state is S.LINGERING else math.inf

@@ -31,6 +31,7 @@ from rc_worker.cgroup import sweep_cgroup
 
 # The decision is pure (claim_decision.py), shared with the lease; re-exported here.
 from rc_worker.claim_decision import decide_claim as decide_claim
+from rc_worker.core import protocol
 from rc_worker.core.model import Claim
 from rc_worker.core.reports import lost_report, sweep_json
 from rc_worker.durable import Committer
@@ -54,15 +55,19 @@ class Recovered:
     sweep: SweepReport
     reboot: bool
 
+    def register_message(self) -> protocol.Recovery:
+        """This claim as a ``recovery`` entry of ``register``."""
+        return protocol.Recovery(
+            self.device,
+            self.job_id,
+            self.attempt,
+            self.boot_id,
+            str(self.claim),
+            sweep_json(self.sweep),
+        )
+
     def register_entry(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "boot_id": self.boot_id,
-            "claim": str(self.claim),
-            "sweep": sweep_json(self.sweep),
-        }
+        return protocol.unstructure(self.register_message())
 
 
 @attrs.frozen

@@ -54,6 +54,17 @@ from rc_worker.core.model import (
     job_key,
     parse_assignment,
 )
+from rc_worker.core.protocol import (
+    NO_SESSION,
+    CancelOrder,
+    DeviceReport,
+    HeartbeatReply,
+    LabelsRequest,
+    LabelsUpdate,
+    RegisterRequest,
+    SheetsRequest,
+    SheetsUpdate,
+)
 from rc_worker.core.reports import not_run_report, stale_offer_report
 from rc_worker.device import DeviceSupervisor
 from rc_worker.durable import Committer
@@ -472,57 +483,48 @@ class Worker:
 
     async def _register(self, client: ControllerClient) -> None:
         assert self._ctx is not None
-        payload: dict[str, Any] = {
-            "worker_version": __version__,
-            "boot_id": self._ctx.boot_id,
-            "pid": self.host.own_pid(),
-            "instance_id": self.instance_id,
-            "protocol": PROTOCOL_VERSION,
-            "devices": [
-                {
-                    "name": d.name,
-                    "declared_labels": dict(d.labels),
-                    **self.devices[d.name].register_claims(),
-                }
-                for d in self.config.devices
-            ],
-            "labels": self._labels,
-            "sheets": self._sheets.read(),
+        labels = self._labels
+        payload = RegisterRequest(
+            boot_id=self._ctx.boot_id,
+            devices=tuple(
+                self.devices[d.name].register_decl(d.labels) for d in self.config.devices
+            ),
+            worker_version=__version__,
+            pid=self.host.own_pid(),
+            instance_id=self.instance_id,
+            labels=_labels_update(labels),
+            sheets=_sheets_update(self._sheets.read()),
             # Only claims whose lost finish is still undelivered: a
             # re-registration must not repeat what the controller settled.
-            "recovery": [
-                r.register_entry()
+            recovery=tuple(
+                r.register_message()
                 for r in self.recovered
                 if self.host.store.exists(self._ctx.root / "jobs" / job_key(r.job_id, r.attempt))
-            ],
-            "require_manual_clear": self.config.require_manual_clear,
-        }
+            ),
+            require_manual_clear=self.config.require_manual_clear,
+            protocol=PROTOCOL_VERSION,
+        )
         answer = await client.register(payload)
-        self._labels_sent = payload["labels"]
+        self._labels_sent = labels
         log.info("registered with the controller as session %s", client.session)
-        theirs = answer.get("protocol")
+        theirs = answer.protocol
         if theirs != PROTOCOL_VERSION:
             log.warning(
                 "the controller speaks protocol %s, this worker %d; upgrade the older one",
                 theirs if theirs is not None else "1 (or older)",
                 PROTOCOL_VERSION,
             )
-        self._heartbeat_interval = _positive(
-            answer.get("heartbeat_interval_s"), self._heartbeat_interval
-        )
-        self._poll_wait = _positive(answer.get("poll_wait_s"), self._poll_wait)
-        devices = answer.get("devices")
-        if isinstance(devices, Mapping):
-            for name, info in devices.items():
-                dev = self.devices.get(name)
-                if dev is None or not isinstance(info, Mapping):
-                    continue
-                if info.get("state") == "quarantined":
-                    ids = info.get("faults") or [info.get("fault_id")]
-                    for fault_id in ids:
-                        if isinstance(fault_id, str) and fault_id:
-                            dev.add_fault(fault_id, str(info.get("reason") or "controller"))
-                self._set_idle(dev, info.get("idle_behavior"))
+        self._heartbeat_interval = _positive(answer.heartbeat_interval_s, self._heartbeat_interval)
+        self._poll_wait = _positive(answer.poll_wait_s, self._poll_wait)
+        for name, info in answer.devices.items():
+            dev = self.devices.get(name)
+            if dev is None:
+                continue
+            if info.state == "quarantined":
+                for fault_id in info.faults or (info.fault_id,):
+                    if fault_id:
+                        dev.add_fault(fault_id, info.reason or "controller")
+            self._set_idle(dev, info.idle_behavior)
         self.registered.set()
 
     # -- loops ----------------------------------------------------------------
@@ -533,41 +535,31 @@ class Worker:
             try:
                 # Read afresh at each try: a retried heartbeat must not carry
                 # the states of before the outage.
-                answer = await client.heartbeat(self._heartbeat_states)
+                answer = await client.heartbeat_reply(self._heartbeat_states)
             except ControllerError as e:
                 log.error("heartbeat refused: %s", e)
                 continue
             self._apply_heartbeat(answer)
 
-    def _heartbeat_states(self) -> dict[str, Any]:
-        return {name: dev.heartbeat_entry() for name, dev in self.devices.items()}
+    def _heartbeat_states(self) -> dict[str, DeviceReport]:
+        return {name: dev.heartbeat_report() for name, dev in self.devices.items()}
 
-    def _apply_heartbeat(self, answer: Mapping[str, Any]) -> None:
-        for cancel in answer.get("cancel") or ():
-            if isinstance(cancel, Mapping):
-                self._apply_cancel(cancel)
-        behaviours = answer.get("idle_behavior")
-        if isinstance(behaviours, Mapping):
-            for name, value in behaviours.items():
-                if name in self.devices:
-                    self._set_idle(self.devices[name], value)
-        cleared = answer.get("cleared")
-        if isinstance(cleared, Mapping):
-            for name, ids in cleared.items():
-                if name in self.devices and isinstance(ids, list):
-                    self.devices[name].clear_faults({str(i) for i in ids})
+    def _apply_heartbeat(self, answer: HeartbeatReply) -> None:
+        for cancel in answer.cancel:
+            self._apply_cancel(cancel)
+        for name, value in answer.idle_behavior.items():
+            if name in self.devices:
+                self._set_idle(self.devices[name], value)
+        for name, ids in answer.cleared.items():
+            if name in self.devices:
+                self.devices[name].clear_faults(set(ids))
         self._poke_poller()
 
-    def _apply_cancel(self, cancel: Mapping[str, Any]) -> None:
-        job_id, attempt = cancel.get("job_id"), cancel.get("attempt")
+    def _apply_cancel(self, cancel: CancelOrder) -> None:
         for dev in self.devices.values():
             # A job that already ended here is not this device's lease job any
             # more: the cancel is ignored and the job keeps its own outcome.
-            dev.cancel(
-                str(job_id),
-                attempt if isinstance(attempt, int) else -1,
-                str(cancel.get("reason") or ""),
-            )
+            dev.cancel(cancel.job_id, cancel.attempt, cancel.reason)
 
     def _held_jobs(self) -> set[tuple[str, int]]:
         return {dev.lease.job for dev in self.devices.values() if dev.lease.job is not None}
@@ -806,7 +798,8 @@ class Worker:
             await self._send_labels(client)
             if self._sheets.changed():
                 try:
-                    await client.put_sheets(self._sheets.read())
+                    sheets = _sheets_update(self._sheets.read())
+                    await client.put_sheets(SheetsRequest(NO_SESSION, sheets))
                 except ControllerError as e:
                     log.error("sheets refused: %s", e)
 
@@ -815,7 +808,8 @@ class Worker:
         if labels == self._labels_sent:
             return
         try:
-            await client.put_labels(labels)
+            update = _labels_update(labels)
+            await client.put_labels(LabelsRequest(NO_SESSION, update.host, update.devices))
         except ControllerError as e:
             log.error("labels refused: %s", e)
             return
@@ -879,6 +873,17 @@ def _state_dir_error(state_dir: str, e: OSError) -> ConfigError:
         f"state_dir: cannot create or use {state_dir} ({e.strerror}); "
         "make it writable by the worker's user, or point state_dir elsewhere"
     )
+
+
+def _labels_update(labels: Mapping[str, Any]) -> LabelsUpdate:
+    """The labels payload (labels.labels_payload) as the protocol's message."""
+    return LabelsUpdate(host=labels.get("host"), devices=labels.get("devices") or {})
+
+
+def _sheets_update(sheets: Mapping[str, Any]) -> SheetsUpdate:
+    """The sheets a ``SheetReader`` read, as the protocol's message: the host's sheet
+    always given (``null`` removes it), each device's when its file exists."""
+    return SheetsUpdate(host=sheets.get("host"), host_given=True, devices=sheets["devices"])
 
 
 def _positive(value: Any, default: float) -> float:

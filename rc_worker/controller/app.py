@@ -13,6 +13,7 @@ import logging
 import secrets
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -27,6 +28,7 @@ from rc_worker.controller.errors import ApiError
 from rc_worker.controller.metrics import metrics_endpoint
 from rc_worker.controller.store import Store
 from rc_worker.core.model import PROTOCOL_VERSION
+from rc_worker.core.protocol import ErrorReply, HealthReply, unstructure
 
 __all__ = ["create_app"]
 
@@ -35,7 +37,8 @@ log = logging.getLogger("rc_worker.controller")
 
 def _error_response(status: int, code: str, message: str, **extra: object) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": code, "message": message, **extra}, status, headers=headers)
+    body = {**unstructure(ErrorReply(code, message)), **extra}
+    return JSONResponse(body, status, headers=headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -69,7 +72,17 @@ async def _health(request: Request) -> Response:
     ctl: Controller = request.app.state.controller
     d = ctl.durability
     store = "memory" if d is None else ("failing" if d.failed else "ok")
-    return JSONResponse({"ok": True, "protocol": PROTOCOL_VERSION, "store": store})
+    # The store's own health: what it is, whether writes work, what the last one cost.
+    reply = HealthReply(PROTOCOL_VERSION, store, ok=store != "failing")
+    if d is not None:
+        reply = attrs.evolve(
+            reply,
+            store_backend=d.backend.description,
+            store_error=d.failed,
+            store_pending=d.dirty(),
+            last_commit_s=d.last_commit_s,
+        )
+    return JSONResponse(unstructure(reply))
 
 
 def create_app(

@@ -15,7 +15,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import anyio
 import attrs
@@ -23,11 +23,11 @@ from starlette.requests import Request
 
 from rc_worker.controller.durable import Durability
 from rc_worker.controller.errors import BadRequest, Forbidden, TooLarge, Unauthorized
-from rc_worker.controller.messages import Event
-from rc_worker.controller.state import OutputElsewhere
+from rc_worker.controller.messages import Event, HeartbeatRequest, RegisterRequest
+from rc_worker.controller.state import ANY, OutputElsewhere
 from rc_worker.controller.stdin import StdinPipes
 from rc_worker.controller.store import Store
-from rc_worker.controller.wire import Fields, decode
+from rc_worker.controller.wire import decode
 
 log = logging.getLogger("rc_worker.controller")
 
@@ -90,27 +90,43 @@ class Principal:
 
 
 class Changes:
-    """Wakes every waiter when the store (or a stdin pipe) changes.
+    """Wakes the waiters a change of the store (or a stdin pipe) can matter to.
 
-    One event per version: a waiter notes :attr:`version`, checks its
-    condition, and waits for the version to move. The event is created lazily
-    so the app can be built outside an event loop.
+    A waiter notes :attr:`version`, checks its condition, and waits on one
+    topic (:func:`~rc_worker.controller.state.host_topic` for a host's long polls,
+    :func:`~rc_worker.controller.state.job_topic` for a job's followers, or
+    :data:`~rc_worker.controller.state.ANY`); a change wakes only the topics it
+    touched (the store says which), plus ``ANY``. One event per topic, made
+    lazily (so the app can be built outside an event loop) and dropped once set:
+    a thousand parked polls cost nothing until their own host changes.
     """
 
     def __init__(self) -> None:
         self.version = 0
-        self._event: anyio.Event | None = None
+        self._events: dict[str, anyio.Event] = {}
+        self.wakes = 0
+        """Waiter events set so far (each wakes every waiter of its topic)."""
 
-    def poke(self) -> None:
+    def poke(self, topics: Collection[str] | None = None) -> None:
+        """Wake the waiters of ``topics`` and of ``ANY``; None wakes every waiter."""
         self.version += 1
-        if self._event is not None:
-            self._event.set()
-            self._event = None
+        if topics is None:
+            events, self._events = list(self._events.values()), {}
+        else:
+            events = [e for t in {*topics, ANY} if (e := self._events.pop(t, None)) is not None]
+        for event in events:
+            event.set()
+        self.wakes += len(events)
 
-    def event(self) -> anyio.Event:
-        if self._event is None:
-            self._event = anyio.Event()
-        return self._event
+    def event(self, topic: str = ANY) -> anyio.Event:
+        event = self._events.get(topic)
+        if event is None:
+            event = self._events[topic] = anyio.Event()
+        return event
+
+    def parked(self) -> int:
+        """Topics with a waiter parked on them now."""
+        return len(self._events)
 
 
 class Controller:
@@ -134,7 +150,10 @@ class Controller:
             self.user_tokens = dict(parse_user_token(t) for t in user_tokens)
         self.webhooks = tuple(webhooks)
         self.changes = Changes()
-        store.subscribe(self.changes.poke)
+        store.subscribe_topics(self.changes.poke)
+        self.housekeeping = False
+        """Set while ``rc serve``'s housekeeping task applies the store's timers: waiters on
+        a host or job topic then leave the timers to it and sleep until their own change."""
         self.loop_seen: float | None = None
         # Since when the store beneath refuses writes (heartbeats are answered 503 then).
         self.store_down_since: float | None = None
@@ -159,6 +178,9 @@ class Controller:
     async def read_output(self, job_id: str, offset: int, limit: int | None = None) -> bytes:
         """A job's committed output from ``offset``: from memory, or from the store beneath
         for what was committed there and dropped from memory."""
+        if self.durability is not None and not self.store.in_memory(job_id):
+            # A finished job whose record left memory: every byte is in the store beneath.
+            return await self.durability.read_output(job_id, offset, limit)
         try:
             return self.store.output(job_id, offset, limit)
         except OutputElsewhere as e:
@@ -174,6 +196,13 @@ class Controller:
         except OutputElsewhere:
             rest = b""  # trimmed further meanwhile: the caller asks again from the new end
         return data + rest
+
+    async def ensure_jobs(self, job_ids: Iterable[str]) -> None:
+        """Bring back into memory the named jobs that only the store beneath holds, before a
+        decision about them (a registration's claims and recovery entries, a heartbeat's
+        reports): without it, a finished job would look never seen, and be adopted."""
+        if self.durability is not None:
+            await self.durability.ensure_jobs(job_ids)
 
     def tick(self) -> float:
         """Apply the store's due timers (lazily, on every request); returns ``now``."""
@@ -215,13 +244,15 @@ class Controller:
             await anyio.sleep(LOOP_WATCH_S)
             self.check_loop(self.now())
 
-    async def wait_change(self, seen: int, deadline: float | None) -> None:
-        """Return once :attr:`Changes.version` differs from ``seen``, ``deadline`` passes, or
-        one of the store's own timers is due (the caller then ticks)."""
+    async def wait_change(self, seen: int, deadline: float | None, topic: str = ANY) -> None:
+        """Return once :attr:`Changes.version` differs from ``seen`` (anything changed since
+        the caller looked), a change touching ``topic`` is made, ``deadline`` passes, or
+        one of the store's own timers is due (the caller then ticks; with housekeeping
+        running, only an ``ANY`` waiter wakes for the timers)."""
         if self.changes.version != seen:
             return
-        event = self.changes.event()
-        until = self.store.next_deadline()
+        event = self.changes.event(topic)
+        until = None if topic != ANY and self.housekeeping else self.store.next_deadline()
         if deadline is not None:
             until = deadline if until is None else min(until, deadline)
         if until is None:
@@ -306,7 +337,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(chunks)
 
 
-async def json_body(request: Request, *, empty_ok: bool = False) -> Fields:
+async def json_body(request: Request, *, empty_ok: bool = False) -> object:
+    """The body as decoded JSON (bounded); :mod:`~rc_worker.controller.wire` gives it its type."""
     return decode(await read_body(request, MAX_JSON_BYTES), empty_ok=empty_ok)
 
 
@@ -325,3 +357,15 @@ def query_int(request: Request, name: str, default: int | None = None) -> int:
     if not -(2**63) <= value < 2**63:
         raise BadRequest(f"{name}: {value} is out of range")
     return value
+
+
+def register_job_ids(req: RegisterRequest) -> list[str]:
+    """The jobs a registration names: its recovery entries and the attempts it claims."""
+    ids = [r.job_id for r in req.recovery]
+    ids += [d.running.job_id for d in req.devices if d.running is not None]
+    return ids
+
+
+def heartbeat_job_ids(req: HeartbeatRequest) -> list[str]:
+    """The jobs a heartbeat reports on."""
+    return [r.job_id for r in req.devices.values() if r.job_id is not None]

@@ -8,27 +8,42 @@ change state are answered only after the commit that holds their change:
 written, every request that changes something waits on the lock, and the next
 commit takes all their changes at once.
 
-When a write fails, the batch is kept (written first next time), the request
-that waited for it gets ``503 store_unavailable`` with ``Retry-After``, and every
-later request that could change state gets the same at once, without touching
-the store, until :meth:`Durability.run` manages a write again.
+When a write fails, its marks go back into the journal (the next commit writes
+them, re-read from the records, with whatever changed since: one batch, however
+long the outage), the request that waited for it gets ``503 store_unavailable``
+with ``Retry-After``, and every later request that could change state gets the
+same at once, without touching the store, until :meth:`Durability.run` manages a
+write again.
+
+Bounded memory: once stored, finished jobs beyond the most recent
+:data:`KEEP_FINISHED` leave memory (:meth:`StoreState.evict_finished`). Reads of
+them (:meth:`Durability.job_info`, :meth:`Durability.jobs_page`, output) go to
+the backend in a thread; a request that acts on one (a late finish, a cancel, a
+claim) first brings it back (:meth:`Durability.ensure_jobs`), and keeps it in
+memory while it runs (:class:`DurableMiddleware` pins it).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
+import re
+import time
+from collections.abc import Iterable
 from typing import Any, Final
 
 import anyio
 import anyio.to_thread
 
-from rc_worker.controller.errors import StoreUnavailable
-from rc_worker.controller.messages import Event
+from rc_worker.controller.errors import NotFound, StoreUnavailable
+from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.persist import Backend, StoreWriteError
-from rc_worker.controller.persist.codec import Batch, take_batch
-from rc_worker.controller.state import StoreState
+from rc_worker.controller.persist.codec import batch_of, stored_job
+from rc_worker.controller.records import Job
+from rc_worker.controller.store import Store
+from rc_worker.core.protocol import ErrorReply, unstructure
 
 __all__ = ["Durability", "DurableMiddleware"]
 
@@ -37,41 +52,58 @@ log = logging.getLogger("rc_worker.controller.durable")
 RETRY_AFTER_S: Final = 2
 RETRY_INTERVAL_S: Final = 1.0
 READ_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+KEEP_FINISHED: Final = 1000
+"""Finished jobs kept in memory once stored (the most recent): late reports about a job
+that just ended are decided without a read from the store."""
+JOB_PATH: Final = re.compile(r"^/v1/jobs/([^/]+)(?:/|$)")
 
 
 class Durability:
     """The store's journal, committed through ``backend``."""
 
-    def __init__(self, store: StoreState, backend: Backend) -> None:
+    def __init__(
+        self, store: Store, backend: Backend, *, keep_finished: int = KEEP_FINISHED
+    ) -> None:
         self.store = store
         self.backend = backend
+        self.keep_finished = keep_finished
         store.journal.enable()
         self.written = store.journal.generation
-        self.pending: list[Batch] = []
         self.failed: str | None = None
         """Why the last write failed; None while writes succeed."""
         self._lock: anyio.Lock | None = None
+        self.last_commit_s: float | None = None
+        """How long the last successful commit took to write (for /v1/health)."""
+        self.busy: collections.Counter[str] = collections.Counter()
+        """Jobs a request in flight uses: never evicted meanwhile."""
 
     def dirty(self) -> bool:
-        return bool(self.pending) or self.store.journal.generation > self.written
+        return self.store.journal.generation > self.written
 
     async def flush(self) -> None:
         """Return once everything changed so far is stored; :class:`StoreUnavailable` if not."""
         target = self.store.journal.generation
-        if target <= self.written and not self.pending:
+        if target <= self.written:
             return
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:
-            if target <= self.written and not self.pending:
+            if target <= self.written:
                 return  # the commit that held the lock before took this change too
-            self.pending.append(take_batch(self.store))
-            batches = list(self.pending)
+            marks, generation = self.store.journal.take()
+            batch = batch_of(self.store, marks, generation)
             try:
                 # Shielded: a request cancelled mid-commit must not leave the outcome unknown.
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.backend.write, batches)
+                    began = time.perf_counter()
+                    await anyio.to_thread.run_sync(self.backend.write, [batch])
+                    self.last_commit_s = time.perf_counter() - began
+                    stats = getattr(self.store, "stats", None)
+                    if stats is not None:
+                        stats.commit_latency.observe(self.last_commit_s)
             except StoreWriteError as e:
+                # Written next time, re-read from the records: batches never pile up.
+                self.store.journal.put_back(marks)
                 if self.failed is None:
                     log.error("%s; answering 503 until it works again", e)
                 self.failed = str(e)
@@ -81,15 +113,85 @@ class Durability:
             if self.failed is not None:
                 log.warning("the store works again (%s)", self.backend.description)
             self.failed = None
-            self.pending.clear()
-            self.written = batches[-1].generation
+            self.written = generation
             # Committed output leaves memory: reads below it go to the backend.
             stored: dict[str, int] = {}
-            for batch in batches:
-                for job_id, off, data in batch.output:
-                    stored[job_id] = max(stored.get(job_id, 0), off + len(data))
+            for job_id, off, data in batch.output:
+                stored[job_id] = max(stored.get(job_id, 0), off + len(data))
             for job_id, upto in stored.items():
                 self.store.trim_output(job_id, upto)
+            # So do stored finished jobs, but the most recent.
+            self.store.evict_finished(self.keep_finished, self.busy)
+
+    # --- finished jobs, read from the backend -----------------------------------------------
+
+    async def _read_job(self, job_id: str) -> Job | None:
+        """A job the store beneath holds, read in a thread; None if it holds none."""
+        try:
+            row = await anyio.to_thread.run_sync(self.backend.read_job, job_id)
+        except StoreWriteError as e:
+            raise StoreUnavailable(f"the controller could not read job {job_id} ({e})") from None
+        return None if row is None else stored_job(row[0], row[1], anyio.current_time())
+
+    async def ensure_jobs(self, job_ids: Iterable[str]) -> None:
+        """Bring the named jobs the store beneath holds back into memory, so that a decision
+        about them is made on their record (ids nobody stored are left unknown)."""
+        wanted = list(dict.fromkeys(job_ids))
+        for job_id in wanted:
+            if self.store.in_memory(job_id):
+                continue
+            job = await self._read_job(job_id)
+            if job is not None and not self.store.in_memory(job_id):
+                self.store.readmit(job)
+        # Room for them, but they stay until the caller's decision (the next commit's
+        # eviction, or the request's end, may drop them then).
+        self.store.evict_finished(self.keep_finished, [*self.busy, *wanted])
+
+    async def job_info(self, job_id: str) -> JobInfo:
+        """A job's record: from memory, else from the store beneath (never brought back)."""
+        if self.store.in_memory(job_id):
+            return self.store.job(job_id)
+        job = await self._read_job(job_id)
+        if job is None:
+            if self.store.in_memory(job_id):  # submitted or brought back meanwhile
+                return self.store.job(job_id)
+            raise NotFound(f"no job {job_id!r}", code="unknown_job")
+        return job.info()
+
+    async def jobs_page(
+        self, state: str | None, *, after: int | None, limit: int | None, newest_first: bool
+    ) -> tuple[list[JobInfo], int | None]:
+        """One page of every job (in memory or only in the store beneath), by ``seq``.
+
+        What is in memory is taken first, then the stored finished jobs, leaving out any
+        job that was in memory then (its record there is the newer one): a job evicted
+        meanwhile was stored before it left, so it is in the read either way.
+        """
+        store = self.store
+        big = limit if limit is not None else 2**62
+        mem, _ = store.jobs_page(state, after=after, limit=big + 1, newest_first=newest_first)
+        merged = [(j.seq, info) for j, info in zip(mem, store.views(mem), strict=True)]
+        known = store.memory_job_ids()
+        cursor, found = after, 0
+        while found <= big:
+            try:
+                rows = await anyio.to_thread.run_sync(
+                    self.backend.read_finished, state, cursor, big + 1, newest_first
+                )
+            except StoreWriteError as e:
+                raise StoreUnavailable(f"the controller could not read jobs ({e})") from None
+            for doc, stored_bytes in rows:
+                job = stored_job(doc, stored_bytes, 0.0)
+                cursor = job.seq
+                if job.job_id not in known:
+                    merged.append((job.seq, job.info()))
+                    found += 1
+            if len(rows) <= big:
+                break  # the store has no more
+        merged.sort(key=lambda pair: pair[0], reverse=newest_first)
+        page = merged[:big]
+        nxt = page[-1][0] if len(merged) > big and page else None
+        return [info for _, info in page], nxt
 
     async def read_events(self, after: int, limit: int) -> list[Event]:
         """Stored events after ``after``, read in a thread."""
@@ -109,17 +211,18 @@ class Durability:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """While the store is failing, retry the kept batch every second; runs until cancelled."""
+        """Store what is not stored yet (changes kept while the store failed, changes no
+        request waited for) every second; runs until cancelled."""
         task_status.started()
         while True:
             await anyio.sleep(RETRY_INTERVAL_S)
-            if self.failed is not None or self.dirty():
+            if self.dirty():
                 with contextlib.suppress(StoreUnavailable):
                     await self.flush()
 
 
 async def _send_503(send: Any, message: str) -> None:
-    body = json.dumps({"error": "store_unavailable", "message": message}).encode()
+    body = json.dumps(unstructure(ErrorReply("store_unavailable", message))).encode()
     await send(
         {
             "type": "http.response.start",
@@ -135,20 +238,48 @@ async def _send_503(send: Any, message: str) -> None:
 
 
 class DurableMiddleware:
-    """ASGI middleware: a request that may change state is answered only once it is stored."""
+    """ASGI middleware: a request that may change state is answered only once it is stored;
+    a request naming a job (``/v1/jobs/{id}/…``) has that job's record in memory while it
+    runs (brought back from the store beneath if it had left, and pinned there)."""
 
     def __init__(self, app: Any, durability: Durability) -> None:
         self.app = app
         self.durability = durability
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] in READ_METHODS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         d = self.durability
-        if d.failed is not None:
+        read_only = scope["method"] in READ_METHODS
+        if not read_only and d.failed is not None:
             await _send_503(send, f"the controller cannot store changes now ({d.failed})")
             return
+        match = JOB_PATH.match(scope.get("path", ""))
+        job_id = None if match is None else match.group(1)
+        if job_id is not None:
+            d.busy[job_id] += 1
+        try:
+            if job_id is not None:
+                try:
+                    await d.ensure_jobs([job_id])
+                except StoreUnavailable as e:
+                    await _send_503(send, e.message)
+                    return
+            if read_only:
+                await self.app(scope, receive, send)
+            else:
+                await self._answer_when_stored(scope, receive, send)
+        finally:
+            if job_id is not None:
+                d.busy[job_id] -= 1
+                if d.busy[job_id] <= 0:
+                    del d.busy[job_id]
+                    # Kept while the request used it: it may leave now (if stored).
+                    d.store.evict_finished(d.keep_finished, d.busy)
+
+    async def _answer_when_stored(self, scope: Any, receive: Any, send: Any) -> None:
+        d = self.durability
         replaced = False
 
         async def send_when_stored(message: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from rc_worker.core.errors import RcWorkerError
+from rc_worker.core.protocol import ErrorReply, unstructure
 
 __all__ = [
     "ApiError",
@@ -41,7 +42,7 @@ class ApiError(RcWorkerError):
         self.extra: dict[str, object] = dict(extra or {})
 
     def to_json(self) -> dict[str, object]:
-        return {"error": self.code, "message": self.message, **self.extra}
+        return {**unstructure(ErrorReply(self.code, self.message)), **self.extra}
 
 
 class BadRequest(ApiError):

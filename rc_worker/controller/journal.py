@@ -60,6 +60,19 @@ class Journal:
             self._marks.output.append((job_id, offset, data))
             self.generation += 1
 
+    def marked_jobs(self) -> set[str]:
+        """Ids of the jobs marked since the last :meth:`take` (not stored yet)."""
+        return self._marks.jobs
+
+    def put_back(self, marks: Marks) -> None:
+        """Marks taken for a commit that failed: merged into the current ones, in order, so
+        the next commit writes them (re-read from the records) with whatever came since."""
+        current, self._marks = self._marks, marks
+        self._marks.jobs |= current.jobs
+        self._marks.hosts |= current.hosts
+        self._marks.events += current.events
+        self._marks.output += current.output
+
     def take(self) -> tuple[Marks, int]:
         """The marks so far and the generation they cover; starts a fresh set."""
         marks, self._marks = self._marks, Marks()

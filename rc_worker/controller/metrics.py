@@ -12,7 +12,11 @@ the app's own, so two controllers in one process never share series):
 - ``rc_controller_device_faults_by_action{kind,action}``: the same, with each
   fault's recommended action (clear, reset, reboot, replace);
 - ``rc_controller_faults_total{kind,action}``: faults raised since start;
-- ``rc_controller_last_event_seq``: the event log's newest sequence number.
+- ``rc_controller_last_event_seq``: the event log's newest sequence number;
+- ``rc_controller_registrations_total{outcome}``, ``rc_controller_dispatch_latency_seconds``,
+  ``rc_controller_queue_wait_seconds``, ``rc_controller_store_commit_seconds``,
+  ``rc_controller_long_polls_parked``, ``rc_controller_webhook_deliveries_total{result}``:
+  what the controller counts about itself (:mod:`rc_worker.controller.stats`).
 
 Counts only: no job ids, no host names, so the endpoint needs no token.
 """
@@ -23,12 +27,18 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
 from rc_worker.controller.pool import DEVICE_STATES, HOST_STATES, device_state, host_states
+from rc_worker.controller.stats import REGISTRATION_OUTCOMES, WEBHOOK_RESULTS, Stats
 from rc_worker.controller.store import Store
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -97,6 +107,50 @@ class StoreCollector(Collector):
         )
         seq.add_metric([], self._store.last_event_seq)
         yield seq
+        yield from _stats_metrics(self._store.stats)
+
+
+def _stats_metrics(stats: Stats) -> Iterator[Metric]:
+    """What the controller counts about itself (:mod:`rc_worker.controller.stats`)."""
+    registrations = CounterMetricFamily(
+        "rc_controller_registrations",
+        "Worker registrations by outcome (registered, recovered, refused).",
+        labels=["outcome"],
+    )
+    for outcome in REGISTRATION_OUTCOMES:
+        registrations.add_metric([outcome], stats.registrations.get(outcome, 0))
+    yield registrations
+    for name, doc, hist in (
+        (
+            "rc_controller_dispatch_latency_seconds",
+            "Seconds from a job's submission to its start.",
+            stats.dispatch_latency,
+        ),
+        (
+            "rc_controller_queue_wait_seconds",
+            "Seconds a job waited in the queue (each time queued) until it was offered.",
+            stats.queue_wait,
+        ),
+        (
+            "rc_controller_store_commit_seconds",
+            "Seconds one group commit took to write to the store beneath (persisted only).",
+            stats.commit_latency,
+        ),
+    ):
+        family = HistogramMetricFamily(name, doc)
+        family.add_metric([], hist.cumulative(), sum_value=hist.sum)
+        yield family
+    parked = GaugeMetricFamily("rc_controller_long_polls_parked", "Worker long polls waiting.")
+    parked.add_metric([], stats.polls_parked)
+    yield parked
+    webhooks = CounterMetricFamily(
+        "rc_controller_webhook_deliveries",
+        "Webhook POST attempts by result (delivered, retried, refused, failed).",
+        labels=["result"],
+    )
+    for result in WEBHOOK_RESULTS:
+        webhooks.add_metric([result], stats.webhook_deliveries.get(result, 0))
+    yield webhooks
 
 
 def metrics_endpoint(store: Store) -> Callable[[Request], Awaitable[Response]]:

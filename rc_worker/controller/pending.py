@@ -38,9 +38,12 @@ import attrs
 
 from rc_worker.core.selectors import Selector, Term
 
-__all__ = ["Candidate", "Pending", "explain"]
+__all__ = ["Candidate", "Pending", "explain", "waiting_reason"]
 
 MAX_LISTED: Final = 3
+MAX_COUNTED: Final = 100
+"""Free devices counted in a ``waiting_for_worker`` reason: past it the reason says "more
+than", so the controller can stop looking (a submit's answer carries the reason)."""
 """Devices named in one reason; the rest are counted, so a reason stays one short line."""
 
 
@@ -144,9 +147,15 @@ def _first_failing(selector: Selector, labels: Mapping[str, str]) -> Term:
 
 
 def _waiting(free: Sequence[Candidate]) -> str:
-    c = free[0]
+    return waiting_reason(free[0], len(free))
+
+
+def waiting_reason(c: Candidate, free: int) -> str:
+    """The ``waiting_for_worker`` reason: ``c`` is the first of ``free`` free devices."""
     state = f" (worker: {c.worker_state})" if c.worker_state not in (None, "free") else ""
-    others = f" (and {len(free) - 1} more)" if len(free) > 1 else ""
+    others = f" (and {free - 1} more)" if free > 1 else ""
+    if free - 1 > MAX_COUNTED:
+        others = f" (and more than {MAX_COUNTED} more)"
     return (
         f"{c.address}{others} is free; waiting for its worker to ask for work{state}, "
         "or for older jobs to take it first"

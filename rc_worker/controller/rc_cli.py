@@ -20,8 +20,9 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Final, cast
 
+import attrs
 import httpx
 import trio
 
@@ -71,6 +72,16 @@ __all__ = [
 
 
 # --- argument parsing -----------------------------------------------------------------------
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1; give N >= 1")
+    return value
 
 
 def _duration(text: str) -> float:
@@ -297,7 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")
     p.add_argument("job", help="job id")
     p.add_argument("--reason", default="", help="why (shown in the job's record)")
-    sub.add_parser("devices", parents=[common], help="list devices")
+    p = sub.add_parser("devices", parents=[common], help="list devices (every one by default)")
+    p.add_argument("--state", help="only devices in this state (free, busy, quarantined, absent)")
+    p.add_argument("--host", help="only the devices of this host")
+    p.add_argument("--select", metavar="SELECTOR", help="only devices this label selector matches")
+    p.add_argument(
+        "--limit", type=_at_least_one, metavar="N", help="the first N (in host/device order)"
+    )
     p = sub.add_parser("sheet", parents=[common], help="print a device's usage sheet")
     p.add_argument("device", type=_address, metavar="HOST/DEVICE", help="the device")
     p = sub.add_parser(
@@ -422,6 +439,27 @@ def run_exit_status(job: Mapping[str, Any]) -> int:
 # --- commands -------------------------------------------------------------------------------
 
 
+DEVICES_PAGE = 1000
+"""Devices asked for per request by ``rc devices``: a large fleet comes in pages."""
+
+
+async def _devices(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any]:
+    """Every device the filters match (or the first ``--limit``), page after page."""
+    params: dict[str, Any] = {
+        k: v for k in ("state", "host", "select") if (v := getattr(args, k)) is not None
+    }
+    out: list[Any] = []
+    after = None
+    while True:
+        want = DEVICES_PAGE if args.limit is None else min(DEVICES_PAGE, args.limit - len(out))
+        page = {**params, "limit": want, **({} if after is None else {"after": after})}
+        body = await _json(client.get("/v1/devices", params=page))
+        out += body["devices"]
+        after = body.get("next")
+        if after is None or (args.limit is not None and len(out) >= args.limit):
+            return out
+
+
 async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
     submitted = await _json(client.post("/v1/jobs", json=_submit_body(args)))
     job_id: str = submitted["job_id"]
@@ -482,7 +520,8 @@ async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
     sink = rc_follow.json_lines if args.json else rc_follow.to_stream(sys.stdout)
     if args.follow:
         reconnect = Reconnect(args.reconnect, str(client.base_url), args.job)
-        await rc_follow.follow_output(client, args.job, args.offset, sink, reconnect)
+        job = await rc_follow.follow_output(client, args.job, args.offset, sink, reconnect)
+        _truncation_marker(job, json_mode=args.json)
         return 0
     # Streamed in chunks: a job's output may be larger than this machine's memory.
     offset = args.offset
@@ -495,14 +534,26 @@ async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
         async for chunk in r.aiter_raw():
             sink(offset, chunk)
             offset += len(chunk)
-    if not args.json:
-        job = await _json(client.get(f"/v1/jobs/{args.job}"))
-        if job.get("output_truncated"):
-            _out(
-                f"\n[rc: output truncated: the controller kept only the first "
-                f"{job.get('committed_bytes')} bytes (rc serve --max-output-bytes)]"
-            )
+    _truncation_marker(await _json(client.get(f"/v1/jobs/{args.job}")), json_mode=args.json)
     return 0
+
+
+def _truncation_marker(job: Any, *, json_mode: bool) -> None:
+    """The last line of ``rc logs`` for a job whose output the controller capped: text, or
+    with ``--json`` one object ``{"output_truncated": true, "committed_bytes": N, ...}``."""
+    if not isinstance(job, dict) or not job.get("output_truncated"):
+        return
+    kept = job.get("committed_bytes")
+    message = (
+        f"output truncated: the controller kept only the first {kept} bytes "
+        "(rc serve --max-output-bytes)"
+    )
+    if json_mode:
+        line = {"output_truncated": True, "committed_bytes": kept, "message": message}
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+    else:
+        _out(f"\n[rc: {message}]")
 
 
 async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
@@ -528,7 +579,7 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         body = await _json(client.post(f"/v1/jobs/{args.job}/cancel", json=payload))
         text = fmt.cancel_result(body)
     elif c == "devices":
-        body = await _json(client.get("/v1/devices"))
+        body = {"devices": await _devices(client, args)}
         text = fmt.devices_table(body["devices"])
     elif c == "sheet":
         body = await _json(client.get("/v1/devices/{}/{}/sheet".format(*args.device)))
@@ -599,6 +650,10 @@ def serve_settings(
     return worker, users
 
 
+PERSISTED_MAX_EVENTS: Final = 10_000
+"""Events ``rc serve`` keeps in memory over a database (all of them stay in the database)."""
+
+
 async def run_serve(
     argv: Sequence[str],
     *,
@@ -637,6 +692,9 @@ async def run_serve(
                 task_status = trio.TASK_STATUS_IGNORED
         durability = None
         if not isinstance(backend, MemoryBackend):
+            # Older events are read from the store when asked for (GET /v1/events, webhooks):
+            # memory holds only the most recent, and a restart loads only those.
+            config = attrs.evolve(config, max_events=PERSISTED_MAX_EVENTS)
             grace, now = args.recovery_grace, trio.current_time()
             store, _ = await trio.to_thread.run_sync(
                 lambda: open_store(backend, config, now=now, recovery_grace_s=grace)

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, cast
 
@@ -57,7 +58,15 @@ async def housekeeping(
 ) -> None:
     """Apply the store's timers as they fall due; runs until cancelled."""
     ctl = _controller(app)
+    ctl.housekeeping = True
     task_status.started()
+    try:
+        await _housekeep(ctl)
+    finally:
+        ctl.housekeeping = False
+
+
+async def _housekeep(ctl: Controller) -> None:
     while True:
         seen = ctl.changes.version
         now = ctl.tick()
@@ -79,19 +88,21 @@ async def retention_pass(app: Starlette, retention_s: float) -> list[str]:
     """One pass of :func:`retention`; returns the ids of the jobs deleted."""
     ctl = _controller(app)
     cutoff = time.time() - retention_s
-    ids = ctl.store.finished_before(cutoff)
-    if not ids:
-        return []
     d = ctl.durability
-    delete = getattr(None if d is None else d.backend, "delete_finished_before", None)
-    try:
-        if delete is not None:
-            await trio.to_thread.run_sync(delete, cutoff)
-    except Exception as e:
-        log.warning("retention: could not delete old jobs: %s", e)
-        return []
-    ctl.store.forget(ids)
-    log.info("retention: deleted %d finished jobs", len(ids))
+    if d is None:
+        ids = ctl.store.finished_before(cutoff)
+        ctl.store.forget(ids)
+    else:
+        # The store beneath holds every finished job (most are not in memory): it decides.
+        try:
+            gone = await trio.to_thread.run_sync(d.backend.delete_finished_before, cutoff)
+        except Exception as e:
+            log.warning("retention: could not delete old jobs: %s", e)
+            return []
+        ctl.store.forget_stored(gone)
+        ids = [job_id for job_id, _ in gone]
+    if ids:
+        log.info("retention: deleted %d finished jobs", len(ids))
     return ids
 
 
@@ -137,9 +148,11 @@ async def _deliver_to(
             await ctl.wait_change(seen, None)
             continue
         for event in events:
-            await _post_event(client, url, event, rng)
+            await _post_event(client, url, event, rng, ctl.store.stats.webhook_deliveries)
             after = event.seq
-            await _save_cursor(ctl, url, after)
+        # One stored cursor per batch, not per event (each is a commit with an fsync): a
+        # restart delivers again at most this batch, which at least once allows.
+        await _save_cursor(ctl, url, after)
 
 
 async def _save_cursor(ctl: Controller, url: str, seq: int) -> None:
@@ -154,8 +167,15 @@ async def _save_cursor(ctl: Controller, url: str, seq: int) -> None:
 
 
 async def _post_event(
-    client: httpx.AsyncClient, url: str, event: Event, rng: random.Random
+    client: httpx.AsyncClient,
+    url: str,
+    event: Event,
+    rng: random.Random,
+    results: Counter[str] | None = None,
 ) -> None:
+    """POST one event, retrying; counts each try's result in ``results`` (see
+    :data:`~rc_worker.controller.stats.WEBHOOK_RESULTS`)."""
+    results = Counter() if results is None else results
     low, high = WEBHOOK_BACKOFF_S
     for attempt in range(1, WEBHOOK_TRIES + 1):
         try:
@@ -169,15 +189,19 @@ async def _post_event(
             problem = f"{type(e).__name__}: {e}"
         else:
             if r.is_success:
+                results["delivered"] += 1
                 return
             problem = f"status {r.status_code}"
             if r.status_code < 500 and r.status_code not in (408, 429):
+                results["refused"] += 1
                 log.warning(
                     "webhook %s refused event %d (%s); skipping it", url, event.seq, problem
                 )
                 return
         if attempt == WEBHOOK_TRIES:
+            results["failed"] += 1
             break
+        results["retried"] += 1
         delay = rng.uniform(0, min(high, low * 2 ** (attempt - 1)))
         log.info("webhook %s, event %d: %s; retrying in %.1fs", url, event.seq, problem, delay)
         await trio.sleep(delay)

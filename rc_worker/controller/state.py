@@ -11,20 +11,44 @@ adds the public operations on top. Sans-IO: no Trio, no anyio; time comes in as
 from __future__ import annotations
 
 import bisect
+import collections
 import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
 from rc_worker.controller.errors import NotFound, StaleAttempt, UnknownSession
 from rc_worker.controller.journal import Journal
+from rc_worker.controller.matching import Address, LabelIndex
 from rc_worker.controller.messages import Event, FaultRequest
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
+from rc_worker.controller.stats import Stats
+from rc_worker.controller.timers import Deadlines
 
-__all__ = ["OutputElsewhere", "StoreConfig", "StoreState"]
+__all__ = ["ANY", "OutputElsewhere", "StoreConfig", "StoreState", "host_topic", "job_topic"]
+
+ANY = "any"
+"""The wake topic every change includes: for waiters that care about anything (the events
+feed, webhooks, housekeeping)."""
+
+
+FEW_CANDIDATES = 64
+"""A queued job with at most this many candidate devices is aimed by looking at them, not at
+the parked polls (a job that matches nothing then costs nothing to queue)."""
+
+
+def host_topic(name: str) -> str:
+    """Wakes the long polls of host ``name``: its devices, sessions or cancels changed, or a
+    queued job was aimed at one of its parked devices."""
+    return f"host/{name}"
+
+
+def job_topic(job_id: str) -> str:
+    """Wakes the followers of job ``job_id``: its output or state changed."""
+    return f"job/{job_id}"
 
 
 class OutputElsewhere(Exception):
@@ -93,6 +117,12 @@ class StoreState:
         self._jobs: dict[str, Job] = {}
         self._queue: list[tuple[int, str]] = []
         self._live: dict[str, Job] = {}
+        # Finished jobs still in memory, oldest finish first. With a persistence layer
+        # beneath, the oldest leave memory once stored (evict_finished); without one
+        # (--memory, simulations) every job stays here.
+        self._finished: dict[str, None] = {}
+        # Finished jobs held only by the store beneath, per state (for /metrics).
+        self._stored_counts: collections.Counter[str] = collections.Counter()
         self._events: deque[Event] = deque(maxlen=self.config.max_events)
         self._counters: dict[str, int] = {}
         # Faults ever raised, by (kind, action): the controller's /metrics.
@@ -100,6 +130,27 @@ class StoreState:
         self._event_seq = 0
         self.version = 0
         self._subscribers: list[Callable[[], None]] = []
+        self._topic_subscribers: list[Callable[[frozenset[str] | None], None]] = []
+        # What the change being made touches (wake topics), flushed by _changed.
+        self._touched: set[str] = set()
+        self._queued_new: list[Job] = []
+        self.last_wake: frozenset[str] | None = None
+        """The topics the last change woke (None: everything); for tests and metrics."""
+        # Indexed matching (rc_worker.controller.matching): label views per device, and
+        # each job's candidate devices, cached against the index's epoch.
+        self._index = LabelIndex()
+        self._job_cands: dict[str, tuple[int, set[Address] | None]] = {}
+        # Devices each host's parked polls list (name -> offer generation), and devices a
+        # queued job was aimed at whose host has not polled since (one job per wake).
+        self._listed: dict[str, dict[str, int]] = {}
+        self._claimed: set[Address] = set()
+        self._timers = Deadlines()
+        self._queued_since: dict[str, float] = {}
+        """Wall-clock time each queued job was (re)queued: its queue wait, for /metrics."""
+        self.stats = Stats()
+        """The controller's counters and histograms (rc_worker.controller.stats)."""
+        self._cancelled: dict[str, Job] = {}
+        """Live jobs with a cancel to deliver (the heartbeat and the poll look only here)."""
         self.journal = Journal()
         """Dirty marks for a persistence layer beneath the store (off unless one enables it)."""
         self.recovery_grace_s: float | None = None
@@ -114,10 +165,160 @@ class StoreState:
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback)
 
+    def subscribe_topics(
+        self, callback: Callable[[frozenset[str] | None], None]
+    ) -> Callable[[], None]:
+        """Call ``callback(topics)`` after every change with the wake topics it touched
+        (:func:`host_topic`, :func:`job_topic`, always :data:`ANY`), or None for "wake
+        everything"; returns the function that unsubscribes."""
+        self._topic_subscribers.append(callback)
+        return lambda: self._topic_subscribers.remove(callback)
+
     def _changed(self) -> None:
         self.version += 1
+        if self._queued_new:
+            self._wake_for_queue()
+        # A change that named nothing it touched wakes everybody: never a missed wake.
+        topics = frozenset({*self._touched, ANY}) if self._touched else None
+        self._touched = set()
+        self.last_wake = topics
         for callback in list(self._subscribers):
             callback()
+        for topic_callback in list(self._topic_subscribers):
+            topic_callback(topics)
+
+    def _touch_host(self, name: str) -> None:
+        self._touched.add(host_topic(name))
+
+    def _touch_job(self, job: Job) -> None:
+        """The job's followers, and the host its current attempt is on."""
+        self._touched.add(job_topic(job.job_id))
+        cur = job.current
+        if cur is not None:
+            self._touched.add(host_topic(cur.host))
+
+    # --- targeted wakes and indexed matching --------------------------------------------------
+
+    def _reindex_host(self, h: Host) -> None:
+        """Rebuild the label views of a host's devices (after its labels changed)."""
+        for d in h.devices.values():
+            self._index.update((h.name, d.name), d.labels(h))
+
+    def _unindex_host(self, name: str) -> None:
+        for addr in [a for a in self._index.views if a[0] == name]:
+            self._index.remove(addr)
+        self._claimed = {a for a in self._claimed if a[0] != name}
+        self._listed.pop(name, None)
+
+    def label_view(self, h: Host, d: Device) -> dict[str, str]:
+        """A device's label view, from the cache (built when its labels last changed)."""
+        view = self._index.views.get((h.name, d.name))
+        return d.labels(h) if view is None else view
+
+    def _job_candidates(self, job: Job) -> set[Address] | None:
+        """The devices ``job`` may run on (None: every device); cached per label epoch."""
+        cached = self._job_cands.get(job.job_id)
+        if cached is not None and cached[0] == self._index.epoch:
+            return cached[1]
+        cands: set[Address] | None
+        if job.spec.device is not None:
+            host, _, name = job.spec.device.partition("/")
+            view = self._index.views.get((host, name))
+            ok = view is not None and job.selector.matches(view)
+            cands = {(host, name)} if ok else set()
+        elif not job.selector.terms:
+            cands = None
+        else:
+            cands = self._index.cached(job.selector)
+        self._job_cands[job.job_id] = (self._index.epoch, cands)
+        return cands
+
+    def _offerable(self, addr: Address) -> bool:
+        h = self._hosts.get(addr[0])
+        d = None if h is None else h.devices.get(addr[1])
+        return (
+            h is not None
+            and h.session is not None
+            and d is not None
+            and d.present
+            and d.job is None
+            and not d.faults
+            and not d.worker_faults
+            and d.idle_behavior == "run"
+        )
+
+    def _wake_for_queue(self) -> None:
+        """Aim each newly queued job at one parked, offerable device that can run it, and
+        wake that device's host only: one poll per job, not every poll of the fleet. A
+        device so aimed at is claimed until its host polls, so that a burst of jobs
+        spreads over the fleet. A job with no such device wakes nobody: it is taken by
+        the next poll that lists a device it matches (a poll looks at the queue first)."""
+        jobs, self._queued_new = self._queued_new, []
+        for job in jobs:
+            if job.state != "queued" or job.job_id not in self._jobs:
+                continue
+            cands = self._job_candidates(job)
+            found = None
+            if cands is not None and len(cands) <= FEW_CANDIDATES:
+                # Few devices can run it: look at those (the least address, for replays).
+                found = min(
+                    (a for a in cands if self._aimable(a)),
+                    default=None,
+                )
+            else:
+                for host, names in self._listed.items():
+                    for name in names:
+                        addr = (host, name)
+                        if (cands is None or addr in cands) and self._aimable(addr):
+                            found = addr
+                            break
+                    if found is not None:
+                        break
+            if found is not None:
+                self._claimed.add(found)
+                self._touch_host(found[0])
+
+    def _aimable(self, addr: Address) -> bool:
+        """Listed by a parked poll, not aimed at already, and able to take work now."""
+        listed = self._listed.get(addr[0])
+        return (
+            listed is not None
+            and addr[1] in listed
+            and addr not in self._claimed
+            and self._offerable(addr)
+        )
+
+    def _wake_queue_again(self) -> None:
+        """A device aimed at took nothing: aim every queued job again (rare)."""
+        self._queued_new.extend(self._jobs[job_id] for _, job_id in self._queue)
+
+    # --- the deadline heap ------------------------------------------------------------------
+
+    def _arm_host(self, h: Host) -> None:
+        deadline = self._host_deadline(h)
+        if deadline is not None:
+            self._timers.arm(("host", h.name), deadline)
+
+    def _arm_job(self, job: Job) -> None:
+        deadline = self._job_deadline(job)
+        if deadline is not None:
+            self._timers.arm(("job", job.job_id), deadline)
+
+    def _host_deadline(self, h: Host) -> float | None:
+        deadlines = []
+        if h.session is not None:
+            deadlines.append(h.last_seen + self._lost_after(h))
+        if h.recovering_until is not None:
+            deadlines.append(h.recovering_until)
+        return min(deadlines, default=None)
+
+    def _job_deadline(self, job: Job) -> float | None:
+        cur = job.current
+        if job.job_id not in self._live or cur is None:
+            return None
+        if cur.status == "assigned" or (cur.status == "running" and cur.adopted):
+            return cur.last_heard + self.config.report_timeout_s
+        return None
 
     def _token(self) -> str:
         """Eight hex digits nobody can guess (or, seeded, the same in every replay)."""
@@ -141,7 +342,7 @@ class StoreState:
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"no job {job_id!r}", code="unknown_job")
-        self.journal.job(job_id)
+        # No dirty mark here: a lookup is not a change (the mutations mark what they change).
         return job
 
     def _device(self, host: str, name: str) -> tuple[Host, Device]:
@@ -149,7 +350,7 @@ class StoreState:
         d = None if h is None else h.devices.get(name)
         if h is None or d is None:
             raise NotFound(f"no device {host}/{name}", code="unknown_device")
-        self.journal.host(host)
+        # No dirty mark here: a lookup is not a change (the mutations mark what they change).
         return h, d
 
     def _session(self, session: str, host: str | None = None) -> Host:
@@ -188,7 +389,12 @@ class StoreState:
     def tick(self, now: float) -> None:
         """Apply every time-based rule due at ``now``: lost hosts, unanswered assignments."""
         changed = False
-        for h in list(self._hosts.values()):
+        # Only what the deadline heap says is due is looked at (never every host): an
+        # entry is a lower bound, so each is checked against its real deadline and re-armed.
+        due = self._timers.due(now)
+        hosts = [self._hosts[k] for kind, k in due if kind == "host" and k in self._hosts]
+        jobs = [self._live[k] for kind, k in due if kind == "job" and k in self._live]
+        for h in hosts:
             if h.session is not None and now >= h.last_seen + self._lost_after(h):
                 self._lose_host(h, now)
                 changed = True
@@ -196,9 +402,14 @@ class StoreState:
                 # Still absent after the recovery grace: lost by the ordinary rule.
                 self._lose_host(h, now)
                 changed = True
-        for job in list(self._live.values()):
+            else:
+                self._arm_host(h)
+        for job in jobs:
             cur = job.current
-            if cur is None or now < cur.last_heard + self.config.report_timeout_s:
+            if job.job_id not in self._live or cur is None:
+                continue
+            if now < cur.last_heard + self.config.report_timeout_s:
+                self._arm_job(job)
                 continue
             if cur.status == "assigned":
                 self._requeue(job, "not started in time; offered again")
@@ -245,15 +456,9 @@ class StoreState:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do, on the controller clock."""
-        deadlines = [
-            h.last_seen + self._lost_after(h) for h in self._hosts.values() if h.session is not None
-        ]
-        deadlines += [h.recovering_until for h in self._hosts.values() if h.recovering_until]
-        for job in self._live.values():
-            cur = job.current
-            if cur is not None and (cur.status == "assigned" or cur.adopted):
-                deadlines.append(cur.last_heard + self.config.report_timeout_s)
-        return min(deadlines, default=None)
+        # The heap's first entry: at or before the real first deadline (entries are lazy),
+        # so a waiter may wake early, tick nothing and wait again, but never late.
+        return self._timers.earliest()
 
     def _lose_host(self, h: Host, now: float) -> None:
         if h.session is not None:
@@ -262,6 +467,9 @@ class StoreState:
         h.recovering_until = None
         h.lost = True
         self.journal.host(h.name)
+        self._touch_host(h.name)
+        self._claimed = {a for a in self._claimed if a[0] != h.name}
+        self._listed.pop(h.name, None)
         lost: list[str] = []
         requeued: list[str] = []
         for d in h.devices.values():
@@ -291,6 +499,9 @@ class StoreState:
 
     def _requeue(self, job: Job, note: str) -> None:
         self.journal.job(job.job_id)
+        self._touch_job(job)
+        self._queued_new.append(job)
+        self._queued_since[job.job_id] = self._wall()
         cur = job.current
         if cur is not None:
             cur.status = "requeued"
@@ -320,6 +531,10 @@ class StoreState:
         if job.terminal:
             return False
         self.journal.job(job.job_id)
+        self._touch_job(job)
+        self._cancelled.pop(job.job_id, None)
+        self._job_cands.pop(job.job_id, None)
+        self._queued_since.pop(job.job_id, None)
         if job.state == "queued":
             self._queue.remove((job.seq, job.job_id))
         job.state = outcome
@@ -330,6 +545,7 @@ class StoreState:
         job.finished_at = self._wall()
         job.finished_by = by
         self._live.pop(job.job_id, None)
+        self._finished[job.job_id] = None
         cur = job.current
         if cur is not None:
             cur.status = "finished"
@@ -355,6 +571,7 @@ class StoreState:
         d.seen_faults.add(fault.fault_id)
         d.faults[fault.fault_id] = fault
         self.journal.host(d.host)
+        self._touch_host(d.host)
         key = (fault.kind, fault.action)
         self.faults_raised[key] = self.faults_raised.get(key, 0) + 1
         self._emit(
@@ -377,6 +594,7 @@ class StoreState:
         if not ids:
             return
         self.journal.host(d.host)
+        self._touch_host(d.host)
         # Listed in heartbeat `cleared` whoever lifted them: a worker may hold an id it
         # learned at an earlier registration, and frees the device only when told.
         for i in ids:
@@ -456,6 +674,8 @@ class StoreState:
         self._live[job.job_id] = job
         d.job = job
         self.journal.job(job.job_id)
+        self._touch_job(job)
+        self._arm_job(job)
         cur = job.current
         self._emit(
             "job_adopted",
@@ -485,6 +705,8 @@ class StoreState:
 
     def restore_host(self, h: Host) -> None:
         self._hosts[h.name] = h
+        self._reindex_host(h)
+        self._arm_host(h)
 
     def restore_job(self, job: Job) -> None:
         """A stored job, back in the queue or on its device as it was."""
@@ -493,9 +715,15 @@ class StoreState:
             bisect.insort(self._queue, (job.seq, job.job_id))
             return
         cur = job.current
-        if job.terminal or cur is None:
+        if job.terminal:
+            self._finished[job.job_id] = None
+            return
+        if cur is None:
             return
         self._live[job.job_id] = job
+        if job.cancel_reason is not None:
+            self._cancelled[job.job_id] = job
+        self._arm_job(job)
         h = self._hosts.get(cur.host)
         d = None if h is None else h.devices.get(cur.device)
         if d is not None:
@@ -544,3 +772,68 @@ class StoreState:
             job = self._jobs.get(job_id)
             if job is not None and job.terminal:
                 del self._jobs[job_id]
+                self._job_cands.pop(job_id, None)
+                self._finished.pop(job_id, None)
+
+    # --- finished jobs beneath the store (bounded memory) ------------------------------------
+
+    def evict_finished(self, keep: int, busy: Iterable[str] = ()) -> list[str]:
+        """Drop the oldest finished jobs from memory until at most ``keep`` remain.
+
+        Called by a persistence layer once they are stored: a job marked in the journal
+        since the last commit, with output not yet committed, or ``busy`` (a request is
+        using it) stays. Returns the ids dropped; their records are read from the store
+        beneath from then on, and are never loaded all at once again.
+        """
+        excess = len(self._finished) - keep
+        if excess <= 0:
+            return []
+        skip = set(self.journal.marked_jobs())
+        skip.update(busy)
+        out: list[str] = []
+        for job_id in list(self._finished):
+            if excess <= 0:
+                break
+            job = self._jobs.get(job_id)
+            if job is None or not job.terminal:
+                del self._finished[job_id]
+                continue
+            if job_id in skip or job.output:
+                continue
+            del self._finished[job_id]
+            del self._jobs[job_id]
+            self._stored_counts[job.state] += 1
+            out.append(job_id)
+            excess -= 1
+        return out
+
+    def readmit(self, job: Job) -> None:
+        """A finished job read back from the store beneath, in memory again (as the most
+        recently used) so that a decision about it (a late finish, a claim) can be made;
+        :meth:`evict_finished` drops it again. Not a change: nothing is marked."""
+        if job.job_id in self._jobs or not job.terminal:
+            return
+        self._jobs[job.job_id] = job
+        self._finished[job.job_id] = None
+        if self._stored_counts[job.state] > 0:
+            self._stored_counts[job.state] -= 1
+
+    def restore_stored_counts(self, counts: Mapping[str, int]) -> None:
+        """How many finished jobs the store beneath holds (not loaded at start), per state."""
+        self._stored_counts = collections.Counter(dict(counts))
+
+    def forget_stored(self, gone: Iterable[tuple[str, str]]) -> None:
+        """Retention deleted these ``(job_id, state)`` from the store beneath: forget them."""
+        for job_id, state in gone:
+            job = self._jobs.get(job_id)
+            if job is not None and job.terminal:
+                del self._jobs[job_id]
+                self._finished.pop(job_id, None)
+            elif job is None and self._stored_counts[state] > 0:
+                self._stored_counts[state] -= 1
+
+    def in_memory(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def memory_job_ids(self) -> set[str]:
+        return set(self._jobs)

@@ -50,16 +50,25 @@ from rc_worker.controller.messages import (
     SheetsUpdate,
     StartRequest,
 )
-from rc_worker.controller.pending import Candidate, Pending, explain
+from rc_worker.controller.pending import (
+    MAX_COUNTED,
+    Candidate,
+    Pending,
+    explain,
+    waiting_reason,
+)
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
-from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState
+from rc_worker.controller.state import OutputElsewhere, StoreConfig, StoreState, job_topic
 from rc_worker.controller.validate import check_job
 from rc_worker.core.model import PROTOCOL_VERSION
-from rc_worker.core.selectors import SelectorError, parse_selector
+from rc_worker.core.selectors import Selector, SelectorError, parse_selector
 
-__all__ = ["Store", "StoreConfig"]
+__all__ = ["DEVICE_STATES", "Store", "StoreConfig"]
+
+DEVICE_STATES = ("free", "busy", "quarantined", "absent")
+"""What :attr:`DeviceInfo.state` can be (``GET /v1/devices?state=``)."""
 
 
 def _check_name(kind: str, name: str) -> None:
@@ -162,6 +171,9 @@ class Store(StoreState):
         self._jobs[job_id] = job
         self.journal.job(job_id)
         bisect.insort(self._queue, (job.seq, job_id))
+        self._touch_job(job)
+        self._queued_new.append(job)
+        self._queued_since[job_id] = job.submitted_at
         if submitted_by is not None:
             self._emit("job_submitted", job_id=job_id, by=submitted_by)
         self._changed()
@@ -189,8 +201,12 @@ class Store(StoreState):
         if state is not None and state not in JOB_STATES:
             self.jobs(state)  # the 400 naming the valid states
         page, nxt = self.jobs_page(state, after=after, limit=limit, newest_first=newest_first)
-        candidates = self._candidates() if any(j.state == "queued" for j in page) else None
-        return [self._view(j, candidates) for j in page], nxt
+        return self.views(page), nxt
+
+    def views(self, jobs: Sequence[Job]) -> list[JobInfo]:
+        """The views of ``jobs`` (the devices' candidates worked out once for them all)."""
+        candidates = self._candidates() if any(j.state == "queued" for j in jobs) else None
+        return [self._view(j, candidates) for j in jobs]
 
     def pending(self, select: str = "", device: str | None = None) -> Pending:
         """Why a job with this selector and pin would wait now (``no_match``: it never runs)."""
@@ -198,33 +214,105 @@ class Store(StoreState):
             selector = parse_selector(select)
         except SelectorError as e:
             raise BadRequest(f"select: {e}") from None
-        return explain(selector, device, self._candidates())
+        return self._explain(selector, device)
 
     def _view(self, job: Job, candidates: list[Candidate] | None = None) -> JobInfo:
         # Computed on every read, so a queued job's reason is always the current one.
         info = job.info()
         if job.state != "queued":
             return info
-        why = explain(
-            job.selector, job.spec.device, self._candidates() if candidates is None else candidates
-        )
+        if candidates is None:
+            why = self._explain(job.selector, job.spec.device)
+        else:
+            why = explain(job.selector, job.spec.device, candidates)
         return attrs.evolve(info, pending_reason=why.reason, pending_code=why.code)
 
     def _candidates(self) -> list[Candidate]:
-        return [
-            Candidate(
-                address=f"{h.name}/{d.name}",
-                labels=d.labels(h),
-                present=d.present,
-                host_lost=h.lost,
-                fault=None if (f := d.first_fault()) is None else f.describe(),
-                idle_behavior=d.idle_behavior,
-                job_id=None if d.job is None else d.job.job_id,
-                worker_state=d.worker_state,
+        return [self._candidate(h, d) for h in self._hosts.values() for d in h.devices.values()]
+
+    def _candidate(self, h: Host, d: Device) -> Candidate:
+        return Candidate(
+            address=f"{h.name}/{d.name}",
+            labels=self.label_view(h, d),
+            present=d.present,
+            host_lost=h.lost,
+            fault=None if (f := d.first_fault()) is None else f.describe(),
+            idle_behavior=d.idle_behavior,
+            job_id=None if d.job is None else d.job.job_id,
+            worker_state=d.worker_state,
+        )
+
+    @staticmethod
+    def _is_free(h: Host, d: Device) -> bool:
+        """Present and able to take a job now, as :func:`pending.explain` judges it."""
+        return not h.lost and not d.faults and d.idle_behavior == "run" and d.job is None
+
+    def _present(self, addr: tuple[str, str]) -> bool:
+        h = self._hosts.get(addr[0])
+        d = None if h is None else h.devices.get(addr[1])
+        return d is not None and d.present
+
+    def _explain(self, selector: Selector, pinned: str | None) -> Pending:
+        """:func:`explain` over the devices that matter only, found through the label index:
+        the same answer as over the whole fleet (a property test checks it), at the cost
+        of the matching devices, not of every device (a submit's answer carries it)."""
+        if pinned is not None:
+            host, _, name = pinned.partition("/")
+            h = self._hosts.get(host)
+            d = None if h is None else h.devices.get(name)
+            return explain(
+                selector, pinned, [] if h is None or d is None else [self._candidate(h, d)]
             )
+        addrs = self._index.cached(selector)
+        if len(addrs) > MAX_COUNTED:
+            # Many devices match: walk the fleet in order and stop at the count a reason shows.
+            nfree = 0
+            first: tuple[Host, Device] | None = None
+            for h in self._hosts.values():
+                for d in h.devices.values():
+                    if (h.name, d.name) in addrs and d.present and self._is_free(h, d):
+                        nfree += 1
+                        first = first or (h, d)
+                if nfree > MAX_COUNTED + 1:
+                    break
+            if first is not None:
+                return Pending("waiting_for_worker", waiting_reason(self._candidate(*first), nfree))
+        by_host: dict[str, set[str]] = {}
+        for host, name in addrs:
+            by_host.setdefault(host, set()).add(name)
+        # In fleet order (hosts, then devices, as registered), as explain() would see them.
+        matching = [
+            (h, d)
             for h in self._hosts.values()
+            if h.name in by_host
             for d in h.devices.values()
+            if d.name in by_host[h.name] and d.present
         ]
+        if not matching:
+            return Pending("no_match", self._no_match(selector))
+        # The common answer (a matching device is free) needs only the first free one and a
+        # count; Candidates for every matching device are built only when none is free.
+        free = [(h, d) for h, d in matching if self._is_free(h, d)]
+        if free:
+            return Pending(
+                "waiting_for_worker", waiting_reason(self._candidate(*free[0]), len(free))
+            )
+        return explain(selector, None, [self._candidate(h, d) for h, d in matching])
+
+    def _no_match(self, selector: Selector) -> str:
+        """Which term the present devices run out at (as :func:`pending._no_match` says it),
+        from the index: the candidates of each prefix of the selector."""
+        if not any(d.present for h in self._hosts.values() for d in h.devices.values()):
+            return "no device is registered"
+        for i, term in enumerate(selector.terms):
+            if any(map(self._present, self._index.candidates(Selector(selector.terms[: i + 1])))):
+                continue
+            alone = self._index.candidates(Selector((term,)))
+            if i == 0 or not any(map(self._present, alone)):
+                return f"no registered device satisfies {str(term)!r}"
+            before = ",".join(str(t) for t in selector.terms[:i])
+            return f"no registered device that satisfies {before!r} also satisfies {str(term)!r}"
+        raise AssertionError("some device satisfies every term")  # pragma: no cover
 
     def output(self, job_id: str, offset: int = 0, limit: int | None = None) -> bytes:
         """The job's committed output from ``offset`` (at most ``limit`` bytes).
@@ -252,6 +340,7 @@ class Store(StoreState):
         job = self._job(job_id)
         if job.cancel_reason is not None:
             return job.info()
+        self.journal.job(job_id)
         if by is not None and not job.terminal:
             self._emit("job_cancel_requested", job_id=job_id, by=by, reason=reason)
         if job.terminal:
@@ -259,9 +348,13 @@ class Store(StoreState):
             # cut off: the cancel is kept for that worker's heartbeats; the state stays.
             if job.state == "lost" and job.finished_by == "controller":
                 job.cancel_reason = reason or "cancelled"
+                self._touch_job(job)
                 self._changed()
             return job.info()
         job.cancel_reason = reason or "cancelled"
+        self._touch_job(job)
+        if job.job_id in self._live:
+            self._cancelled[job.job_id] = job
         if job.state != "running":
             self._terminate(job, "killed", reason=job.cancel_reason, killed=True, by="controller")
         self._changed()
@@ -271,6 +364,55 @@ class Store(StoreState):
 
     def devices(self) -> list[DeviceInfo]:
         return [d.info(h) for h in self._hosts.values() for d in h.devices.values()]
+
+    def devices_page(
+        self,
+        *,
+        state: str | None = None,
+        host: str | None = None,
+        select: str = "",
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[DeviceInfo], str | None]:
+        """Devices filtered server-side, in address order (``host/device``), from after the
+        cursor ``after`` (an address); returns the page and the next cursor, None at the end.
+
+        ``select`` is a selector over the devices' labels, answered from the label index;
+        ``host`` looks at one host only: neither reads the whole fleet.
+        """
+        if state is not None and state not in DEVICE_STATES:
+            raise BadRequest(f"state: {state!r} is not one of {', '.join(DEVICE_STATES)}")
+        try:
+            selector = parse_selector(select)
+        except SelectorError as e:
+            raise BadRequest(f"select: {e}") from None
+        start: tuple[str, str] | None = None
+        if after is not None:
+            h_name, sep, d_name = after.partition("/")
+            if not sep or not h_name or not d_name:
+                raise BadRequest(f"after: {after!r} is not a cursor (host/device from 'next')")
+            start = (h_name, d_name)
+        if selector.terms:
+            addrs = self._index.candidates(selector)
+            if host is not None:
+                addrs = {a for a in addrs if a[0] == host}
+        elif host is not None:
+            h = self._hosts.get(host)
+            addrs = set() if h is None else {(host, n) for n in h.devices}
+        else:
+            addrs = {(h.name, n) for h in self._hosts.values() for n in h.devices}
+        out: list[DeviceInfo] = []
+        nxt = None
+        for addr in sorted(a for a in addrs if start is None or a > start):
+            h = self._hosts.get(addr[0])
+            d = None if h is None else h.devices.get(addr[1])
+            if h is None or d is None or (state is not None and d.state != state):
+                continue
+            if limit is not None and len(out) >= limit:
+                nxt = f"{out[-1].host}/{out[-1].name}"
+                break
+            out.append(d.info(h))
+        return out, nxt
 
     def device(self, host: str, name: str) -> DeviceInfo:
         h, d = self._device(host, name)
@@ -316,6 +458,8 @@ class Store(StoreState):
         h, d = self._device(host, name)
         if d.idle_behavior != behavior:
             d.idle_behavior = behavior
+            self._touch_host(host)
+            self.journal.host(host)
             if by is not None:
                 self._emit(
                     "idle_behavior_set", host=host, device=name, idle_behavior=behavior, by=by
@@ -348,7 +492,9 @@ class Store(StoreState):
 
     def job_state_counts(self) -> dict[str, int]:
         """How many jobs are in each state (for ``/metrics``): a count, no views built."""
-        return dict(collections.Counter(job.state for job in self._jobs.values()))
+        counts = collections.Counter(job.state for job in self._jobs.values())
+        counts.update(self._stored_counts)  # finished jobs only the store beneath holds
+        return {state: n for state, n in counts.items() if n > 0}
 
     def set_host_idle_behavior(
         self, host: str, behavior: str, *, by: str | None = None
@@ -366,6 +512,7 @@ class Store(StoreState):
                 d.idle_behavior = behavior
                 changed = True
         if changed:
+            self._touch_host(host)
             who = {} if by is None else {"by": by}
             self._emit("host_idle_behavior", host=host, idle_behavior=behavior, **who)
             self._changed()
@@ -399,6 +546,8 @@ class Store(StoreState):
         for key in [k for k in self._poll_gen if k[0] == host]:
             del self._poll_gen[key]
         del self._hosts[host]
+        self._unindex_host(host)
+        self._touch_host(host)
         self.journal.host(host)  # gone from the store beneath too
         who = {} if by is None else {"by": by}
         self._emit("host_retired", host=host, forced=bool(busy), jobs=ended, **who)
@@ -421,16 +570,27 @@ class Store(StoreState):
 
     def register(self, host: str, req: RegisterRequest, *, now: float) -> RegisterReply:
         """A worker process (re)registers: a new session, and the rules of docs/protocol.md."""
-        _check_name("host", host)
-        names = [decl.name for decl in req.devices]
-        for name in names:
-            _check_name("device", name)
-            if "." in name:
-                raise BadRequest(f"devices: device name {name!r} must not contain '.'")
-        if len(set(names)) != len(names):
-            raise BadRequest("devices: device names must be unique")
+        try:
+            _check_name("host", host)
+            names = [decl.name for decl in req.devices]
+            for name in names:
+                _check_name("device", name)
+                if "." in name:
+                    raise BadRequest(f"devices: device name {name!r} must not contain '.'")
+            if len(set(names)) != len(names):
+                raise BadRequest("devices: device names must be unique")
+        except BadRequest:
+            self.stats.registrations["refused"] += 1
+            raise
         h = self._hosts.get(host)
-        same_process = h is not None and _same_process(h, req, self.running_on(host))
+        carried = [] if h is None else self.running_on(host)
+        same_process = h is not None and _same_process(h, req, carried)
+        # The seed's boot outcomes: "recovered" when this start carries anything over (jobs
+        # the controller had running here, recovery entries, claimed attempts or faults).
+        recovered = bool(carried or req.recovery) or any(
+            decl.running is not None or decl.faults for decl in req.devices
+        )
+        self.stats.registrations["recovered" if recovered else "registered"] += 1
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
         self.journal.host(host)
@@ -454,6 +614,10 @@ class Store(StoreState):
             d.declared = dict(decl.declared_labels)
         self._apply_labels(h, req.labels)
         self._apply_sheets(h, req.sheets)
+        self._reindex_host(h)
+        self._touch_host(host)
+        self._claimed = {a for a in self._claimed if a[0] != host}
+        self._listed.pop(host, None)
         for job in list(self._live.values()):
             cur = job.current
             if cur is None or cur.host != host or cur.status != "assigned" or same_process:
@@ -464,6 +628,10 @@ class Store(StoreState):
         h.boot_id = req.boot_id
         self._changed()
         h.heartbeat_interval_s = self.heartbeat_interval_now()
+        self._arm_host(h)
+        for d in h.devices.values():
+            if d.job is not None:
+                self._arm_job(d.job)  # carried over the registration: owes a report
         return RegisterReply(
             protocol=PROTOCOL_VERSION,
             session=h.session,
@@ -518,7 +686,7 @@ class Store(StoreState):
             # output is still taken, and its device stays quarantined until cleared anyway.
             if why is not None:
                 cancel[(job.job_id, report.attempt)] = CancelOrder(job.job_id, report.attempt, why)
-        for job in self._live.values():
+        for job in self._live_cancelled():
             cur = job.current
             if cur is not None and cur.host == host and job.cancel_reason is not None:
                 cancel[(job.job_id, cur.number)] = CancelOrder(
@@ -537,11 +705,17 @@ class Store(StoreState):
         self._session(session, host)
         return [
             CancelOrder(job.job_id, cur.number, job.cancel_reason)
-            for job in self._live.values()
+            for job in self._live_cancelled()
             if (cur := job.current) is not None
             and cur.host == host
             and job.cancel_reason is not None
         ]
+
+    def _live_cancelled(self) -> list[Job]:
+        """Live jobs with a cancel to deliver: a few, never every running job of the fleet."""
+        for job_id in [j for j in self._cancelled if j not in self._live]:
+            del self._cancelled[job_id]
+        return list(self._cancelled.values())
 
     def deregister(self, host: str, session: str, *, now: float) -> None:
         """A draining worker leaves: forget its session without losing the host.
@@ -558,6 +732,9 @@ class Store(StoreState):
         del self._sessions[h.session]
         h.session = None
         h.left = True
+        self._touch_host(host)
+        self._listed.pop(host, None)
+        self._claimed = {a for a in self._claimed if a[0] != host}
         for d in h.devices.values():
             job = d.job
             cur = None if job is None else job.current
@@ -596,6 +773,7 @@ class Store(StoreState):
         gens: dict[str, int] = {}
         h = self._hosts.get(host)
         bumped = False
+        listed = self._listed.setdefault(host, {}) if h is not None else {}
         for name in dict.fromkeys([*ready, *withdrawn]):
             if h is None or name not in h.devices:
                 continue  # poll() skips it anyway; keep the table to known devices
@@ -605,9 +783,26 @@ class Store(StoreState):
             gen = self._poll_gen[key] = old + 1
             if name in ready:
                 gens[name] = gen
+                listed[name] = gen
+            else:
+                listed.pop(name, None)
         if bumped:
+            self._touch_host(host)
             self._changed()  # wake the superseded poll, so that it answers now
         return gens
+
+    def close_poll(self, host: str, offers: Mapping[str, int]) -> None:
+        """A long poll answered: its devices are no longer parked (unless a newer poll
+        lists them), so no queued job is aimed at them."""
+        listed = self._listed.get(host)
+        if listed is None:
+            return
+        for name, gen in offers.items():
+            if listed.get(name) == gen:
+                del listed[name]
+                self._claimed.discard((host, name))
+        if not listed:
+            del self._listed[host]
 
     def superseded(self, host: str, offers: Mapping[str, int]) -> bool:
         """Whether a newer poll has listed or withdrawn any device of this one's offers."""
@@ -630,45 +825,66 @@ class Store(StoreState):
         h = self._session(session, host)
         out: list[Assignment] = []
         changed = False
+        missed = False
         for name in dict.fromkeys(ready):
             d = h.devices.get(name)
             if d is None or not d.present:
                 continue
             if offers is not None and self._poll_gen.get((host, name)) != offers.get(name):
                 continue
-            held = d.job
-            cur = None if held is None else held.current
-            if held is not None and cur is not None and cur.status == "assigned":
-                # Ready again with an unstarted offer outstanding: the offer never reached
-                # the worker (a lost poll response). Offer it again as a new attempt.
-                self._requeue(held, "the device was reported ready again; offered again")
-                changed = True
-            if d.job is not None or d.faults or d.worker_faults or d.idle_behavior != "run":
-                continue
-            job = self._pick(h, d)
-            if job is None:
-                continue
-            self._queue.remove((job.seq, job.job_id))
-            att = Attempt(job.attempt + 1, host, name, "assigned", last_heard=now)
-            job.attempts.append(att)
-            job.state = "assigned"
-            self.journal.job(job.job_id)
-            d.job = job
-            self._live[job.job_id] = job
-            out.append(Assignment(job.job_id, att.number, name, job.spec))
+            aimed = (host, name) in self._claimed
+            self._claimed.discard((host, name))
+            got, touched = self._poll_device(h, d, now)
+            if got is not None:
+                out.append(got)
+            changed = changed or touched
+            if got is None and aimed:
+                missed = True
+        if missed and self._queue:
+            # A job was aimed at a device here that took nothing: aim the queue again.
+            self._wake_queue_again()
             changed = True
         if changed:
             self._changed()
         return out
 
+    def _poll_device(self, h: Host, d: Device, now: float) -> tuple[Assignment | None, bool]:
+        """Offer one ready device the first queued job it matches; (assignment, changed)."""
+        changed = False
+        held = d.job
+        cur = None if held is None else held.current
+        if held is not None and cur is not None and cur.status == "assigned":
+            # Ready again with an unstarted offer outstanding: the offer never reached
+            # the worker (a lost poll response). Offer it again as a new attempt.
+            self._requeue(held, "the device was reported ready again; offered again")
+            changed = True
+        if d.job is not None or d.faults or d.worker_faults or d.idle_behavior != "run":
+            return None, changed
+        job = self._pick(h, d)
+        if job is None:
+            return None, changed
+        self._queue.remove((job.seq, job.job_id))
+        att = Attempt(job.attempt + 1, h.name, d.name, "assigned", last_heard=now)
+        job.attempts.append(att)
+        job.state = "assigned"
+        self.journal.job(job.job_id)
+        d.job = job
+        self._live[job.job_id] = job
+        self._touch_job(job)
+        self._arm_job(job)
+        since = self._queued_since.pop(job.job_id, None)
+        if since is not None:
+            self.stats.queue_wait.observe(self._wall() - since)
+        return Assignment.offer(job.job_id, att.number, d.name, job.spec), True
+
     def _pick(self, h: Host, d: Device) -> Job | None:
-        labels = d.labels(h)
-        address = f"{h.name}/{d.name}"
+        """The first queued job this device may run: a set lookup per job, against each
+        job's candidate devices from the label index (never a selector match per poll)."""
+        addr = (h.name, d.name)
         for _, job_id in self._queue:
             job = self._jobs[job_id]
-            if job.spec.device is not None and job.spec.device != address:
-                continue
-            if job.selector.matches(labels):
+            cands = self._job_candidates(job)
+            if cands is None or addr in cands:
                 return job
         return None
 
@@ -688,11 +904,14 @@ class Store(StoreState):
         if job.terminal:
             raise StaleAttempt(f"job {job_id} already ended ({job.state}); do not run it")
         if cur.status == "assigned":
+            self.journal.job(job_id)
             cur.status = "running"
             cur.start_boot_id = req.boot_id
             cur.last_heard = now
             job.state = "running"
             job.started_at = self._wall()
+            self.stats.dispatch_latency.observe(job.started_at - job.submitted_at)
+            self._touched.add(job_topic(job_id))  # its followers; no poll cares
             self._changed()
         return job.info()
 
@@ -730,9 +949,11 @@ class Store(StoreState):
                 job.dropped_bytes += len(new) - keep
                 job.output_truncated = True
                 new = new[:keep]
+                self.journal.job(job_id)  # the record says so; its bytes are rows of their own
             if new:
                 self.journal.output(job_id, job.stored_bytes, new)
                 job.output += new
+            self._touched.add(job_topic(job_id))  # wakes only this job's followers
             self._changed()
         return job.stored_bytes + job.dropped_bytes
 
@@ -788,6 +1009,7 @@ class Store(StoreState):
             )
         if raised and job.fault_id is None:
             job.fault_id = fault_id
+            self.journal.job(job.job_id)
         return raised
 
     def _record_finish(self, job: Job, cur: Attempt, req: FinishRequest) -> None:
@@ -843,11 +1065,15 @@ class Store(StoreState):
         return d.info(h)
 
     def put_labels(self, host: str, session: str, update: LabelsUpdate, *, now: float) -> None:
-        self._apply_labels(self._session(session, host), update)
+        h = self._session(session, host)
+        self._apply_labels(h, update)
+        self._reindex_host(h)  # the label views are rebuilt only here and at register
+        self._touch_host(host)
         self._changed()
 
     def put_sheets(self, host: str, session: str, update: SheetsUpdate, *, now: float) -> None:
         self._apply_sheets(self._session(session, host), update)
+        self._touch_host(host)
         self._changed()
 
     @staticmethod

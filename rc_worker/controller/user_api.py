@@ -12,10 +12,24 @@ from starlette.routing import Route
 from rc_worker.controller import wire
 from rc_worker.controller.context import Controller, User, controller_of, json_body, query_int
 from rc_worker.controller.errors import ApiError, BadRequest, Conflict, Forbidden
+from rc_worker.controller.messages import JOB_STATES
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL
+from rc_worker.controller.state import job_topic
+from rc_worker.core.protocol import (
+    ClearReply,
+    DevicesReply,
+    EventsPage,
+    HostClearReply,
+    JobsPage,
+    RetireReply,
+    StdinReply,
+    SubmitReply,
+    unstructure,
+)
 
 MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
+MAX_DEVICES_PER_PAGE = 10_000
 MAX_EVENTS_WAIT_S = 60.0
 STREAM_CHUNK = 64 * 1024
 
@@ -38,9 +52,9 @@ async def submit(request: Request) -> Response:
     ctl = controller_of(request)
     user = ctl.require_user(request)
     ctl.tick()
-    body = await json_body(request)
-    kwargs = wire.submit(body)
-    if body.flag("strict"):
+    req = wire.submit(await json_body(request))
+    kwargs = wire.submit_kwargs(req.spec)
+    if req.strict:
         # Checked and submitted with no await in between: the devices cannot change meanwhile.
         why = ctl.store.pending(kwargs["select"], kwargs["device"])
         if why.code == "no_match":
@@ -49,18 +63,24 @@ async def submit(request: Request) -> Response:
             )
     job_id = ctl.store.submit(**kwargs, submitted_by=user.name)
     job = ctl.store.job(job_id)
-    return JSONResponse(
-        {"job_id": job_id, "pending_reason": job.pending_reason, "pending_code": job.pending_code}
-    )
+    return JSONResponse(unstructure(SubmitReply(job_id, job.pending_reason, job.pending_code)))
 
 
 async def list_jobs(request: Request) -> Response:
     ctl = _user(request)
     state = request.query_params.get("state")
     q = request.query_params
+    if state is not None and state not in JOB_STATES:
+        raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
     if not any(k in q for k in ("limit", "after", "order")):
-        jobs = ctl.store.jobs(state)
-        return JSONResponse({"jobs": [j.to_json() for j in jobs], "next": None})
+        if ctl.durability is not None:
+            # Finished jobs live in the store beneath, not in memory: read in a thread.
+            jobs, _ = await ctl.durability.jobs_page(
+                state, after=None, limit=None, newest_first=False
+            )
+        else:
+            jobs = ctl.store.jobs(state)
+        return JSONResponse(unstructure(JobsPage(tuple(jobs))))
     limit = query_int(request, "limit", MAX_JOBS_PER_PAGE)
     if not 1 <= limit <= MAX_JOBS_PER_PAGE:
         raise BadRequest(f"limit: must be between 1 and {MAX_JOBS_PER_PAGE}")
@@ -68,10 +88,15 @@ async def list_jobs(request: Request) -> Response:
     if order not in ("asc", "desc"):
         raise BadRequest(f"order: {order!r} is not asc or desc")
     after = query_int(request, "after") if "after" in q else None
-    page, nxt = ctl.store.jobs_page_info(
-        state, after=after, limit=limit, newest_first=order == "desc"
-    )
-    return JSONResponse({"jobs": [j.to_json() for j in page], "next": nxt})
+    if ctl.durability is not None:
+        page, nxt = await ctl.durability.jobs_page(
+            state, after=after, limit=limit, newest_first=order == "desc"
+        )
+    else:
+        page, nxt = ctl.store.jobs_page_info(
+            state, after=after, limit=limit, newest_first=order == "desc"
+        )
+    return JSONResponse(unstructure(JobsPage(tuple(page), nxt)))
 
 
 async def get_job(request: Request) -> Response:
@@ -131,7 +156,7 @@ async def _follow(ctl: Controller, job_id: str, offset: int) -> AsyncIterator[by
             continue
         if ended:
             return
-        await ctl.wait_change(seen, None)
+        await ctl.wait_change(seen, None, job_topic(job_id))  # its output or state only
 
 
 def _owner_or_admin(ctl: Controller, user: User, job_id: str, what: str) -> None:
@@ -163,7 +188,7 @@ async def put_stdin(request: Request) -> Response:
                 raise
     except ClientDisconnect:
         return JSONResponse({"error": "disconnected", "message": "upload dropped"}, 400)
-    return JSONResponse({"accepted": accepted})
+    return JSONResponse(unstructure(StdinReply(accepted)))
 
 
 async def cancel(request: Request) -> Response:
@@ -172,14 +197,26 @@ async def cancel(request: Request) -> Response:
     ctl.tick()
     job_id = request.path_params["job_id"]
     _owner_or_admin(ctl, user, job_id, "cancel it")
-    f = await json_body(request, empty_ok=True)
-    reason = f.opt_str("reason") or "cancelled"
+    reason = wire.cancel(await json_body(request, empty_ok=True)).reason
     return JSONResponse(ctl.store.cancel(job_id, reason, by=user.name).to_json())
 
 
 async def list_devices(request: Request) -> Response:
     ctl = _user(request)
-    return JSONResponse({"devices": [d.to_json() for d in ctl.store.devices()]})
+    q = request.query_params
+    limit = None
+    if "limit" in q:
+        limit = query_int(request, "limit")
+        if not 1 <= limit <= MAX_DEVICES_PER_PAGE:
+            raise BadRequest(f"limit: must be between 1 and {MAX_DEVICES_PER_PAGE}")
+    page, nxt = ctl.store.devices_page(
+        state=q.get("state"),
+        host=q.get("host"),
+        select=q.get("select", ""),
+        after=q.get("after"),
+        limit=limit,
+    )
+    return JSONResponse(unstructure(DevicesReply(tuple(page), next=nxt)))
 
 
 def _address(request: Request) -> tuple[str, str]:
@@ -195,20 +232,21 @@ async def clear(request: Request) -> Response:
     ctl, user = _admin(request, "clearing a device")
     host, device = _address(request)
     cleared = ctl.store.clear(host, device, by=user.name)
-    return JSONResponse({"cleared": cleared, "device": ctl.store.device(host, device).to_json()})
+    return JSONResponse(unstructure(ClearReply(tuple(cleared), ctl.store.device(host, device))))
 
 
 async def clear_host(request: Request) -> Response:
     ctl, user = _admin(request, "clearing a host")
     host = request.path_params["host"]
     cleared = ctl.store.clear_host(host, by=user.name)
-    devices = [d.to_json() for d in ctl.store.devices() if d.host == host]
-    return JSONResponse({"host": host, "cleared": cleared, "devices": devices})
+    devices = tuple(d for d in ctl.store.devices() if d.host == host)
+    cleared_ids = {name: tuple(ids) for name, ids in cleared.items()}
+    return JSONResponse(unstructure(HostClearReply(host, cleared_ids, devices)))
 
 
 async def idle_behavior(request: Request) -> Response:
     ctl, user = _admin(request, "setting a device's idle behaviour")
-    behavior = (await json_body(request)).req_str("idle_behavior")
+    behavior = wire.idle_behavior(await json_body(request)).idle_behavior
     info = ctl.store.set_idle_behavior(*_address(request), behavior, by=user.name)
     return JSONResponse(info.to_json())
 
@@ -222,21 +260,21 @@ async def pool(request: Request) -> Response:
 async def host_drain(request: Request) -> Response:
     ctl, user = _admin(request, "draining a host")
     devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "drain", by=user.name)
-    return JSONResponse({"devices": [d.to_json() for d in devices]})
+    return JSONResponse(unstructure(DevicesReply(tuple(devices))))
 
 
 async def host_resume(request: Request) -> Response:
     ctl, user = _admin(request, "resuming a host")
     devices = ctl.store.set_host_idle_behavior(request.path_params["host"], "run", by=user.name)
-    return JSONResponse({"devices": [d.to_json() for d in devices]})
+    return JSONResponse(unstructure(DevicesReply(tuple(devices))))
 
 
 async def host_retire(request: Request) -> Response:
     ctl, user = _admin(request, "retiring a host")
-    body = await json_body(request)
+    force = wire.retire(await json_body(request)).force
     host = request.path_params["host"]
-    ended = ctl.store.retire_host(host, force=body.flag("force"), by=user.name)
-    return JSONResponse({"host": host, "retired": True, "jobs_lost": ended})
+    ended = ctl.store.retire_host(host, force=force, by=user.name)
+    return JSONResponse(unstructure(RetireReply(host, tuple(ended))))
 
 
 async def events(request: Request) -> Response:
@@ -252,7 +290,7 @@ async def events(request: Request) -> Response:
         if found or now >= deadline:
             break
         await ctl.wait_change(seen, deadline)
-    return JSONResponse({"events": [e.to_json() for e in found], "last": ctl.store.last_event_seq})
+    return JSONResponse(unstructure(EventsPage(tuple(found), ctl.store.last_event_seq)))
 
 
 def routes() -> list[Route]:

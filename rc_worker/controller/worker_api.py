@@ -16,12 +16,23 @@ from rc_worker.controller.context import (
     Controller,
     Principal,
     controller_of,
+    heartbeat_job_ids,
     json_body,
     query_int,
+    register_job_ids,
 )
 from rc_worker.controller.errors import ApiError, Conflict, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
+from rc_worker.controller.state import host_topic
 from rc_worker.core.model import PROTOCOL_VERSION
+from rc_worker.core.protocol import (
+    DeregisterRequest,
+    OkReply,
+    OutputReply,
+    PollReply,
+    StateReply,
+    unstructure,
+)
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
 
@@ -29,14 +40,18 @@ log = logging.getLogger("rc_worker.controller")
 
 
 def _ok() -> JSONResponse:
-    return JSONResponse({"ok": True})
+    return JSONResponse(unstructure(OkReply()))
 
 
 async def register(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
-    ctl.require_worker(request, host)
-    req = wire.register(await json_body(request))
+    try:
+        ctl.require_worker(request, host)
+        req = wire.register(await json_body(request))
+    except ApiError:
+        ctl.store.stats.registrations["refused"] += 1  # the store counts its own refusals
+        raise
     if req.protocol != PROTOCOL_VERSION:
         log.warning(
             "host %s registered with protocol %d, this controller speaks %d; upgrade the older one",
@@ -44,8 +59,9 @@ async def register(request: Request) -> Response:
             req.protocol,
             PROTOCOL_VERSION,
         )
+    await ctl.ensure_jobs(register_job_ids(req))  # finished ones may live only in the store
     now = ctl.tick()
-    return JSONResponse(ctl.store.register(host, req, now=now).to_json())
+    return JSONResponse(unstructure(ctl.store.register(host, req, now=now)))
 
 
 async def heartbeat(request: Request) -> Response:
@@ -53,22 +69,47 @@ async def heartbeat(request: Request) -> Response:
     host = request.path_params["host"]
     ctl.require_worker(request, host)
     req = wire.heartbeat(await json_body(request))
+    await ctl.ensure_jobs(heartbeat_job_ids(req))  # finished ones may live only in the store
     now = ctl.tick()
-    return JSONResponse(ctl.store.heartbeat(host, req, now=now).to_json())
+    return JSONResponse(unstructure(ctl.store.heartbeat(host, req, now=now)))
 
 
 async def poll(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    fields = await json_body(request)
-    session, ready, wait_s, withdrawn = wire.poll(fields)
-    known = wire.known_cancels(fields)
-    watch = fields.flag("watch_cancels")
+    req = wire.poll(await json_body(request))
+    session, ready, wait_s, withdrawn = (
+        req.session,
+        list(req.ready),
+        req.wait_s,
+        list(req.withdrawn),
+    )
+    known = {(c.job_id, c.attempt) for c in req.known_cancels}
+    watch = req.watch_cancels
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
-    deadline = ctl.now() + wait
     offers = ctl.store.open_poll(host, ready, withdrawn)
+    ctl.store.stats.polls_parked += 1
+    try:
+        return await _long_poll(ctl, request, host, session, ready, offers, known, watch, wait)
+    finally:
+        ctl.store.stats.polls_parked -= 1
+        ctl.store.close_poll(host, offers)
+
+
+async def _long_poll(
+    ctl: Controller,
+    request: Request,
+    host: str,
+    session: str,
+    ready: list[str],
+    offers: dict[str, int],
+    known: set[tuple[str, int]],
+    watch: bool,
+    wait: float,
+) -> Response:
+    deadline = ctl.now() + wait
     assignments: list[Assignment] = []
     cancels: list[CancelOrder] = []
     error: ApiError | None = None
@@ -87,26 +128,22 @@ async def poll(request: Request) -> Response:
                     # Superseded: the worker polled again with an updated ready set
                     # (a device it listed here stopped being offerable): answer now.
                     break
-                await ctl.wait_change(seen, deadline)
+                # Woken only by a change to this host (or a job aimed at its devices).
+                await ctl.wait_change(seen, deadline, host_topic(host))
         except ApiError as e:
             # Caught here, not outside: out of the task group it would arrive wrapped.
             error = e
         tg.cancel_scope.cancel()
     if error is not None:
         raise error
-    return JSONResponse(
-        {
-            "assignments": [a.to_json() for a in assignments],
-            "cancel": [c.to_json() for c in cancels],
-        }
-    )
+    return JSONResponse(unstructure(PollReply(tuple(assignments), tuple(cancels))))
 
 
 async def deregister(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    session = (await json_body(request)).req_str("session")
+    session = wire.parse(await json_body(request), DeregisterRequest).session
     now = ctl.tick()
     ctl.store.deregister(host, session, now=now)
     return _ok()
@@ -151,7 +188,7 @@ async def output(request: Request) -> Response:
     _check_optional_session(ctl, p, request)
     ctl.check_host(p, ctl.store.attempt_host(job_id, attempt))
     committed = await _append_as_read(ctl, request, job_id, attempt, offset)
-    return JSONResponse({"committed": committed})
+    return JSONResponse(unstructure(OutputReply(committed)))
 
 
 async def _append_as_read(
@@ -211,15 +248,15 @@ async def finish(request: Request) -> Response:
     _check_session_host(ctl, p, req.session)
     now = ctl.tick()
     job = ctl.store.finish(request.path_params["job_id"], req, now=now)
-    return JSONResponse({"ok": True, "state": job.state})
+    return JSONResponse(unstructure(StateReply(job.state)))
 
 
 async def labels(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    f = await json_body(request)
-    session, update = f.req_str("session"), wire.labels_update(f)
+    req = wire.labels(await json_body(request))
+    session, update = req.session, req.update
     now = ctl.tick()
     ctl.store.put_labels(host, session, update, now=now)
     return _ok()
@@ -229,8 +266,8 @@ async def sheets(request: Request) -> Response:
     ctl = controller_of(request)
     host = request.path_params["host"]
     ctl.require_worker(request, host)
-    f = await json_body(request)
-    session, update = f.req_str("session"), wire.sheets_update(f)
+    req = wire.sheets(await json_body(request))
+    session, update = req.session, req.sheets
     now = ctl.tick()
     ctl.store.put_sheets(host, session, update, now=now)
     return _ok()
@@ -243,7 +280,7 @@ async def fault(request: Request) -> Response:
     req = wire.fault(await json_body(request))
     now = ctl.tick()
     device = ctl.store.raise_fault(host, request.path_params["device"], req, now=now)
-    return JSONResponse({"ok": True, "state": device.state})
+    return JSONResponse(unstructure(StateReply(device.state)))
 
 
 async def stdin(request: Request) -> Response:

@@ -1,8 +1,10 @@
 """Messages between the worker and the controller (sans-IO).
 
 ``parse_assignment`` is where a controller's assignment is checked before
-anything acts on it: a malformed one becomes an ``AssignmentError`` that
-names the problem, and the worker answers it with a ``rejected`` finish.
+anything acts on it: the protocol's converter checks its shape, this module the
+worker's rules about its values; a malformed one becomes an ``AssignmentError``
+that names the problem, and the worker answers it with a ``rejected`` finish.
+The message types themselves are the protocol's (:mod:`rc_worker.core.protocol`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,31 @@ import enum
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 from urllib.parse import urlsplit
 
 import attrs
 
+from rc_worker.core import protocol
 from rc_worker.core.errors import AssignmentError
+from rc_worker.core.protocol import Assignment, ProtocolError
+
+__all__ = [
+    "JOB_ID_RE",
+    "PROTOCOL_VERSION",
+    "Assignment",
+    "Claim",
+    "DeviceState",
+    "IdleBehavior",
+    "Outcome",
+    "VerifyResult",
+    "assignment_identity",
+    "check_controller_url",
+    "effective_limit",
+    "job_key",
+    "parse_assignment",
+    "url_origin",
+]
 
 # Job ids name files in the state directory, so their alphabet is closed.
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -72,23 +93,6 @@ class Claim(enum.StrEnum):
 
 
 @attrs.frozen
-class Assignment:
-    """One offer of a job to one of this host's devices."""
-
-    job_id: str
-    attempt: int
-    device: str
-    command: tuple[str, ...]
-    cwd: str | None = None
-    env: Mapping[str, str] = attrs.field(factory=dict)
-    max_runtime_s: float | None = None
-    idle_timeout_s: float | None = None
-    grace_s: float = 10.0
-    stdin_url: str | None = None
-    pty: bool = False
-
-
-@attrs.frozen
 class VerifyResult:
     """The outcome of one verify pass.
 
@@ -111,41 +115,44 @@ def job_key(job_id: str, attempt: int) -> str:
     return f"{job_id}.{attempt}"
 
 
-def assignment_identity(raw: Any) -> tuple[str, int, str] | None:
+def assignment_identity(raw: object) -> tuple[str, int, str] | None:
     """The (job_id, attempt, device) of a raw assignment, if it has a usable one.
 
     A rejection needs these to address its ``finish``; an assignment without
     them cannot be answered at all, only logged.
     """
-    if not isinstance(raw, Mapping):
+    try:
+        ident = protocol.structure(raw, protocol.AssignmentIdentity)
+    except ProtocolError:
         return None
-    job_id, attempt, device = raw.get("job_id"), raw.get("attempt"), raw.get("device")
-    if not isinstance(job_id, str) or not JOB_ID_RE.fullmatch(job_id):
+    if not JOB_ID_RE.fullmatch(ident.job_id) or ident.attempt < 0:
         return None
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        return None
-    return job_id, attempt, device if isinstance(device, str) else ""
+    return ident.job_id, ident.attempt, ident.device if isinstance(ident.device, str) else ""
 
 
-def parse_assignment(raw: Any, *, origin: str | None = None) -> Assignment:
+def parse_assignment(raw: object, *, origin: str | None = None) -> Assignment:
     """Check and convert one assignment from a poll response, completely: nothing acts on an
     assignment before this has accepted every field of it.
 
-    ``origin`` is the controller's ``scheme://host[:port]``: a ``stdin.url`` must be a path on
-    it (or an absolute URL with that very origin), so the worker's token never goes elsewhere.
+    The protocol's converter checks its shape; the worker's own rules about its values
+    follow. ``origin`` is the controller's ``scheme://host[:port]``: a ``stdin.url`` must be
+    a path on it (or an absolute URL with that very origin), so the worker's token never
+    goes elsewhere.
     """
     if not isinstance(raw, Mapping):
         raise AssignmentError("the assignment is not a JSON object")
-    ident = assignment_identity(raw)
-    if ident is None:
+    if assignment_identity(raw) is None:
         raise AssignmentError(
             "job_id must be a string of letters, digits, '.', '_' or '-' and attempt an integer"
         )
-    job_id, attempt, device = ident
-    if not device:
+    if not raw.get("device") or not isinstance(raw.get("device"), str):
         raise AssignmentError("device must be a non-empty string")
-    command = raw.get("command")
-    if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+    try:
+        a = protocol.structure(raw, Assignment)
+    except ProtocolError as e:
+        raise AssignmentError(e.sentence) from None
+    command = a.command
+    if not command:
         raise AssignmentError("command must be a non-empty list of strings")
     if not command[0]:
         raise AssignmentError("command[0], the program, must not be an empty string")
@@ -153,60 +160,34 @@ def parse_assignment(raw: Any, *, origin: str | None = None) -> Assignment:
         raise AssignmentError("command must not contain NUL characters")
     if len(command) > MAX_ARGS or sum(len(c) + 1 for c in command) > MAX_ARGV_CHARS:
         raise AssignmentError(f"command is larger than {MAX_ARGV_CHARS} characters")
-    cwd = raw.get("cwd")
-    if cwd is not None and (not isinstance(cwd, str) or not cwd):
+    if a.cwd is not None and not a.cwd:
         raise AssignmentError("cwd must be null or a non-empty string")
-    env = raw.get("env") or {}
-    if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
-        for k, v in env.items()
-    ):
+    env = a.env
+    if not all(k and "=" not in k and "\0" not in k + v for k, v in env.items()):
         raise AssignmentError("env must be an object mapping variable names to strings")
     if len(env) > MAX_ARGS or sum(len(k) + len(v) + 2 for k, v in env.items()) > MAX_ARGV_CHARS:
         raise AssignmentError(f"env is larger than {MAX_ARGV_CHARS} characters")
-    stdin = raw.get("stdin")
-    stdin_url: str | None = None
-    if stdin is not None:
-        if not isinstance(stdin, Mapping) or not isinstance(stdin.get("url"), str):
-            raise AssignmentError('stdin must be null or {"url": "..."}')
-        stdin_url = check_controller_url(stdin["url"], origin, "stdin.url")
-    pty = raw.get("pty", False)
-    if not isinstance(pty, bool):
-        raise AssignmentError("pty must be true or false")
-    grace = _seconds(raw, "grace_s", default=10.0)
-    return Assignment(
-        job_id=job_id,
-        attempt=attempt,
-        device=device,
-        command=tuple(command),
-        cwd=cwd,
-        env=dict(env),
-        max_runtime_s=_positive_or_none(raw, "max_runtime_s"),
-        idle_timeout_s=_positive_or_none(raw, "idle_timeout_s"),
-        grace_s=10.0 if grace is None else grace,
-        stdin_url=stdin_url,
-        pty=pty,
-    )
+    if a.stdin is not None:
+        check_controller_url(a.stdin.url, origin, "stdin.url")
+    _seconds(a.grace_s, "grace_s")
+    _positive_or_none(a.max_runtime_s, "max_runtime_s")
+    _positive_or_none(a.idle_timeout_s, "idle_timeout_s")
+    return a
 
 
-def _seconds(raw: Mapping[str, Any], key: str, *, default: float | None) -> float | None:
-    value = raw.get(key, default)
+def _seconds(value: float | None, key: str) -> None:
     if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise AssignmentError(f"{key} must be a number of seconds or null")
+        return
     if not math.isfinite(value) or value < 0:
         raise AssignmentError(f"{key} must be a finite, non-negative number of seconds")
     if value > MAX_SECONDS:
         raise AssignmentError(f"{key} must be at most {MAX_SECONDS:g} seconds")
-    return float(value)
 
 
-def _positive_or_none(raw: Mapping[str, Any], key: str) -> float | None:
-    value = _seconds(raw, key, default=None)
+def _positive_or_none(value: float | None, key: str) -> None:
+    _seconds(value, key)
     if value == 0:
         raise AssignmentError(f"{key} must be more than zero, or null for no limit")
-    return value
 
 
 def url_origin(url: str) -> str:

@@ -12,7 +12,8 @@ import trio
 from starlette.applications import Starlette
 
 from rc_worker.controller import Store, StoreConfig, create_app
-from rc_worker.controller.durable import Durability
+from rc_worker.controller.durable import KEEP_FINISHED, Durability
+from rc_worker.controller.messages import JobInfo
 from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import Batch, Loaded
 from rc_worker.controller.persist.opening import open_backend, open_store
@@ -60,6 +61,17 @@ class Breakable:
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         return self.inner.read_events(after, limit)
 
+    def read_job(self, job_id: str) -> tuple[str, int] | None:
+        return self.inner.read_job(job_id)
+
+    def read_finished(
+        self, state: str | None, after: int | None, limit: int, newest_first: bool
+    ) -> list[tuple[str, int]]:
+        return self.inner.read_finished(state, after, limit, newest_first)
+
+    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
+        return self.inner.delete_finished_before(wall_time)
+
     def webhook_cursors(self) -> dict[str, int]:
         return self.inner.webhook_cursors()
 
@@ -80,14 +92,24 @@ class Opened:
 
 
 def open_controller(
-    backend: Backend, config: StoreConfig | None = None, *, grace: float | None = 300.0
+    backend: Backend,
+    config: StoreConfig | None = None,
+    *,
+    grace: float | None = 300.0,
+    keep_finished: int = KEEP_FINISHED,
 ) -> Opened:
     store, had = open_store(backend, config, now=trio.current_time(), recovery_grace_s=grace)
-    durability = Durability(store, backend)
+    durability = Durability(store, backend, keep_finished=keep_finished)
     app = create_app(
         store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS, durability=durability
     )
     return Opened(store, app, durability, backend, had)
+
+
+async def all_jobs(opened: Opened) -> list[JobInfo]:
+    """Every job of the store, in memory or only in the database beneath."""
+    jobs, _ = await opened.durability.jobs_page(None, after=None, limit=None, newest_first=False)
+    return jobs
 
 
 @contextlib.asynccontextmanager

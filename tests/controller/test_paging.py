@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
 import httpx
 import pytest
 import trio
@@ -69,3 +72,34 @@ async def test_rc_logs_ends_with_a_marker_when_output_was_capped(
     assert out.startswith("y\ny\n")
     assert out.rstrip("\n").splitlines()[-1].startswith("[rc: output truncated")
     assert a["job_id"] == job_id
+
+
+@pytest.mark.parametrize("follow", [False, True])
+async def test_rc_logs_json_ends_with_a_truncation_object(
+    capsys: pytest.CaptureFixture[str], follow: bool
+) -> None:
+    store = Store(StoreConfig(max_output_bytes=4), instance="t")
+    app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
+    transport = httpx.ASGITransport(app=app)
+    env = {"RC_URL": "http://rc", "RC_USER_TOKEN": USER_TOKEN}
+    async with httpx.AsyncClient(transport=transport, base_url="http://rc") as c:
+        w = FakeWorker(c)
+        await w.register()
+        capped = store.submit(["yes"])
+        await w.run_one(b"y\ny\ny\n")
+        whole = store.submit(["echo"])
+        await w.run_one(b"ok\n")
+    argv = ["logs", "--json", *(["--follow"] if follow else [])]
+    with trio.fail_after(10):
+        assert await rc_cli.amain([*argv, capped], env=env, transport=transport) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["offset"] == 0
+    assert base64.b64decode(lines[0]["data"]) == b"y\ny\n"
+    assert lines[-1]["output_truncated"] is True
+    assert lines[-1]["committed_bytes"] == 4
+    assert "--max-output-bytes" in lines[-1]["message"]
+    # A job whose output was not capped ends with its last chunk, no marker.
+    with trio.fail_after(10):
+        assert await rc_cli.amain([*argv, whole], env=env, transport=transport) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [base64.b64decode(line["data"]) for line in lines] == [b"ok\n"]

@@ -21,7 +21,7 @@ from rc_worker.controller.persist import StoreOpenError
 from rc_worker.controller.persist.schema import SCHEMA_VERSION
 
 from .helpers import FakeWorker
-from .persistkit import Breakable, StorePlace, clients, open_controller
+from .persistkit import Breakable, StorePlace, all_jobs, clients, open_controller
 from .pgserver import PgServer
 
 GUARD = 60
@@ -168,7 +168,7 @@ async def test_a_host_absent_past_the_recovery_grace_is_lost(store_place: StoreP
         await second.durability.flush()
         second.backend.close()
         third = open_controller(store_place.open())
-        assert third.store.job(running).state == "lost"
+        assert (await third.durability.job_info(running)).state == "lost"
         third.backend.close()
 
 
@@ -203,7 +203,7 @@ async def test_a_failing_store_answers_503_and_recovers(store_place: StorePlace)
             acknowledged.append(await submit(user, "echo", "after"))
         reopened = open_controller(store_place.open())
         opened.backend.close()
-        known = {j.job_id for j in reopened.store.jobs()}
+        known = {j.job_id for j in await all_jobs(reopened)}
         assert set(acknowledged) <= known
         reopened.backend.close()
 
@@ -228,7 +228,7 @@ async def test_a_stopped_database_server_answers_503_until_it_is_back(
             after = await submit(user, "echo", "after")
         opened.backend.close()
         reopened = open_controller(store_place.open())
-        known = {j.job_id for j in reopened.store.jobs()}
+        known = {j.job_id for j in await all_jobs(reopened)}
         assert {before, after} <= known
         reopened.backend.close()
 
@@ -250,7 +250,7 @@ async def test_output_past_the_cap_is_acknowledged_dropped_and_marked(
             assert (await w.finish(a, output_bytes=15)).status_code == 200
         opened.backend.close()
         reopened = open_controller(store_place.open())
-        info = reopened.store.job(job_id)
+        info = await reopened.durability.job_info(job_id)
         assert info.output_truncated
         assert reopened.backend.read_output(job_id, 0, None) == b"12345678"
         reopened.backend.close()
@@ -301,9 +301,12 @@ async def test_a_store_of_the_first_schema_is_migrated(store_place: StorePlace) 
         backend.close()
     opened = open_controller(store_place.open())
     try:
-        assert opened.store.job("j-1-v1").state == "succeeded"
+        # Finished: not loaded at start, read from the store when asked for.
+        assert not opened.store.in_memory("j-1-v1")
+        old = await opened.durability.job_info("j-1-v1")
+        assert old.state == "succeeded"
         assert opened.backend.read_output("j-1-v1", 0, None) == b"from schema 1\n"
-        assert opened.store.job("j-1-v1").committed_bytes == len(b"from schema 1\n")
+        assert old.committed_bytes == len(b"from schema 1\n")
         assert opened.store.job("j-2-v1").state == "queued"
         assert opened.store.device("box1", "gpu0").fault_id == "f-v1"
         assert opened.store.submit(["echo"]) == "j-3-v1"
@@ -375,7 +378,7 @@ async def test_retention_deletes_old_finished_jobs_and_their_output(
             assert (r.status_code, r.json()["error"]) == (404, "unknown_job")
         opened.backend.close()
         reopened = open_controller(store_place.open())
-        assert [j.job_id for j in reopened.store.jobs()] == [keep]
+        assert [j.job_id for j in await all_jobs(reopened)] == [keep]
         reopened.backend.close()
 
 

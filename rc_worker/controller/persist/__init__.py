@@ -1,13 +1,19 @@
 """Persistence beneath the controller's store: one interface, three implementations.
 
-The :class:`~rc_worker.controller.store.Store` stays sans-IO and keeps its whole
-state in memory; it marks what it changes in its journal
+The :class:`~rc_worker.controller.store.Store` stays sans-IO and keeps in memory
+what its decisions need (hosts, devices, queued and running jobs, the most
+recently finished jobs); it marks what it changes in its journal
 (:mod:`rc_worker.controller.journal`). A :class:`Backend` writes those changes
-(:class:`~rc_worker.controller.persist.codec.Batch`) and reads them back at
-start. Backends are synchronous and called from a thread
+(:class:`~rc_worker.controller.persist.codec.Batch`), reads the live part back at
+start, and reads finished jobs and output when someone asks for them: once
+stored, finished jobs leave memory (:meth:`Durability.flush
+<rc_worker.controller.durable.Durability.flush>`), so memory does not grow with
+the number of jobs ever run. Backends are synchronous and called from a thread
 (:mod:`rc_worker.controller.durable` does that), never on the event loop.
 
-- :class:`MemoryBackend`: stores nothing (``rc serve --memory``, tests, simulations);
+- :class:`MemoryBackend`: keeps rows in dicts of its own, for as long as the process
+  lives (tests; ``rc serve --memory`` uses no backend at all: its store keeps
+  everything);
 - :class:`~rc_worker.controller.persist.sqlite.SqliteBackend`: one SQLite file (WAL)
   in the state directory;
 - :class:`~rc_worker.controller.persist.postgres.PostgresBackend`: a PostgreSQL
@@ -19,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from rc_worker.controller.persist.codec import Batch, Loaded
+from rc_worker.controller.persist.codec import Batch, JobRow, Loaded
 from rc_worker.core.errors import RcWorkerError
 
 __all__ = ["Backend", "MemoryBackend", "StoreOpenError", "StoreWriteError"]
@@ -45,6 +51,17 @@ class Backend(Protocol):
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         """Stored output of a job from ``offset`` (at most ``limit`` bytes)."""
 
+    def read_job(self, job_id: str) -> tuple[str, int] | None:
+        """A stored job document and its stored output length; None if there is none."""
+
+    def read_finished(
+        self, state: str | None, after: int | None, limit: int, newest_first: bool
+    ) -> list[tuple[str, int]]:
+        """Stored finished jobs by ``seq`` after the cursor ``after``, with output lengths."""
+
+    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
+        """Retention: delete jobs that finished before ``wall_time``; their ids and states."""
+
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         """Stored events with ``seq > after`` (older than the store keeps in memory)."""
 
@@ -56,21 +73,63 @@ class Backend(Protocol):
 
 
 class MemoryBackend:
-    """Stores nothing: state lives as long as the process (``--memory``)."""
+    """Keeps what it is given in dicts, for as long as the process lives.
+
+    A faithful backend without a database (tests, simulations): what the store
+    evicts after a commit can be read back, as from SQLite.
+    """
 
     description = "memory"
 
     def __init__(self) -> None:
         self._cursors: dict[str, int] = {}
+        self._jobs: dict[str, JobRow] = {}
+        self._output: dict[str, bytearray] = {}
 
     def load(self, max_events: int) -> Loaded:
         return Loaded(meta={}, jobs=(), hosts=(), events=(), output={})
 
     def write(self, batches: Sequence[Batch]) -> None:
-        pass
+        for b in batches:
+            for row in b.jobs:
+                self._jobs[row.job_id] = row
+            for job_id, off, data in b.output:
+                out = self._output.setdefault(job_id, bytearray())
+                if off == len(out):
+                    out += data
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
-        return b""  # the store keeps all output in memory: never asked
+        out = self._output.get(job_id, bytearray())
+        return bytes(out[offset : None if limit is None else offset + limit])
+
+    def read_job(self, job_id: str) -> tuple[str, int] | None:
+        row = self._jobs.get(job_id)
+        return None if row is None else (row.data, len(self._output.get(job_id, b"")))
+
+    def read_finished(
+        self, state: str | None, after: int | None, limit: int, newest_first: bool
+    ) -> list[tuple[str, int]]:
+        rows = sorted(
+            (r for r in self._jobs.values() if r.finished_at is not None),
+            key=lambda r: r.seq,
+            reverse=newest_first,
+        )
+        if state is not None:
+            rows = [r for r in rows if r.state == state]
+        if after is not None:
+            rows = [r for r in rows if (r.seq < after if newest_first else r.seq > after)]
+        return [(r.data, len(self._output.get(r.job_id, b""))) for r in rows[:limit]]
+
+    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
+        gone = [
+            (r.job_id, r.state)
+            for r in self._jobs.values()
+            if r.finished_at is not None and r.finished_at < wall_time
+        ]
+        for job_id, _ in gone:
+            del self._jobs[job_id]
+            self._output.pop(job_id, None)
+        return gone
 
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         return []  # events dropped from memory are gone

@@ -20,9 +20,10 @@ from rc_worker.controller.journal import Marks
 from rc_worker.controller.messages import Event, JobSpec, Verify
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
 from rc_worker.controller.state import StoreState
+from rc_worker.core import protocol
 from rc_worker.core.selectors import parse_selector
 
-__all__ = ["Batch", "JobRow", "Loaded", "restore", "take_batch"]
+__all__ = ["Batch", "JobRow", "Loaded", "restore", "stored_job", "take_batch"]
 
 
 @attrs.frozen
@@ -54,12 +55,15 @@ class Loaded:
 
     meta: Mapping[str, str]
     jobs: tuple[str, ...]
-    """Job documents, in submission order."""
+    """Documents of the jobs not finished (queued, assigned, running), in submission order:
+    finished ones are read from the store when asked for, never all at start."""
     hosts: tuple[str, ...]
     events: tuple[tuple[int, str, float, str], ...]
     """The most recent events, oldest first."""
     output: Mapping[str, int]
-    """How many bytes of output each job has stored (the bytes stay in the store)."""
+    """How many bytes of output each of those jobs has stored (the bytes stay in the store)."""
+    finished: Mapping[str, int] = attrs.Factory(dict)
+    """How many finished jobs the store holds, per state (their records stay in the store)."""
 
 
 def _dumps(value: object) -> str:
@@ -103,9 +107,7 @@ def job_doc(job: Job) -> dict[str, object]:
         "error": job.error,
         "output_bytes": job.output_bytes,
         "fault_id": job.fault_id,
-        "verify": None
-        if job.verify is None
-        else {"ok": job.verify.ok, "reason": job.verify.reason},
+        "verify": None if job.verify is None else protocol.unstructure(job.verify),
         "sweep": job.sweep,
         "adopted": job.adopted,
         "output_truncated": job.output_truncated,
@@ -199,18 +201,8 @@ def batch_of(store: StoreState, marks: Marks, generation: int) -> Batch:
 
 
 def _spec(doc: Mapping[str, Any]) -> JobSpec:
-    return JobSpec(
-        command=tuple(doc["command"]),
-        select=doc.get("select", ""),
-        device=doc.get("device"),
-        env=dict(doc.get("env") or {}),
-        cwd=doc.get("cwd"),
-        max_runtime_s=doc.get("max_runtime_s"),
-        idle_timeout_s=doc.get("idle_timeout_s"),
-        grace_s=doc.get("grace_s", 10.0),
-        pty=bool(doc.get("pty", False)),
-        stdin=bool(doc.get("stdin", False)),
-    )
+    # Stored in its wire form (``JobSpec.to_json``), so read back through the protocol's converter.
+    return protocol.structure(doc, JobSpec)
 
 
 def load_job(doc: Mapping[str, Any], now: float) -> Job:
@@ -250,7 +242,7 @@ def load_job(doc: Mapping[str, Any], now: float) -> Job:
         error=doc.get("error"),
         output_bytes=doc.get("output_bytes"),
         fault_id=doc.get("fault_id"),
-        verify=None if verify is None else Verify(bool(verify["ok"]), verify.get("reason", "")),
+        verify=None if verify is None else protocol.structure(verify, Verify),
         sweep=doc.get("sweep"),
     )
     job.adopted = bool(doc.get("adopted", False))
@@ -336,3 +328,12 @@ def restore(
     store.restore_events(
         Event(seq, type_, time, json.loads(data)) for seq, type_, time, data in loaded.events
     )
+    store.restore_stored_counts(loaded.finished)
+
+
+def stored_job(doc: str, stored_bytes: int, now: float) -> Job:
+    """A job as a backend returned it (``read_job``, ``read_finished``), with its output
+    length: the bytes stay in the store."""
+    job = load_job(json.loads(doc), now)
+    job.output_base = stored_bytes
+    return job

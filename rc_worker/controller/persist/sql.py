@@ -112,7 +112,9 @@ class SqlBackend:
             meta = {str(k): str(v) for k, v in cur.fetchall()}
             cur.execute("SELECT data FROM hosts ORDER BY name")
             hosts = tuple(str(r[0]) for r in cur.fetchall())
-            cur.execute("SELECT data FROM jobs ORDER BY seq")
+            # Lazy: only the jobs still to run or running. Finished jobs stay in the store
+            # and are read when someone asks for them (read_job, read_finished).
+            cur.execute("SELECT data FROM jobs WHERE finished_at IS NULL ORDER BY seq")
             jobs = tuple(str(r[0]) for r in cur.fetchall())
             cur.execute(
                 f"SELECT seq, type, time, data FROM events ORDER BY seq DESC LIMIT {self.ph}",
@@ -121,10 +123,20 @@ class SqlBackend:
             events = tuple(
                 (int(s), str(t), float(tm), str(d)) for s, t, tm, d in reversed(cur.fetchall())
             )
-            # Only how much each job has: the bytes are read when someone asks for them.
-            cur.execute("SELECT job_id, SUM(length(data)) FROM output GROUP BY job_id")
+            # Only how much each of those jobs has: the bytes are read when someone asks.
+            cur.execute(
+                "SELECT o.job_id, SUM(length(o.data)) FROM output o"
+                " JOIN jobs j ON j.job_id = o.job_id WHERE j.finished_at IS NULL"
+                " GROUP BY o.job_id"
+            )
             output = {str(j): int(n) for j, n in cur.fetchall()}
-        return Loaded(meta=meta, jobs=jobs, hosts=hosts, events=events, output=output)
+            cur.execute(
+                "SELECT state, COUNT(*) FROM jobs WHERE finished_at IS NOT NULL GROUP BY state"
+            )
+            finished = {str(st): int(n) for st, n in cur.fetchall()}
+        return Loaded(
+            meta=meta, jobs=jobs, hosts=hosts, events=events, output=output, finished=finished
+        )
 
     # --- writing while serving ----------------------------------------------------------------
 
@@ -161,6 +173,40 @@ class SqlBackend:
                         (job_id, off, chunk),
                     )
                 self._put_meta(cur, b.meta)
+
+    # Each job with how many bytes of output it has stored (its committed length).
+    _JOB_WITH_BYTES = (
+        "SELECT j.data, (SELECT COALESCE(SUM(length(o.data)), 0) FROM output o"
+        " WHERE o.job_id = j.job_id) FROM jobs j"
+    )
+
+    def read_job(self, job_id: str) -> tuple[str, int] | None:
+        """One stored job document and its stored output length; None if there is none."""
+        with self._transaction(self._read_failed) as cur:
+            cur.execute(f"{self._JOB_WITH_BYTES} WHERE j.job_id = {self.ph}", (job_id,))
+            row = cur.fetchone()
+        return None if row is None else (str(row[0]), int(row[1]))
+
+    def read_finished(
+        self, state: str | None, after: int | None, limit: int, newest_first: bool
+    ) -> list[tuple[str, int]]:
+        """Stored finished jobs in submission order (or newest first) after the cursor
+        ``after`` (a job's ``seq``), at most ``limit``, each with its stored output length."""
+        p = self.ph
+        sql = f"{self._JOB_WITH_BYTES} WHERE j.finished_at IS NOT NULL"
+        params: list[object] = []
+        if state is not None:
+            sql += f" AND j.state = {p}"
+            params.append(state)
+        if after is not None:
+            sql += f" AND j.seq {'<' if newest_first else '>'} {p}"
+            params.append(after)
+        sql += f" ORDER BY j.seq {'DESC' if newest_first else 'ASC'} LIMIT {p}"
+        params.append(limit)
+        with self._transaction(self._read_failed) as cur:
+            cur.execute(sql, tuple(params))
+            rows = [(str(d), int(n)) for d, n in cur.fetchall()]
+        return rows
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         """Stored output of ``job_id`` from ``offset``, at most ``limit`` bytes."""
@@ -207,16 +253,18 @@ class SqlBackend:
                 (url, seq),
             )
 
-    def delete_finished_before(self, wall_time: float) -> list[str]:
-        """Retention: drop finished jobs (and their output) that ended before ``wall_time``."""
+    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
+        """Retention: drop finished jobs (and their output) that ended before ``wall_time``;
+        returns each one's id and state."""
         p = self.ph
         with self._transaction(self._write_failed) as cur:
             cur.execute(
-                f"SELECT job_id FROM jobs WHERE finished_at IS NOT NULL AND finished_at < {p}",
+                "SELECT job_id, state FROM jobs"
+                f" WHERE finished_at IS NOT NULL AND finished_at < {p}",
                 (wall_time,),
             )
-            ids = [str(r[0]) for r in cur.fetchall()]
-            for job_id in ids:
+            gone = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
+            for job_id, _ in gone:
                 cur.execute(f"DELETE FROM output WHERE job_id = {p}", (job_id,))
                 cur.execute(f"DELETE FROM jobs WHERE job_id = {p}", (job_id,))
-        return ids
+        return gone
