@@ -48,7 +48,6 @@ from rc_worker.host import RunAs
 from rc_worker.logs import log_context, set_log_context
 from rc_worker.spool import JobDir, OutputSpool
 from rc_worker.supervise import JobHandle, JobSpec, Result, run_job
-from rc_worker.sweep import unproven
 from rc_worker.verify import run_verify
 
 if TYPE_CHECKING:
@@ -161,9 +160,8 @@ class DeviceSupervisor:
         self._poke()
 
     def set_idle_behavior(self, behavior: IdleBehavior) -> None:
-        if behavior is not self.lease.idle_behavior:
+        if self.lease.set_idle_behavior(behavior):
             log.info("device %s: idle behaviour %s", self.name, behavior)
-            self.lease.idle_behavior = behavior
             self._poke()
 
     def add_fault(self, fault_id: str, why: str, *, kind: str = "fault") -> None:
@@ -247,13 +245,8 @@ class DeviceSupervisor:
 
     def set_health_hold(self, held: Mapping[str, str], passed: Collection[str]) -> None:
         """Hold for the checks that could not run; lift the ones that ran."""
-        hold = self.lease.health_hold
-        before = dict(hold)
-        for check in passed:
-            hold.pop(check, None)
-        hold.update(held)
-        if hold != before:
-            if hold:
+        if self.lease.set_health_hold(held, passed):
+            if self.lease.health_hold:
                 log.warning("device %s: held for health: %s", self.name, self.health_reason())
             else:
                 log.info("device %s: health checks pass again; hold lifted", self.name)
@@ -274,11 +267,10 @@ class DeviceSupervisor:
     def clear_faults(self, cleared: set[str]) -> None:
         if cleared & self.lease.faults:
             log.info("device %s: faults %s cleared", self.name, sorted(cleared & self.lease.faults))
-        nxt = self.lease.clear_faults(cleared)
+        moved = self.lease.clear_faults(cleared)
         for fault_id in cleared:
             self.fault_notes.pop(fault_id, None)
-        if nxt is not None:
-            self.lease.to(nxt)
+        if moved is not None:
             self._poke()
 
     def poke(self) -> None:
@@ -360,9 +352,9 @@ class DeviceSupervisor:
                     await self._isolated(self._serve(assignment, needs_acquire), assignment)
             elif state is S.RELEASING:
                 await self._isolated(self._release(), None)
-            elif state is S.LINGERING and self._linger_over():
-                self.lease.to(S.RELEASING)
-            elif self.ctx.draining and state in (S.FREE, S.QUARANTINED):
+            elif self._linger_over():
+                self.lease.end_linger()
+            elif self.lease.drained(draining=self.ctx.draining):
                 self.ctx.poke_poller()
                 return
             else:
@@ -411,11 +403,12 @@ class DeviceSupervisor:
             log.exception("device %s: cannot record the finish of job %s", self.name, a.job_id)
 
     def _linger_over(self) -> bool:
-        if self.ctx.draining or self.lease.idle_behavior is IdleBehavior.DRAIN:
-            return not self.offered
-        if self.lease.idle_behavior is IdleBehavior.HOLD:
-            return False
-        return trio.current_time() >= self._linger_until and not self.offered
+        return self.lease.linger_over(
+            now=trio.current_time(),
+            until=self._linger_until,
+            draining=self.ctx.draining,
+            offered=self.offered,
+        )
 
     async def _wait_for_change(self) -> None:
         changed = self._changed.watch()
@@ -507,13 +500,12 @@ class DeviceSupervisor:
             # acquire may have claimed something, so release runs.
             text = self._cancel_text or "cancelled"
             await self.ctx.report(a, not_run_report(a, "killed", _cancel_reason(text)))
-            self.lease.held = True
-            self.lease.to(S.RELEASING)
+            self.lease.acquire_cancelled()
             return False
         if not outcome.ok:
             await self.ctx.report(a, not_run_report(a, "refused", outcome.reason))
-            self._quarantine("hook_failed", outcome.reason, job_id=a.job_id)
-            self.lease.to(S.QUARANTINED)
+            fault_id = self._quarantine("hook_failed", outcome.reason, job_id=a.job_id)
+            self.lease.acquire_failed(fault_id)
             return False
         return True
 
@@ -548,7 +540,7 @@ class DeviceSupervisor:
         except OSError as e:
             raise _NotJournaled(str(e)) from e
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool, device=self.name)
-        self.lease.to(S.RUNNING)
+        self.lease.job_started()
         self._started_at = time.time()
         handle = JobHandle()
         self._handle = handle
@@ -578,7 +570,7 @@ class DeviceSupervisor:
                 self.ctx.metrics.output_truncated.inc()
         self.ctx.metrics.job_seconds.observe(trio.current_time() - began)
         self.ctx.metrics.swept.inc(len(result.sweep.found))
-        self.lease.to(S.VERIFYING)
+        self.lease.job_ended()
         env = {
             **self.ctx.child_env(self.name, a.job_id),
             "RC_JOB_EXIT_CODE": "" if result.exit_code is None else str(result.exit_code),
@@ -596,12 +588,13 @@ class DeviceSupervisor:
                 host=self.ctx.host,
                 **_run_as(self.ctx.run_as(self.config)),
             )
+        # The lease decides, by the one rule recovery decides by too: not proven
+        # clean (a failed verify pass, a sweep that proves nothing) is a fault,
+        # sent in the finish rather than on its own.
+        decision = self.lease.after_job(result.sweep, verify, draining=self.ctx.draining)
         fault_id = None
-        if not verify.ok:
-            fault_id = self._quarantine("verify_failed", verify.reason, report=False)
-        elif (doubt := unproven(result.sweep)) is not None:
-            # The one rule recovery decides by too: not proven clean is dirty.
-            fault_id = self._quarantine("dirty", doubt, report=False)
+        if decision.fault_kind is not None:
+            fault_id = self._quarantine(decision.fault_kind, decision.reason, report=False)
         return result, verify, fault_id, spool.size
 
     def _grace(self, a: Assignment) -> float:
@@ -630,8 +623,7 @@ class DeviceSupervisor:
         return await gate(self.name, job_id, grace)
 
     def _settle(self) -> None:
-        nxt = self.lease.settle(draining=self.ctx.draining)
-        self.lease.to(nxt)
+        nxt = self.lease.step_done(draining=self.ctx.draining)
         if nxt is S.LINGERING:
             self._linger_until = trio.current_time() + self.config.release_linger
         # Wake the poll loop whatever the next state: a device settling to
@@ -654,12 +646,10 @@ class DeviceSupervisor:
                     **_run_as(self.ctx.run_as(self.config)),
                 )
             if not outcome.ok:
-                self.lease.released()
-                self._quarantine("hook_failed", outcome.reason, job_id=self._last_job_id)
-                self.lease.to(S.QUARANTINED)
+                fault_id = self._quarantine("hook_failed", outcome.reason, job_id=self._last_job_id)
+                self.lease.release_failed(fault_id)
                 return
-        self.lease.released()
-        self.lease.to(S.FREE)
+        self.lease.release_done()
         self.ctx.poke_poller()
 
 

@@ -28,13 +28,16 @@ import attrs
 
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.cgroup import sweep_cgroup
+
+# The decision is pure (claim_decision.py), shared with the lease; re-exported here.
+from rc_worker.claim_decision import decide_claim as decide_claim
 from rc_worker.core import protocol
 from rc_worker.core.model import Claim
 from rc_worker.core.reports import lost_report, sweep_json
 from rc_worker.durable import Committer
 from rc_worker.host import Host
 from rc_worker.spool import JobDir, job_dirs, move_aside, read_json
-from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors, unproven
+from rc_worker.sweep import NOT_SWEPT, SweepReport, sweep_job_survivors
 
 log = logging.getLogger("rc_worker.recovery")
 
@@ -65,18 +68,6 @@ class Recovered:
 
     def register_entry(self) -> dict[str, Any]:
         return protocol.unstructure(self.register_message())
-
-
-def decide_claim(sweep: SweepReport, *, reboot: bool, require_manual_clear: bool) -> Claim:
-    """The claim for one interrupted job (sans-IO)."""
-    if require_manual_clear:
-        return Claim.UNKNOWN
-    # The rule a job's end decides by too (sweep.unproven): gone only when proven.
-    if reboot or unproven(sweep) is None:
-        return Claim.GONE
-    if sweep.remaining:
-        return Claim.ALIVE
-    return Claim.UNKNOWN
 
 
 @attrs.frozen

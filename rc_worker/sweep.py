@@ -38,6 +38,27 @@ import trio
 
 from rc_worker.host import Host, LinuxHost, ProcessInfo, ProcessPin
 
+# The report and the rule that reads it are pure (sweep_report.py); they are
+# re-exported here, where every caller has always imported them from.
+from rc_worker.sweep_report import (
+    METHOD_CGROUP as METHOD_CGROUP,
+)
+from rc_worker.sweep_report import (
+    METHOD_ENVIRON as METHOD_ENVIRON,
+)
+from rc_worker.sweep_report import (
+    NOT_SWEPT as NOT_SWEPT,
+)
+from rc_worker.sweep_report import (
+    NOTHING_STARTED as NOTHING_STARTED,
+)
+from rc_worker.sweep_report import (
+    SweepReport as SweepReport,
+)
+from rc_worker.sweep_report import (
+    unproven as unproven,
+)
+
 JOB_ID_VAR = "RC_JOB_ID"
 
 # How long to wait for SIGKILL to take effect before reporting what is left.
@@ -52,71 +73,6 @@ _POLL_MAX = 0.1
 
 # See scan(): how long to give a process that was caught mid-exec.
 EXEC_SETTLE = 0.005
-
-
-METHOD_ENVIRON = "environ"
-METHOD_CGROUP = "cgroup"
-
-
-@attrs.frozen
-class SweepReport:
-    """What the sweep saw and did. A report, never an outcome.
-
-    ``scanned``: the job's processes could be looked for at all ("found
-    nothing" and "could not look" are opposite answers). ``found``: every
-    live process of the job seen after its group was torn down. ``remaining``:
-    what was still alive after SIGTERM, the grace window, SIGKILL and a short
-    wait (non-empty means the host is still dirty). ``blind``: the answer is
-    incomplete: some process could not be inspected (EACCES on its
-    environment: a worker not running as root), listed in ``blind_pids``, or
-    the table stopped being readable half-way. ``method``: ``cgroup`` (the
-    job's own cgroup was read: exact, never blind) or ``environ`` (the
-    process table was searched for the job's RC_JOB_ID).
-    """
-
-    scanned: bool
-    found: tuple[int, ...] = ()
-    remaining: tuple[int, ...] = ()
-    blind: bool = False
-    blind_pids: tuple[int, ...] = ()
-    method: str = METHOD_ENVIRON
-
-    @property
-    def clean(self) -> bool:
-        """Whether the sweep *proved* nothing of the job is left running (see :func:`unproven`)."""
-        return unproven(self) is None
-
-
-def unproven(report: SweepReport) -> str | None:
-    """THE rule (invariant 1): why ``report`` does not prove the job left nothing, or ``None``.
-
-    Proven clean means: it looked, it could see everything it looked at, and
-    it either found nothing or removed everything it found. An empty
-    ``found`` alone is not this claim. The device supervisor (at a job's end:
-    not proven means the device is quarantined ``dirty``) and recovery (not
-    proven means the claim is not ``gone``) both decide with this function,
-    so a sweep the worker could not see through never offers a device at
-    one moment and refuses to at another.
-    """
-    if not report.scanned:
-        return "the job's processes could not be looked for (the process table was unreadable)"
-    if report.remaining:
-        return f"processes {list(report.remaining)} survived SIGKILL"
-    if report.blind:
-        which = f"processes {list(report.blind_pids)}" if report.blind_pids else "some processes"
-        return (
-            f"the sweep could not inspect {which} (environment unreadable: a worker that is not "
-            "root); a process of the job may still be alive. Run the worker as root or give "
-            "it a delegated cgroup (cgroup: auto)"
-        )
-    return None
-
-
-NOT_SWEPT = SweepReport(scanned=False)
-"""The report of a job that asked for no sweep: nothing looked, nothing proved."""
-
-NOTHING_STARTED = SweepReport(scanned=True)
-"""The report of a job whose process was never created: nothing can be left of it."""
 
 
 @attrs.frozen
