@@ -28,10 +28,10 @@ import attrs
 
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.cgroup import sweep_cgroup
+from rc_worker.core import protocol
 
 # The decision is pure (claim_decision.py), shared with the lease; re-exported here.
-from rc_worker.claim_decision import decide_claim as decide_claim
-from rc_worker.core import protocol
+from rc_worker.core.claim_decision import decide_claim as decide_claim
 from rc_worker.core.model import Claim
 from rc_worker.core.reports import lost_report, sweep_json
 from rc_worker.durable import Committer

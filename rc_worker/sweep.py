@@ -36,28 +36,27 @@ from collections.abc import Mapping
 import attrs
 import trio
 
-from rc_worker.host import Host, LinuxHost, ProcessInfo, ProcessPin
-
 # The report and the rule that reads it are pure (sweep_report.py); they are
 # re-exported here, where every caller has always imported them from.
-from rc_worker.sweep_report import (
+from rc_worker.core.sweep_report import (
     METHOD_CGROUP as METHOD_CGROUP,
 )
-from rc_worker.sweep_report import (
+from rc_worker.core.sweep_report import (
     METHOD_ENVIRON as METHOD_ENVIRON,
 )
-from rc_worker.sweep_report import (
+from rc_worker.core.sweep_report import (
     NOT_SWEPT as NOT_SWEPT,
 )
-from rc_worker.sweep_report import (
+from rc_worker.core.sweep_report import (
     NOTHING_STARTED as NOTHING_STARTED,
 )
-from rc_worker.sweep_report import (
+from rc_worker.core.sweep_report import (
     SweepReport as SweepReport,
 )
-from rc_worker.sweep_report import (
+from rc_worker.core.sweep_report import (
     unproven as unproven,
 )
+from rc_worker.host import Host, LinuxHost, ProcessInfo, ProcessPin
 
 JOB_ID_VAR = "RC_JOB_ID"
 

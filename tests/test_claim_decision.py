@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import rc_worker.claim_decision as claim_decision
+import rc_worker.core.claim_decision as claim_decision
 from rc_worker import recovery
-from rc_worker.claim_decision import Doubt, decide_claim, proven_clean, why_not_clean
+from rc_worker.core.claim_decision import Doubt, decide_claim, proven_clean, why_not_clean
 from rc_worker.core.lease import Lease
 from rc_worker.core.model import Claim, DeviceState, IdleBehavior, VerifyResult
-from rc_worker.sweep_report import SweepReport
+from rc_worker.core.sweep_report import SweepReport
 
 S = DeviceState
 

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from rc_worker.core.lease import IllegalTransition, Lease
 from rc_worker.core.model import DeviceState, IdleBehavior, VerifyResult
-from rc_worker.sweep_report import SweepReport
+from rc_worker.core.sweep_report import SweepReport
 
 S = DeviceState
 

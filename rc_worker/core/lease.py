@@ -23,9 +23,9 @@ from collections.abc import Collection, Mapping
 
 import attrs
 
-from rc_worker.claim_decision import why_not_clean
+from rc_worker.core.claim_decision import why_not_clean
 from rc_worker.core.model import DeviceState, IdleBehavior, VerifyResult
-from rc_worker.sweep_report import SweepReport
+from rc_worker.core.sweep_report import SweepReport
 
 S = DeviceState
 
@@ -192,7 +192,7 @@ class Lease:
     ) -> AfterJob:
         """Decide a job's end from its sweep and verify pass (``verify`` None: none ran).
 
-        Not proven clean (:func:`~rc_worker.claim_decision.why_not_clean`, the
+        Not proven clean (:func:`~rc_worker.core.claim_decision.why_not_clean`, the
         rule recovery decides by too) raises a fault. A fault already held
         (a GPU health check after the job, an operator's, the controller's)
         quarantines the device too; a health hold does not move it (it is

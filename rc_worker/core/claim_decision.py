@@ -10,7 +10,7 @@ must say whether anything of a job may be left on its device:
 
 Proven clean: the verify pass (when one ran) passed, and either a reboot
 proves nothing of the job survived or the sweep proves it
-(:func:`rc_worker.sweep_report.unproven`). Keeping the two moments on one
+(:func:`rc_worker.core.sweep_report.unproven`). Keeping the two moments on one
 function is what stops a sweep the worker could not see through from
 offering a device at one moment and refusing to at another.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import attrs
 
 from rc_worker.core.model import Claim, VerifyResult
-from rc_worker.sweep_report import SweepReport, unproven
+from rc_worker.core.sweep_report import SweepReport, unproven
 
 # The fault kinds a job's end can raise (docs/protocol.md, ``kind``).
 KIND_VERIFY_FAILED = "verify_failed"
