@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from rc_worker.controller.serve import hypercorn_config
 from rc_worker.core.model import PROTOCOL_VERSION
+from rc_worker.core.protocol import ErrorReply, HealthReply, unstructure
 
 __all__ = ["LEAD_CHECK_S", "STANDBY_TRY_S", "Leader", "guard_lead", "standby_app", "wait_to_lead"]
 
@@ -56,23 +57,16 @@ class Leader(Protocol):
 
 
 async def _standby_answer(request: Request) -> Response:
+    reply: object
     if request.url.path == "/v1/health":
-        body: dict[str, Any] = {
-            "ok": False,
-            "role": "standby",
-            "protocol": PROTOCOL_VERSION,
-            "store": "standby",
-        }
-        return JSONResponse(body, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
-    return JSONResponse(
-        {
-            "error": "standby",
-            "message": "this controller is a standby; the active one holds the database "
+        reply = HealthReply(PROTOCOL_VERSION, "standby", ok=False, role="standby")
+    else:
+        reply = ErrorReply(
+            "standby",
+            "this controller is a standby; the active one holds the database "
             "(try the next controller_url)",
-        },
-        503,
-        headers={"Retry-After": str(RETRY_AFTER_S)},
-    )
+        )
+    return JSONResponse(unstructure(reply), 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def standby_app() -> Starlette:

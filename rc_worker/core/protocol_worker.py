@@ -401,6 +401,8 @@ class HealthReply:
     """Why the last write failed; absent while writes work."""
     store_pending: bool | None = attrs.field(default=None, metadata={OMIT: None})
     last_commit_s: float | None = attrs.field(default=None, metadata={OMIT: None})
+    role: str | None = attrs.field(default=None, metadata={OMIT: None})
+    """``standby`` from a standby controller (with a 503); absent from the active one."""
 
 
 @attrs.frozen

@@ -26,6 +26,7 @@ from rc_worker import outbox as outbox_module
 from rc_worker import supervise as supervise_module
 from rc_worker import worker as worker_module
 from rc_worker.client import ControllerClient
+from rc_worker.core import claim_decision
 from rc_worker.core.config import DeviceConfig
 from rc_worker.core.labels import ProbeResult
 from rc_worker.device import DeviceSupervisor
@@ -299,12 +300,12 @@ async def _a_hiding_job(fleet: Fleet) -> None:
 
 def test_a_blind_sweep_trusted_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     assert problems(_a_hiding_job) == []
-    real = device_module.unproven
+    real = claim_decision.unproven
 
     def trusts_blind(report: SweepReport) -> str | None:
         # The bug: a sweep that could not see a process is taken as proof.
         return None if report.blind and not report.remaining else real(report)
 
-    monkeypatch.setattr(device_module, "unproven", trusts_blind)
+    monkeypatch.setattr(claim_decision, "unproven", trusts_blind)
     found = problems(_a_hiding_job)
     assert any("offered gpu0 as ready while" in p and "alive" in p for p in found), found
