@@ -118,14 +118,19 @@ async def system(place: StorePlace, tmp: Path) -> AsyncIterator[tuple[Controller
         yield ctl, worker
     finally:
         with trio.CancelScope(shield=True):
-            if worker is not None and worker.returncode is None:
-                worker.send_signal(signal.SIGQUIT)
-                with trio.move_on_after(15):
-                    await worker.wait()
-                if worker.returncode is None:
-                    worker.kill()
-                    await worker.wait()
+            await stop_worker(worker)
             await ctl.stop()
+
+
+async def stop_worker(worker: trio.Process | None) -> None:
+    """SIGQUIT (stop now), then SIGKILL if it is still there after 15 s."""
+    if worker is not None and worker.returncode is None:
+        worker.send_signal(signal.SIGQUIT)
+        with trio.move_on_after(15):
+            await worker.wait()
+        if worker.returncode is None:
+            worker.kill()
+            await worker.wait()
 
 
 async def rc(ctl: Controller, *argv: str) -> subprocess.CompletedProcess[bytes]:

@@ -10,7 +10,6 @@ wait on files the test creates, never on time.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from .test_persist_restart import (
     USER_TOKEN,
     WORKER_TOKEN,
     Controller,
+    stop_worker,
     until,
 )
 
@@ -240,13 +240,7 @@ async def test_the_standby_takes_over_a_killed_controller_and_nothing_is_lost(
                 assert sum(job_id in line for line in finishes) == 1, job_id
     finally:
         with trio.CancelScope(shield=True):
-            if worker is not None and worker.returncode is None:
-                worker.send_signal(signal.SIGQUIT)
-                with trio.move_on_after(15):
-                    await worker.wait()
-                if worker.returncode is None:
-                    worker.kill()
-                    await worker.wait()
+            await stop_worker(worker)
             await a.stop()
             await b.stop()
     assert samples, "the roles were never sampled"
