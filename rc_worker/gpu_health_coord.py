@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from rc_worker.core.model import DeviceState
-from rc_worker.gpu_health import CHECK_RESIDENT, Fault, decide_resident, health_label
+from rc_worker.gpu_health import CHECK_RESIDENT, ComputeApp, Fault, decide_resident, health_label
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
-from rc_worker.sweep import JOB_ID_VAR, sweep_job_survivors
+from rc_worker.sweep import EXEC_SETTLE, JOB_ID_VAR, sweep_job_survivors
 
 if TYPE_CHECKING:
     from rc_worker.context import WorkerContext
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from rc_worker.device import DeviceSupervisor
 
 log = logging.getLogger("rc_worker.gpu_health")
+
+EXITING_WAITS = (0.05, 0.1, 0.2, 0.4)
+"""Pauses before listing a device's compute apps again while one is exiting."""
 
 
 class GpuHealthCoordinator:
@@ -122,10 +125,10 @@ class GpuHealthCoordinator:
         dev = self._devices[device]
         uuids, _ = self._labels()
         try:
-            apps = self.monitor.resident_on(device, await self.monitor.list_apps(), uuids)
-            if any(self._of_job(a.pid, job_id) for a in apps):
+            apps = await self._resident(device, uuids)
+            if any([await self._of_job(a.pid, job_id) for a in apps]):
                 await sweep_job_survivors(job_id, grace=grace, host=self._ctx.host)
-                apps = self.monitor.resident_on(device, await self.monitor.list_apps(), uuids)
+                apps = await self._resident(device, uuids)
         except CheckFailed as e:
             self.monitor.metrics.gpu_health_checks.labels(CHECK_RESIDENT, "error").inc()
             dev.set_health_hold({CHECK_RESIDENT: str(e)}, ())
@@ -136,11 +139,46 @@ class GpuHealthCoordinator:
         if fault is not None:
             self._raise(device, fault, job_id=job_id)
 
-    def _of_job(self, pid: int, job_id: str) -> bool:
+    async def _resident(self, device: str, uuids: Mapping[str, str]) -> list[ComputeApp]:
+        """The compute apps on ``device``, once none of them is on its way out.
+
+        A process that was just killed (by the job's sweep, say) has already
+        lost its memory map but may still be listed while the kernel finishes
+        its exit and the driver lets go of it; it is not resident. Listed
+        again, 50 ms to 400 ms apart (750 ms at most), while any of them is.
+        """
+        apps = self.monitor.resident_on(device, await self.monitor.list_apps(), uuids)
+        for delay in EXITING_WAITS:
+            if not any(self._exiting(a.pid) for a in apps):
+                break
+            await trio.sleep(delay)
+            apps = self.monitor.resident_on(device, await self.monitor.list_apps(), uuids)
+        return apps
+
+    def _exiting(self, pid: int) -> bool:
         try:
-            return self._ctx.host.environ(pid).get(JOB_ID_VAR) == job_id
+            self._ctx.host.environ(pid)
+        except ProcessLookupError:
+            return True  # gone, a zombie, or in the middle of its exit
         except OSError:
             return False
+        return False
+
+    async def _of_job(self, pid: int, job_id: str) -> bool:
+        # Caught between execve(2) and the setup of its new image, a process shows
+        # an empty environment for a moment (as the sweep knows), longer on a loaded
+        # machine: look again a few times, 5 ms to 40 ms apart (75 ms at most).
+        delay = EXEC_SETTLE
+        for _ in range(5):
+            try:
+                env = self._ctx.host.environ(pid)
+            except OSError:
+                return False
+            if env:
+                return env.get(JOB_ID_VAR) == job_id
+            await trio.sleep(delay)
+            delay *= 2
+        return False
 
     # -- the idle loop -----------------------------------------------------------
 
