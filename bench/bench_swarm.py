@@ -23,7 +23,7 @@ controller process:
 Bounded (every phase has a deadline, the whole run too) and clean: the
 controller is killed and its state directory removed even on failure.
 
-    python bench/bench_swarm.py [--hosts 10,100,1000,2000] [--store memory|sqlite|both]
+    python bench/bench_swarm.py [--hosts 10,100,1000,2000] [--store memory|sqlite|postgres|both]
                                 [--idle-s 15] [--load-s 10] [--rate 100] [--ops 50]
 """
 
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -69,8 +69,16 @@ def cpu_seconds(pid: int) -> float:
 
 @asynccontextmanager
 async def rc_serve(store: str, state_dir: Path) -> AsyncIterator[tuple[trio.Process, str]]:
-    """A real ``rc serve`` on a free port; killed (and waited for) on the way out."""
-    where = ["--memory"] if store == "memory" else ["--state-dir", str(state_dir)]
+    """A real ``rc serve`` on a free port; killed (and waited for) on the way out.
+
+    ``store``: ``memory``, ``sqlite`` (in ``state_dir``) or a ``postgresql://`` URI.
+    """
+    if store == "memory":
+        where = ["--memory"]
+    elif store.startswith("postgresql://"):
+        where = ["--db", store]
+    else:
+        where = ["--state-dir", str(state_dir)]
     proc = await trio.lowlevel.open_process(
         [
             RC,
@@ -424,8 +432,8 @@ def pct(values: Sequence[float], q: float) -> float:
 
 async def measure(store: str, n: int, args: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="rc-swarm-") as tmp:
-        async with rc_serve(store, Path(tmp) / "state") as (proc, url):
+    with tempfile.TemporaryDirectory(prefix="rc-swarm-") as tmp, _database(store) as where:
+        async with rc_serve(where, Path(tmp) / "state") as (proc, url):
             swarm = Swarm(url, n)
             try:
                 await _measure_fleet(swarm, proc, n, args, out)
@@ -563,10 +571,28 @@ async def _measure_fleet(
         nursery.cancel_scope.cancel()
 
 
+@contextlib.contextmanager
+def _database(store: str) -> Iterator[str]:
+    """For ``postgres``: a private server (initdb + pg_ctl on a Unix socket, as the tests
+    start one) and a fresh database, its URI given; stopped and removed on the way out."""
+    if store != "postgres":
+        yield store
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.controller import pgserver
+
+    with pgserver.running_server() as server:
+        url = server.new_database()
+        try:
+            yield url
+        finally:
+            server.drop_database(url)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", default="10,100,1000,2000", help="fleet sizes, comma-separated")
-    p.add_argument("--store", choices=["memory", "sqlite", "both"], default="both")
+    p.add_argument("--store", choices=["memory", "sqlite", "postgres", "both"], default="both")
     p.add_argument("--idle-s", type=float, default=15.0)
     p.add_argument("--load-s", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=100.0, help="jobs per second under load")
