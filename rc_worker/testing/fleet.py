@@ -136,8 +136,6 @@ class Fleet:
         """What the harness did and saw, with virtual times, for reading a failure."""
         self.violations: list[str] = []
         """Invariant violations seen as they happened (see also :meth:`check`)."""
-        self.seed: int | None = None
-        """The seed of :func:`open_fleet`, if any."""
         self.worker_environ: Mapping[str, str] = WORKER_ENVIRON
         """The environment every worker process starts with (``PATH`` is the fleet's bin)."""
         self._bin: Path | None = None
@@ -151,44 +149,27 @@ class Fleet:
             node.host.program(name, script)
 
     def verify_script(self, name: str, script: Script) -> None:
-        """Add ``name`` to every worker's verify pass, running ``script``.
-
-        The pass lists the executables of ``verify_dir`` on the real disk, so
-        an empty executable stands there; the SimHost runs ``script`` for its path.
-        """
+        """Add ``name`` to every worker's verify pass, running ``script`` (installed on
+        each SimHost's disk, where the pass lists ``verify_dir``)."""
         for node in self.nodes.values():
-            path = Path(node.config.verify_dir) / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(mode=0o755)
-            path.chmod(0o755)
-            node.host.program(str(path), script)
+            node.host.program(str(Path(node.config.verify_dir) / name), script)
 
     def program_nvidia_smi(self, script: Script) -> None:
         """``nvidia-smi`` on every host runs ``script`` from now on.
 
-        An empty executable stands on the real disk, in the fleet's ``PATH``, where
-        the worker looks for it; the SimHosts run ``script`` for its path. Give it
-        to :func:`open_fleet` to have it there from the start, as on a GPU host.
+        It stands in the fleet's ``PATH`` on each SimHost's disk, where the worker
+        looks for it. Give it to :func:`open_fleet` to have it there from the
+        start, as on a GPU host.
         """
         assert self._bin is not None
-        path = self._bin / "nvidia-smi"
-        path.touch(mode=0o755)
-        path.chmod(0o755)
         for node in self.nodes.values():
-            node.host.program(str(path), script)
+            node.host.program(str(self._bin / "nvidia-smi"), script)
         self._note("nvidia-smi reprogrammed")
 
     def probe_script(self, name: str, script: Script) -> None:
-        """Add the drop-in probe ``name`` (in every worker's ``probe_dir``) running ``script``.
-
-        Like :meth:`verify_script`: an empty executable on the real disk, run as ``script``.
-        """
+        """Add the drop-in probe ``name`` (in every worker's ``probe_dir``) running ``script``."""
         for node in self.nodes.values():
-            path = Path(node.config.probe_dir) / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(mode=0o755)
-            path.chmod(0o755)
-            node.host.program(str(path), script)
+            node.host.program(str(Path(node.config.probe_dir) / name), script)
 
     def submit(self, command: Sequence[str], **fields: Any) -> str:
         """Queue a job; ``fields`` as ``Store.submit`` takes them."""
@@ -272,14 +253,9 @@ class Fleet:
         node.incarnations += 1
         # Built here, not in the task, so that node.worker is never the dead one.
         http = httpx.AsyncClient(transport=node.transport, base_url="http://controller")
-        # Each process its own generator: a restarted worker is a new process with
-        # new ids, and with a seed, the same ones in every replay.
-        rng = (
-            None if self.seed is None else random.Random(f"{self.seed}/{name}/{node.incarnations}")
-        )
-        node.worker = Worker(
-            node.config, http=http, host=node.host, environ=self.worker_environ, rng=rng
-        )
+        # No rng given: the worker takes its host's (SimHost.new_rng), one stream per
+        # worker process, the same in every replay of a seeded fleet.
+        node.worker = Worker(node.config, http=http, host=node.host, environ=self.worker_environ)
         self._nursery.start_soon(self._serve, node, node.worker, http)
 
     def inject(self, endpoint: str, *faults: Fault, hosts: Iterable[str] | None = None) -> None:
@@ -472,9 +448,7 @@ async def open_fleet(
             # As `rc serve` does: hosts are lost on time even when nobody calls.
             await nursery.start(housekeeping, app)
             fleet = Fleet(store, {}, nursery)
-            fleet.seed = seed
             fleet._bin = base / "sim-bin"
-            fleet._bin.mkdir(parents=True, exist_ok=True)
             fleet.worker_environ = {**WORKER_ENVIRON, "PATH": str(fleet._bin)}
             for name, token in ((n, t) for t, n in tokens.items()):
                 config = make_config(
@@ -488,7 +462,7 @@ async def open_fleet(
                 )
                 node = SimNode(
                     name,
-                    SimHost(name),
+                    SimHost(name, seed=seed),
                     config,
                     FaultyTransport(httpx.ASGITransport(app=app), name=name),
                 )

@@ -65,7 +65,8 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
     if info.started_at is not None and not info.terminal:
         out.append(f"{job}: started but never ended (state {info.state})")
     spawns = [(n, p) for n in fleet.nodes.values() for p in n.host.spawned(job)]
-    spawns = [(n, p) for n, p in spawns if p.argv[0] not in worker_scripts(n)]
+    scripts = {n.name: worker_scripts(n) for n in fleet.nodes.values()}
+    spawns = [(n, p) for n, p in spawns if p.argv[0] not in scripts[n.name]]
     if len(spawns) > 1:
         out.append(f"{job}: spawned {len(spawns)} times ({[p.pid for _, p in spawns]})")
     if not spawns:
@@ -109,6 +110,7 @@ def _check_hooks(node: SimNode, events: list[Event]) -> list[str]:
     """
     out: list[str] = []
     history = node.host.spawned()
+    scripts = worker_scripts(node)
     for dev in node.config.devices:
         for path, hook in ((dev.on_acquire, "on_acquire"), (dev.on_release, "on_release")):
             if path is None:
@@ -138,7 +140,7 @@ def _check_hooks(node: SimNode, events: list[Event]) -> list[str]:
                         for p in history
                         if p.job_id == h.job_id
                         and p.environ.get("RC_DEVICE") == dev.name
-                        and p.argv[0] not in worker_scripts(node)
+                        and p.argv[0] not in scripts
                         and p.started_at >= h.started_at
                         and not any(h.started_at < t <= p.started_at for t in acquired_again)
                     ]
@@ -374,8 +376,9 @@ def worker_scripts(node: SimNode) -> set[str]:
     """The programs the worker runs of its own: lease hooks and verify scripts."""
     paths = {h for d in node.config.devices for h in (d.on_acquire, d.on_release) if h}
     verify = Path(node.config.verify_dir)
-    if verify.is_dir():
-        paths.update(str(p) for p in verify.iterdir())
+    disk = node.host.disk  # where the worker lists them (fleet.verify_script installs there)
+    if disk.is_dir(verify):
+        paths.update(str(verify / name) for name in disk.listdir(verify))
     return paths
 
 
