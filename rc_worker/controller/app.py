@@ -24,7 +24,7 @@ from starlette.routing import Route
 from rc_worker.controller import user_api, worker_api
 from rc_worker.controller.context import Controller, User
 from rc_worker.controller.durable import Durability, DurableMiddleware
-from rc_worker.controller.errors import ApiError
+from rc_worker.controller.errors import ApiError, StoreUnavailable
 from rc_worker.controller.metrics import metrics_endpoint
 from rc_worker.controller.store import Store
 from rc_worker.core.model import PROTOCOL_VERSION
@@ -44,7 +44,11 @@ def _error_response(status: int, code: str, message: str, **extra: object) -> JS
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     body = exc.to_json()
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+    if isinstance(exc, StoreUnavailable):
+        # Raised by a handler too (a read the store could not answer), not only by the
+        # middleware: the client honours Retry-After on every 503 it gets.
+        headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse(body, exc.status, headers=headers)
 
 

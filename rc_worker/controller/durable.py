@@ -49,7 +49,7 @@ __all__ = ["Durability", "DurableMiddleware"]
 
 log = logging.getLogger("rc_worker.controller.durable")
 
-RETRY_AFTER_S: Final = 2
+RETRY_AFTER_S: Final = StoreUnavailable.retry_after_s
 RETRY_INTERVAL_S: Final = 1.0
 READ_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 KEEP_FINISHED: Final = 1000
@@ -98,9 +98,7 @@ class Durability:
                     began = time.perf_counter()
                     await anyio.to_thread.run_sync(self.backend.write, [batch])
                     self.last_commit_s = time.perf_counter() - began
-                    stats = getattr(self.store, "stats", None)
-                    if stats is not None:
-                        stats.commit_latency.observe(self.last_commit_s)
+                    self.store.stats.commit_latency.observe(self.last_commit_s)
             except StoreWriteError as e:
                 # Written next time, re-read from the records: batches never pile up.
                 self.store.journal.put_back(marks)

@@ -108,3 +108,5 @@ class StoreUnavailable(ApiError):
 
     status = 503
     default_code = "store_unavailable"
+    retry_after_s = 2
+    """Every answer of this error carries ``Retry-After`` with it."""

@@ -742,8 +742,9 @@ class StoreState:
         """One page of jobs in submission order (or newest first), after the cursor ``after``
         (a job's ``seq``); returns the jobs and the cursor of the next page, None at the end."""
         jobs = [j for j in self._jobs.values() if state is None or j.state == state]
-        if newest_first:
-            jobs.reverse()
+        # By seq, not by insertion: a finished job read back from the store (readmit)
+        # comes in after newer ones. Nearly sorted already, so this costs next to nothing.
+        jobs.sort(key=lambda j: j.seq, reverse=newest_first)
         if after is not None:
             jobs = [j for j in jobs if (j.seq < after if newest_first else j.seq > after)]
         page = jobs[:limit]

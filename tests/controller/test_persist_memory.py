@@ -210,3 +210,34 @@ async def test_a_failing_store_keeps_one_batch_however_long_it_fails(
         reopened = open_controller(store_place.open())
         assert {j.job_id for j in await all_jobs(reopened)} == set(ids)
         reopened.backend.close()
+
+
+async def test_paging_finds_a_job_read_back_into_memory_in_its_place(
+    place: StorePlace | None,
+) -> None:
+    # A finished job read back from the store (here by GET /v1/jobs/{id}) joins the
+    # jobs in memory after newer ones; pages go by submission order all the same.
+    with trio.fail_after(GUARD):
+        opened = open_controller(_open(place), keep_finished=KEEP)
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            ids = await _run_jobs(w, user, 6)
+            queued = [
+                (await user.post("/v1/jobs", json={"command": ["sleep", "1"]})).json()["job_id"]
+                for _ in range(3)
+            ]
+            await opened.durability.flush()
+            assert not opened.store.in_memory(ids[0])
+            assert (await user.get(f"/v1/jobs/{ids[0]}")).status_code == 200
+            for order, expected in (("asc", [*ids, *queued]), ("desc", [*ids, *queued][::-1])):
+                seen: list[str] = []
+                params: dict[str, object] = {"limit": 2, "order": order}
+                for _ in range(20):  # bounded: 9 jobs, 2 a page
+                    page = (await user.get("/v1/jobs", params=params)).json()
+                    seen += [j["job_id"] for j in page["jobs"]]
+                    if page["next"] is None:
+                        break
+                    params["after"] = page["next"]
+                assert seen == expected, order
+        opened.backend.close()
