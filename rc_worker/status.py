@@ -20,7 +20,7 @@ import os
 import socket
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import httpx
@@ -58,10 +58,12 @@ def status_app(
     *,
     token: str | None = None,
     private: bool = False,
+    before_scrape: Callable[[], Awaitable[None]] | None = None,
 ) -> Starlette:
     """The status app. Job ids are listed only when ``private`` (a Unix socket, whose file
     mode guards it) or when the request presents ``token`` (the ``status_token``) as a bearer
-    token."""
+    token. ``before_scrape`` refreshes, off the event loop, what a ``/metrics`` scrape reads
+    that costs I/O (the spool's size)."""
 
     def shows_jobs(request: Request) -> bool:
         if private:
@@ -90,6 +92,8 @@ def status_app(
         return PlainTextResponse(f"not ready: {reason}\n", 503)
 
     async def prometheus(_: Request) -> Response:
+        if before_scrape is not None:
+            await before_scrape()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return Starlette(

@@ -22,6 +22,9 @@ from rc_worker.statestore import LINUX_STORE
 
 log = logging.getLogger("rc_worker.verify")
 
+_SKIPS_REPORTED: set[str] = set()
+"""Skipped entries already warned about: a README in verify.d is news once, not every job."""
+
 
 async def run_verify(
     verify_dir: str,
@@ -37,7 +40,7 @@ async def run_verify(
         listing = list_scripts(verify_dir, host.store if host is not None else LINUX_STORE)
     except OSError as e:
         return _failed(f"could not list {verify_dir}: {e.strerror or e}")
-    log_skipped(listing.skipped)
+    log_skipped(listing.skipped, _SKIPS_REPORTED)
     budget = Budget(script_timeout, pass_budget)
     for script in listing.scripts:
         if script.problem:

@@ -137,6 +137,8 @@ class Worker:
         self._last_probe: list[dict[str, Any]] = []
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
+        self._spool_bytes = 0
+        """The job spool's size, as of the last ``/metrics`` scrape (walked in a thread)."""
         self.status_urls: list[str] = []
         self._last_answer: float | None = None
         self._register_scope: trio.CancelScope | None = None
@@ -279,6 +281,7 @@ class Worker:
                         self.metrics,
                         token=self.config.status_token,
                         private=listen.startswith("unix:"),
+                        before_scrape=self._measure_spool,
                     )
                     self.status_urls = await nursery.start(
                         serve_status, app, self.config.status_listen
@@ -467,6 +470,11 @@ class Worker:
             "last_probe": self._last_probe,
         }
 
+    async def _measure_spool(self) -> None:
+        # A walk of every spooled file: never on the event loop (a long outage spools many).
+        walk = partial(self.host.store.tree_bytes, Path(self.config.state_dir) / "jobs")
+        self._spool_bytes = await self.host.run_blocking(walk)
+
     def _state_snapshot(self) -> StateSnapshot:
         return StateSnapshot(
             devices={
@@ -476,7 +484,7 @@ class Worker:
             reports_pending=self._ctx.outbox.pending() if self._ctx is not None else 0,
             registered=self.registered.is_set(),
             draining=self.draining,
-            spool_bytes=self.host.store.tree_bytes(Path(self.config.state_dir) / "jobs"),
+            spool_bytes=self._spool_bytes,
         )
 
     # -- register -------------------------------------------------------------
