@@ -57,7 +57,8 @@ async def test_writes_issued_during_a_flush_wait_and_go_together(
         assert committer.flushes == 1
         for i in range(1, 11):
             nursery.start_soon(committer.write, tmp_path / f"w{i}.json", {"n": i})
-        await trio.sleep(0.05)
+        # Every writer has run up to its wait on the flush in progress.
+        await trio.testing.wait_all_tasks_blocked()
         # The event loop kept running while a flush sat in fsync.
         assert committer.flushes == 1
         gate.set()

@@ -76,7 +76,8 @@ async def test_a_device_quarantined_while_its_poll_is_parked_costs_no_job(
     with trio.fail_after(30):
         async with local_system(config) as system:
             await _session(system)
-            await trio.sleep(0.2)  # both devices listed in a parked poll
+            # Both devices listed in a parked poll.
+            await system.wait_until(lambda: system.store.stats.polls_parked == 1)
             system.worker.devices["gpu0"].raise_fault("dirty", "a health check failed")
             jobs = [system.submit(["true"]) for _ in range(4)]
             for job in jobs:

@@ -37,7 +37,7 @@ async def test_two_sigterms_stop_with_the_controller_down_and_the_report_goes_ou
                 await wait_store(store, lambda: store.output(job_id) == b"a\n")
                 await controller.down()
                 w.proc.send_signal(signal.SIGTERM)
-                await trio.sleep(0.5)
+                await w.wait_for_line(lambda line: "draining" in line)
                 assert w.proc.returncode is None  # draining: the job keeps running
                 w.proc.send_signal(signal.SIGTERM)
                 # Bounded by fail_after: the grace ceiling (1 s) and a few seconds.

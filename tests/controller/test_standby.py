@@ -62,9 +62,10 @@ def terminate_leader(db: str) -> int:
         conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
         # The signal is asynchronous: wait (bounded) until that session is gone, lock and all.
         for _ in range(600):
-            if conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
-                time.sleep(0.05)
-        return pid
+            if not conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+                return pid
+            time.sleep(0.05)
+        raise AssertionError(f"database session {pid} did not end after pg_terminate_backend")
 
 
 # --- the backend's lock, in-process ---------------------------------------------------------
@@ -127,7 +128,11 @@ async def watch_roles(a: Controller, b: Controller, samples: list[tuple[bool, bo
     """Record, again and again, whether each controller answers as the active one."""
 
     while True:
-        samples.append(((await status_of(a.url)) == 200, (await status_of(b.url)) == 200))
+        # b first: a never leads again once b does, so asking in this order cannot
+        # pair a's answer from before a takeover with b's from after it.
+        b_active = (await status_of(b.url)) == 200
+        a_active = (await status_of(a.url)) == 200
+        samples.append((a_active, b_active))
         await trio.sleep(0.05)
 
 
