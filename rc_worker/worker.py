@@ -667,26 +667,15 @@ class Worker:
     async def _record_rejections(
         self, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]
     ) -> None:
+        assert self._ctx is not None
         try:
             async with trio.open_nursery() as nursery:
                 for ident, report in rejections:
-                    nursery.start_soon(self._record_rejection, ident, report)
+                    # WorkerContext.report never fails for the disk: it sends from memory.
+                    nursery.start_soon(self._ctx.report, ident, report)
         finally:
             self._rejecting -= len(rejections)
             self._poke_poller()
-
-    async def _record_rejection(self, ident: tuple[str, int, str], report: dict[str, Any]) -> None:
-        assert self._ctx is not None
-        try:
-            await self._ctx.report(ident, report)
-        except OSError as e:
-            log.error(
-                "job %s attempt %d: cannot record its rejection (%s); "
-                "the controller will find it lost",
-                ident[0],
-                ident[1],
-                e,
-            )
 
     def _dispatch(
         self, raw: Any, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] | None = None
