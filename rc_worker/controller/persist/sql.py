@@ -142,36 +142,37 @@ class SqlBackend:
 
     def write(self, batches: Sequence[Batch]) -> None:
         p = self.ph
+        # One statement per table and batch (executemany), not one round trip per row:
+        # this runs on every commit, with every request that changes state waiting on it.
         with self._transaction(self._write_failed) as cur:
             for b in batches:
-                for row in b.jobs:
-                    cur.execute(
-                        "INSERT INTO jobs (job_id, seq, state, finished_at, data)"
-                        f" VALUES ({p}, {p}, {p}, {p}, {p}) ON CONFLICT (job_id) DO UPDATE"
-                        " SET state = excluded.state, finished_at = excluded.finished_at,"
-                        " data = excluded.data",
-                        (row.job_id, row.seq, row.state, row.finished_at, row.data),
-                    )
-                for name, data in b.hosts:
-                    cur.execute(
-                        f"INSERT INTO hosts (name, data) VALUES ({p}, {p})"
-                        " ON CONFLICT (name) DO UPDATE SET data = excluded.data",
-                        (name, data),
-                    )
-                for name in b.deleted_hosts:
-                    cur.execute(f"DELETE FROM hosts WHERE name = {p}", (name,))
-                for ev in b.events:
-                    cur.execute(
-                        "INSERT INTO events (seq, type, time, data)"
-                        f" VALUES ({p}, {p}, {p}, {p}) ON CONFLICT (seq) DO NOTHING",
-                        ev,
-                    )
-                for job_id, off, chunk in b.output:
-                    cur.execute(
-                        f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
-                        " ON CONFLICT (job_id, off) DO NOTHING",
-                        (job_id, off, chunk),
-                    )
+                _many(
+                    cur,
+                    "INSERT INTO jobs (job_id, seq, state, finished_at, data)"
+                    f" VALUES ({p}, {p}, {p}, {p}, {p}) ON CONFLICT (job_id) DO UPDATE"
+                    " SET state = excluded.state, finished_at = excluded.finished_at,"
+                    " data = excluded.data",
+                    [(r.job_id, r.seq, r.state, r.finished_at, r.data) for r in b.jobs],
+                )
+                _many(
+                    cur,
+                    f"INSERT INTO hosts (name, data) VALUES ({p}, {p})"
+                    " ON CONFLICT (name) DO UPDATE SET data = excluded.data",
+                    list(b.hosts),
+                )
+                _many(cur, f"DELETE FROM hosts WHERE name = {p}", [(n,) for n in b.deleted_hosts])
+                _many(
+                    cur,
+                    "INSERT INTO events (seq, type, time, data)"
+                    f" VALUES ({p}, {p}, {p}, {p}) ON CONFLICT (seq) DO NOTHING",
+                    list(b.events),
+                )
+                _many(
+                    cur,
+                    f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
+                    " ON CONFLICT (job_id, off) DO NOTHING",
+                    list(b.output),
+                )
                 self._put_meta(cur, b.meta)
 
     # Each job with how many bytes of output it has stored (its committed length).
@@ -268,3 +269,8 @@ class SqlBackend:
                 cur.execute(f"DELETE FROM output WHERE job_id = {p}", (job_id,))
                 cur.execute(f"DELETE FROM jobs WHERE job_id = {p}", (job_id,))
         return gone
+
+
+def _many(cur: Any, sql: str, rows: Sequence[Sequence[object]]) -> None:
+    if rows:
+        cur.executemany(sql, rows)
