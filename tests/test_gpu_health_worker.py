@@ -480,13 +480,14 @@ async def test_mig_slices_run_on_their_uuid_and_the_parent_is_not_offered(
             assert facts["parent_uuid"] == UUID0  # the parent's labels come along
             assert facts["product"] == "NVIDIA H100"
             assert not system.worker.devices["gpu0"].ready()
+            # Queued first: the worker polls to run the slice's job, and still never
+            # offers the parent.
+            parent_job = system.submit(["true"], device="test-host/gpu0")
             job = system.submit(
                 ["sh", "-c", f'echo "$CUDA_VISIBLE_DEVICES" > {out}'], device="test-host/gpu0-mig1"
             )
             assert (await system.wait_job(job)).state == "succeeded"
             assert out.read_text().strip() == MIG1
-            parent_job = system.submit(["true"], device="test-host/gpu0")
-            await trio.sleep(1.0)
             assert system.job(parent_job).state == "queued"
             system.store.cancel(parent_job)
 

@@ -86,42 +86,45 @@ async def supervisord(worker_config: Path) -> AsyncIterator[Supervisor]:
     daemon, ctl = _supervisord()
     # A short directory: the control socket's path must fit in sun_path.
     home = Path(tempfile.mkdtemp(prefix="rcsv-", dir="/tmp"))
-    conf = home / "supervisord.conf"
-    conf.write_text(
-        "[unix_http_server]\n"
-        f"file={home}/sv.sock\n"
-        "[supervisord]\n"
-        f"logfile={home}/supervisord.log\n"
-        f"pidfile={home}/supervisord.pid\n"
-        f"childlogdir={home}\n"
-        "[rpcinterface:supervisor]\n"
-        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
-        "[supervisorctl]\n"
-        f"serverurl=unix://{home}/sv.sock\n\n" + _program_section(worker_config, home / "w.log")
-    )
-    proc = await trio.lowlevel.open_process(
-        [daemon, "-n", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    sv = Supervisor(ctl, conf)
     try:
-        await sv.wait_state(lambda s: s not in ("", "STARTING"))
-        yield sv
-    finally:
-        with trio.CancelScope(shield=True):
-            # Stop the worker the quick way (SIGQUIT: its jobs too), then supervisord.
-            with trio.move_on_after(20):
-                pid = await sv.pid()
-                if pid:
-                    os.kill(pid, signal.SIGQUIT)
-                    await sv.wait_state(lambda s: s != "RUNNING")
-            if proc.returncode is None:
-                proc.terminate()
+        conf = home / "supervisord.conf"
+        conf.write_text(
+            "[unix_http_server]\n"
+            f"file={home}/sv.sock\n"
+            "[supervisord]\n"
+            f"logfile={home}/supervisord.log\n"
+            f"pidfile={home}/supervisord.pid\n"
+            f"childlogdir={home}\n"
+            "[rpcinterface:supervisor]\n"
+            "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
+            "[supervisorctl]\n"
+            f"serverurl=unix://{home}/sv.sock\n\n" + _program_section(worker_config, home / "w.log")
+        )
+        proc = await trio.lowlevel.open_process(
+            [daemon, "-n", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        sv = Supervisor(ctl, conf)
+        try:
+            await sv.wait_state(lambda s: s not in ("", "STARTING"))
+            yield sv
+        finally:
+            with trio.CancelScope(shield=True):
+                # Stop the worker the quick way (SIGQUIT: its jobs too), then supervisord.
                 with trio.move_on_after(20):
+                    pid = await sv.pid()
+                    if pid:
+                        os.kill(pid, signal.SIGQUIT)
+                        await sv.wait_state(lambda s: s != "RUNNING")
+                if proc.returncode is None:
+                    proc.terminate()
+                    with trio.move_on_after(20):
+                        await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
                     await proc.wait()
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            shutil.rmtree(home, ignore_errors=True)
+    finally:
+        # Also when the config cannot be written or supervisord not started.
+        shutil.rmtree(home, ignore_errors=True)
 
 
 async def test_the_example_supervisord_program_stops_and_restarts_with_a_job_running(
