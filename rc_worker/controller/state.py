@@ -836,5 +836,10 @@ class StoreState:
     def in_memory(self, job_id: str) -> bool:
         return job_id in self._jobs
 
+    def output_in_memory(self, job_id: str) -> int:
+        """Bytes of the job's output held in memory (with a store beneath: not yet committed)."""
+        job = self._jobs.get(job_id)
+        return 0 if job is None else len(job.output)
+
     def memory_job_ids(self) -> set[str]:
         return set(self._jobs)

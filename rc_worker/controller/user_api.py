@@ -31,7 +31,9 @@ MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
 MAX_DEVICES_PER_PAGE = 10_000
 MAX_EVENTS_WAIT_S = 60.0
-STREAM_CHUNK = 64 * 1024
+STREAM_CHUNK = 1 << 20
+"""Output is read (from memory or the store beneath) and sent this much at a time: one
+thread hop and one query per MiB for a stored output, and at most this much held per reader."""
 
 
 def _user(request: Request) -> Controller:

@@ -213,8 +213,14 @@ class SqlBackend:
         """Stored output of ``job_id`` from ``offset``, at most ``limit`` bytes."""
         p = self.ph
         with self._transaction(self._read_failed) as cur:
-            sql = f"SELECT off, data FROM output WHERE job_id = {p} AND off + length(data) > {p}"
-            params: tuple[object, ...] = (job_id, offset)
+            # Rows start where the one holding ``offset`` starts: two seeks on the primary
+            # key (job_id, off). A condition on ``off + length(data)`` cannot use it, and
+            # made a follower reading a long output chunk by chunk quadratic.
+            sql = (
+                f"SELECT off, data FROM output WHERE job_id = {p} AND off >= COALESCE("
+                f"(SELECT MAX(off) FROM output WHERE job_id = {p} AND off <= {p}), 0)"
+            )
+            params: tuple[object, ...] = (job_id, job_id, offset)
             if limit is not None:
                 sql += f" AND off < {p}"
                 params += (offset + limit,)
@@ -225,8 +231,9 @@ class SqlBackend:
             pos = offset + len(out)
             if int(off) > pos:
                 break  # a hole (chunks are written contiguously, so never): stop at it
-            out += bytes(data)[pos - int(off) :]
-        return bytes(out if limit is None else out[:limit])
+            view = memoryview(data)[pos - int(off) :]
+            out += view if limit is None else view[: limit - len(out)]
+        return bytes(out)
 
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         """Stored events with ``seq > after``, oldest first, at most ``limit``."""
