@@ -11,20 +11,56 @@ Tests and simulations run it in-process through ``httpx.ASGITransport(app=create
 
 from __future__ import annotations
 
-from rc_worker.controller import store
-from rc_worker.controller.app import create_app
-from rc_worker.controller.errors import ApiError
-from rc_worker.controller.messages import (
-    Assignment,
-    DeviceInfo,
-    Event,
-    FaultInfo,
-    JobInfo,
-    JobSpec,
-    SheetInfo,
-)
-from rc_worker.controller.store import Store, StoreConfig
-from rc_worker.core.selectors import Selector, SelectorError, parse_selector, parse_size
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rc_worker.controller import store
+    from rc_worker.controller.app import create_app
+    from rc_worker.controller.errors import ApiError
+    from rc_worker.controller.messages import (
+        Assignment,
+        DeviceInfo,
+        Event,
+        FaultInfo,
+        JobInfo,
+        JobSpec,
+        SheetInfo,
+    )
+    from rc_worker.controller.store import Store, StoreConfig
+    from rc_worker.core.selectors import Selector, SelectorError, parse_selector, parse_size
+
+# Loaded on first use (PEP 562): the `rc` client imports modules of this package and must
+# not load the server (Starlette, the store) to print a job list.
+_LAZY: dict[str, str] = {
+    "create_app": "rc_worker.controller.app",
+    "ApiError": "rc_worker.controller.errors",
+    **dict.fromkeys(
+        ("Assignment", "DeviceInfo", "Event", "FaultInfo", "JobInfo", "JobSpec", "SheetInfo"),
+        "rc_worker.controller.messages",
+    ),
+    "Store": "rc_worker.controller.store",
+    "StoreConfig": "rc_worker.controller.store",
+    **dict.fromkeys(
+        ("Selector", "SelectorError", "parse_selector", "parse_size"), "rc_worker.core.selectors"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "store":  # the submodule itself
+        return importlib.import_module("rc_worker.controller.store")
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "ApiError",
