@@ -24,6 +24,7 @@ from rc_worker.changed import Changed
 from rc_worker.core import protocol
 from rc_worker.core.config import DeviceConfig
 from rc_worker.core.errors import ControllerError, JobUserError
+from rc_worker.core.gpu_health import Fault, kind_defaults
 from rc_worker.core.lease import Lease
 from rc_worker.core.model import (
     Assignment,
@@ -42,7 +43,6 @@ from rc_worker.core.protocol import (
     RunningClaim,
 )
 from rc_worker.core.reports import finish_report, not_run_report, stale_offer_report
-from rc_worker.gpu_health import Fault, kind_defaults
 from rc_worker.hooks import run_hook
 from rc_worker.host import RunAs
 from rc_worker.logs import log_context, set_log_context
