@@ -396,6 +396,40 @@ async def test_retention_deletes_old_finished_jobs_and_their_output(
         reopened.backend.close()
 
 
+async def test_retention_deletes_in_batches_oldest_first(
+    store_place: StorePlace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction holds the store's lock, and every commit waits for it: a large
+    deletion goes a batch per transaction, so requests go on in between."""
+    from rc_worker.controller import serve as serve_module
+
+    monkeypatch.setattr(serve_module, "RETENTION_BATCH", 2)
+    with trio.fail_after(GUARD):
+        backend = Counting(store_place.open())
+        calls: list[int] = []
+        delete = backend.inner.delete_finished_before
+
+        def counted(wall_time: float, limit: int) -> list[tuple[str, str]]:
+            gone = delete(wall_time, limit)
+            calls.append(len(gone))
+            return gone
+
+        backend.inner.delete_finished_before = counted  # type: ignore[method-assign]
+        opened = open_controller(backend)
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            finished = []
+            for i in range(5):
+                finished.append(await submit(user, "echo", str(i)))
+                await w.run_one(f"{i}\n".encode())
+            keep = await submit(user, "sleep", "1")
+            assert await serve_module.retention_pass(opened.app, 0.0) == finished
+            assert calls == [2, 2, 1]
+            assert [j.job_id for j in await all_jobs(opened)] == [keep]
+        opened.backend.close()
+
+
 async def test_webhook_deliveries_not_confirmed_are_made_after_a_restart(
     store_place: StorePlace,
 ) -> None:

@@ -261,20 +261,25 @@ class SqlBackend:
                 (url, seq),
             )
 
-    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
-        """Retention: drop finished jobs (and their output) that ended before ``wall_time``;
-        returns each one's id and state."""
+    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+        """Retention: drop at most ``limit`` finished jobs (and their output) that ended
+        before ``wall_time``, the oldest first; returns each one's id and state.
+
+        Bounded because a transaction holds :attr:`lock`, and every commit, so every
+        request that changes state, waits for it: an hour of jobs at 100 a second,
+        deleted at once, would stall the controller for as long as that takes.
+        """
         p = self.ph
         with self._transaction(self._write_failed) as cur:
             cur.execute(
-                "SELECT job_id, state FROM jobs"
-                f" WHERE finished_at IS NOT NULL AND finished_at < {p}",
-                (wall_time,),
+                "SELECT job_id, state FROM jobs WHERE finished_at IS NOT NULL"
+                f" AND finished_at < {p} ORDER BY finished_at LIMIT {p}",
+                (wall_time, limit),
             )
             gone = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
-            for job_id, _ in gone:
-                cur.execute(f"DELETE FROM output WHERE job_id = {p}", (job_id,))
-                cur.execute(f"DELETE FROM jobs WHERE job_id = {p}", (job_id,))
+            ids = [(job_id,) for job_id, _ in gone]
+            _many(cur, f"DELETE FROM output WHERE job_id = {p}", ids)
+            _many(cur, f"DELETE FROM jobs WHERE job_id = {p}", ids)
         return gone
 
 
