@@ -7,9 +7,9 @@ pins it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rc_worker._lazy import lazy_exports
 from rc_worker._version import __version__
 
 if TYPE_CHECKING:
@@ -79,19 +79,6 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value  # once: later lookups are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
-
 __all__ = [
     "VERIFY_REASON_PREFIX",
     "Assignment",
@@ -128,3 +115,5 @@ __all__ = [
     "run_verify",
     "sweep_job_survivors",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)

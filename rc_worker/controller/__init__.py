@@ -11,8 +11,9 @@ Tests and simulations run it in-process through ``httpx.ASGITransport(app=create
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rc_worker._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from rc_worker.controller import store
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 # Loaded on first use (PEP 562): the `rc` client imports modules of this package and must
 # not load the server (Starlette, the store) to print a job list.
 _LAZY: dict[str, str] = {
+    "store": "rc_worker.controller.store",
     "create_app": "rc_worker.controller.app",
     "ApiError": "rc_worker.controller.errors",
     **dict.fromkeys(
@@ -45,21 +47,6 @@ _LAZY: dict[str, str] = {
         ("Selector", "SelectorError", "parse_selector", "parse_size"), "rc_worker.core.selectors"
     ),
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name == "store":  # the submodule itself
-        return importlib.import_module("rc_worker.controller.store")
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value  # once: later lookups are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
 
 
 __all__ = [
@@ -80,3 +67,5 @@ __all__ = [
     "parse_size",
     "store",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)
