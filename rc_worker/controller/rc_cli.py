@@ -283,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50, metavar="N", help="the N most recent")
     p.add_argument("--all", action="store_true", help="every job the controller keeps")
     p.add_argument("--state", help="only jobs in this state (queued, running, failed, ...)")
+    p.add_argument("--host", help="only jobs placed on this host")
+    p.add_argument(
+        "--select", metavar="SELECTOR", help="only jobs placed on a device this selector matches"
+    )
     p = sub.add_parser("show", parents=[common], help="show one job")
     p.add_argument("job", help="job id")
     p = sub.add_parser("logs", parents=[common], help="print a job's output")
@@ -452,6 +456,32 @@ async def _devices(client: httpx.AsyncClient, args: argparse.Namespace) -> list[
             return out
 
 
+JOBS_PAGE: Final = 1000
+"""Jobs ``rc ps --all`` asks for per request: one answer stays small however many there are."""
+
+
+async def _jobs(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any]:
+    """``rc ps``: the most recent ``--limit`` (shown oldest first), or with ``--all`` every
+    job, a page at a time; filtered by the controller."""
+    params: dict[str, Any] = {
+        k: v for k in ("state", "host", "select") if (v := getattr(args, k)) is not None
+    }
+    if not args.all:
+        body = await _json(
+            client.get("/v1/jobs", params={**params, "limit": args.limit, "order": "desc"})
+        )
+        return list(reversed(body["jobs"]))  # the most recent, shown oldest first
+    out: list[Any] = []
+    after = None
+    while True:
+        page = {**params, "limit": JOBS_PAGE, **({} if after is None else {"after": after})}
+        body = await _json(client.get("/v1/jobs", params=page))
+        out += body["jobs"]
+        after = body.get("next")
+        if after is None:
+            return out
+
+
 async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
     submitted = await _json(client.post("/v1/jobs", json=_submit_body(args)))
     job_id: str = submitted["job_id"]
@@ -556,12 +586,7 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         return await _cmd_logs(client, args)
     body: Any
     if c == "ps":
-        params: dict[str, Any] = {"state": args.state} if args.state else {}
-        if not args.all:
-            params.update(limit=args.limit, order="desc")
-        body = await _json(client.get("/v1/jobs", params=params))
-        if not args.all:
-            body["jobs"].reverse()  # the most recent, shown oldest first
+        body = {"jobs": await _jobs(client, args)}
         text = fmt.jobs_table(body["jobs"])
     elif c == "show":
         body = await _json(client.get(f"/v1/jobs/{args.job}"))
