@@ -17,7 +17,6 @@ import contextlib
 import hmac
 import json
 import os
-import socket
 import stat
 import sys
 from collections.abc import Awaitable, Callable
@@ -36,6 +35,7 @@ from starlette.routing import Route
 from rc_worker.config_load import load_config
 from rc_worker.core import boundedjson
 from rc_worker.core.errors import ConfigError
+from rc_worker.listen import bind_problem
 from rc_worker.metrics import WorkerMetrics
 
 
@@ -132,24 +132,12 @@ async def serve_status(
 
 
 def _check_listen(listen: str) -> None:
-    """Fail with a clear message if ``listen`` cannot be bound.
-
-    Tried here rather than left to hypercorn, whose bind error arrives as a
-    bare OSError from inside its nursery, with its half-made socket unclosed.
-    """
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
-    except OSError as e:
+    """Fail with a clear message if ``listen`` cannot be bound (:mod:`rc_worker.listen`)."""
+    problem = bind_problem(listen)
+    if problem is not None:
         raise ConfigError(
-            f"status_listen: cannot listen on {listen} ({e.strerror or e}); "
-            "choose a free address and port, or leave status_listen out"
-        ) from None
+            f"status_listen: {problem}; choose a free address and port, or leave status_listen out"
+        )
 
 
 # -- rc-worker status ---------------------------------------------------------

@@ -665,11 +665,13 @@ async def amain(
             # every other command is a short-lived client, and starts in a fraction of the time.
             from rc_worker.controller.rc_serve import (
                 _serve_until_signalled,
+                check_listen,
                 open_serve_backend,
                 serve_settings,
             )
 
             serve_settings(args, env)
+            check_listen(args)
             # Opened here, before any nursery, so a store that cannot be used is one line.
             backend = await open_serve_backend(args, env)
             return await _serve_until_signalled(argv[1:], env, backend)

@@ -35,6 +35,7 @@ from rc_worker.controller.serve import serve
 from rc_worker.controller.standby import Leader, guard_lead, wait_to_lead
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
+from rc_worker.listen import bind_problem
 
 log = logging.getLogger("rc_worker.controller")
 
@@ -65,6 +66,15 @@ def serve_settings(
     return worker, users
 
 
+def check_listen(args: argparse.Namespace) -> None:
+    """One line, not hypercorn's bind error from inside its nursery, for an address that
+    cannot be listened on (asked before the store is opened). Status 1: the address may be
+    free again by the next start, so a service manager's retry can help."""
+    problem = bind_problem(args.listen)
+    if problem is not None:
+        raise CliError(f"rc serve: {problem}; stop what holds it, or choose another --listen", 1)
+
+
 PERSISTED_MAX_EVENTS: Final = 10_000
 """Events ``rc serve`` keeps in memory over a database (all of them stay in the database)."""
 
@@ -81,6 +91,7 @@ async def run_serve(
     args = build_parser().parse_args(["serve", *argv])
     env = os.environ if env is None else env
     worker, users = serve_settings(args, env)
+    check_listen(args)
     if args.heartbeat_rate < 0 or args.heartbeat_rate != args.heartbeat_rate:
         raise CliError("--heartbeat-rate: must be a number >= 0 (0: no target)", 2)
     config = StoreConfig(
