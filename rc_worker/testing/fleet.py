@@ -60,6 +60,7 @@ from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
 from rc_worker.core.config import Config, DeviceConfig
 from rc_worker.testing import invariants
+from rc_worker.testing.asgi import InProcessTransport
 from rc_worker.testing.guard import (
     STALL_STEPS,
     WALL_LIMIT,
@@ -69,6 +70,7 @@ from rc_worker.testing.guard import (
 )
 from rc_worker.testing.guard import WALL_CHECK_STEPS as WALL_CHECK_STEPS
 from rc_worker.testing.sim import Script, SimHost
+from rc_worker.testing.simclient import SimClient
 from rc_worker.testing.transport import (
     ENDPOINTS,
     Exchange,
@@ -252,7 +254,7 @@ class Fleet:
         node._done = trio.Event()
         node.incarnations += 1
         # Built here, not in the task, so that node.worker is never the dead one.
-        http = httpx.AsyncClient(transport=node.transport, base_url="http://controller")
+        http = SimClient(transport=node.transport, base_url="http://controller")
         # No rng given: the worker takes its host's (SimHost.new_rng), one stream per
         # worker process, the same in every replay of a seeded fleet.
         node.worker = Worker(node.config, http=http, host=node.host, environ=self.worker_environ)
@@ -464,7 +466,7 @@ async def open_fleet(
                     name,
                     SimHost(name, seed=seed),
                     config,
-                    FaultyTransport(httpx.ASGITransport(app=app), name=name),
+                    FaultyTransport(InProcessTransport(app), name=name),
                 )
                 node.host.cgroup_v2 = cgroups
                 node.transport.on_request = functools.partial(fleet._watch.on_request, node)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -227,7 +227,7 @@ class FaultyTransport(httpx.AsyncBaseTransport):
             status = response.status_code
             if self.on_answer is not None:
                 await response.aread()
-                self.on_answer(endpoint, request, status, json_body(response.content))
+                self.on_answer(endpoint, request, status, _LazyJson(response.content))
             return response
         finally:
             text = "" if endpoint == "output" else content.decode("utf-8", "replace")
@@ -304,6 +304,28 @@ def _check_fault(endpoint: str, fault: Fault) -> None:
             "register cannot meet unknown_session (a register has no session to forget); "
             "use Fault.UNAVAILABLE, REFUSED, TIMEOUT or LOST for register"
         )
+
+
+class _LazyJson(Mapping[str, Any]):
+    """An answer's :func:`json_body`, parsed only if a hook looks at it (most do not)."""
+
+    def __init__(self, content: bytes) -> None:
+        self._content = content
+        self._body: Mapping[str, Any] | None = None
+
+    def _parsed(self) -> Mapping[str, Any]:
+        if self._body is None:
+            self._body = json_body(self._content)
+        return self._body
+
+    def __getitem__(self, key: str) -> Any:
+        return self._parsed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
 
 
 def json_body(content: bytes) -> Mapping[str, Any]:
