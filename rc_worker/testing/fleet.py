@@ -121,6 +121,8 @@ class SimNode:
     incarnations: int = 0
     crashes: list[float] = attrs.Factory(list)
     """Virtual times of crashes (reboots included)."""
+    vanished: set[str] = attrs.Factory(set)
+    """Jobs whose directory the harness made vanish (``disk_fault``): their spool with it."""
     running: bool = False
     _scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     _started: trio.Event = attrs.Factory(trio.Event)
