@@ -6,8 +6,8 @@ handlers and protocol converter, as under ``rc serve``) exactly as through
 ``httpx.ASGITransport``: the same scope, the request body streamed to the app chunk by
 chunk as the app reads it, the app's exceptions raised to the caller, and a
 ``http.disconnect`` only once the response is complete. What differs is the answer: it
-is handed back already read (``Response.read``), so the transport above it and the
-worker's client read it from memory instead of through an async stream each.
+is handed back already read, so the transport above it and the worker's client read it
+from memory instead of through an async stream each.
 """
 
 from __future__ import annotations
@@ -97,6 +97,12 @@ class InProcessTransport(httpx.AsyncBaseTransport):
         await self.app(scope, receive, send)
         assert complete
         assert status is not None
-        response = httpx.Response(status, headers=headers, stream=httpx.ByteStream(b"".join(body)))
-        response.read()
+        content = b"".join(body)
+        response = httpx.Response(status, headers=headers, stream=httpx.ByteStream(content))
+        if "content-encoding" in response.headers:
+            response.read()  # decoded as httpx decodes it
+        else:
+            # What read() would keep, without its decoder and chunker: an answer with
+            # no Content-Encoding is its own content (the controller compresses none).
+            response._content = content
         return response

@@ -23,6 +23,7 @@ The real worker (``rc-worker run``) keeps its plain ``httpx.AsyncClient``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from json import dumps as json_dumps
 from typing import Any
 
@@ -49,6 +50,12 @@ log = logging.getLogger("httpx")  # httpx's own request log line, kept as it was
 # back in every fleet of a seeded run. Past this many the cache starts again.
 _URL_CACHE_SIZE = 4096
 _urls: dict[tuple[str, str], httpx.URL] = {}
+# Set by a JSON body: a call's header of one of these names takes httpx's own path.
+_BODY_HEADERS = frozenset({"content-length", "content-type", "transfer-encoding"})
+
+
+def _ascii(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("ascii")
 
 
 class SimClient(httpx.AsyncClient):
@@ -59,11 +66,14 @@ class SimClient(httpx.AsyncClient):
         self._sim_transport = transport
         self._sim_base = self.base_url
         self._sim_base_text = str(self.base_url)
+        self._sim_own = self.headers.raw
         self._sim_head = self._head()
 
-    def _head(self) -> httpx.Headers:
-        """What every request starts with: ``Host``, then the client's own headers."""
-        return httpx.Headers([(b"Host", self.base_url.netloc), *self.headers.raw])
+    def _head(self) -> tuple[list[tuple[bytes, bytes]], frozenset[str]]:
+        """What every request starts with (``Host``, then the client's own headers),
+        and their names in lower case."""
+        raw = [(b"Host", self.base_url.netloc), *self._sim_own]
+        return raw, frozenset(k.decode("latin-1").lower() for k, _ in raw) | _BODY_HEADERS
 
     def _lean(self) -> bool:
         """Whether nothing configured on the client needs httpx's full machinery."""
@@ -111,10 +121,13 @@ class SimClient(httpx.AsyncClient):
                 timeout=timeout,
                 extensions=extensions,
             )
-        if self.base_url is not self._sim_base:
-            # Another controller (a fail-over sets base_url): merge with it from now on.
+        own = self.headers.raw
+        if self.base_url is not self._sim_base or own != self._sim_own:
+            # Another controller (a fail-over sets base_url), or the client's own
+            # headers changed: start from them from now on.
             self._sim_base = self.base_url
             self._sim_base_text = str(self.base_url)
+            self._sim_own = own
             self._sim_head = self._head()
         key = (self._sim_base_text, url)
         merged = _urls.get(key)
@@ -126,8 +139,7 @@ class SimClient(httpx.AsyncClient):
         extensions = {"timeout": chosen.as_dict()}
         if json is None or content is not None or params is not None:
             merged_headers = httpx.Headers(self.headers)
-            if headers:
-                merged_headers.update(headers)
+            merged_headers.update(headers)
             return httpx.Request(
                 method,
                 merged,
@@ -139,23 +151,37 @@ class SimClient(httpx.AsyncClient):
             )
         # A JSON body, the most common request: what httpx.Request(json=...) makes (the
         # same encoding, the same headers in the same order), without working out again
-        # what every request of this client has in common.
+        # what every request of this client has in common. Headers of the call that
+        # would replace one of those take httpx's own path.
+        head, names = self._sim_head
+        raw = list(head)
+        if headers:
+            if not isinstance(headers, Mapping) or any(
+                not isinstance(k, str) or k.lower() in names for k in headers
+            ):
+                return self._plain_request(method, merged, json, headers, extensions)
+            raw.extend((_ascii(k), _ascii(v)) for k, v in headers.items())
         text = json_dumps(json, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         body = text.encode("utf-8")
-        request_headers = httpx.Headers(self._sim_head)
-        if headers:
-            request_headers.update(headers)
-        request_headers.setdefault("Content-Length", str(len(body)))
-        request_headers.setdefault("Content-Type", "application/json")
+        raw.append((b"Content-Length", str(len(body)).encode("ascii")))
+        raw.append((b"Content-Type", b"application/json"))
         request = httpx.Request(
-            method,
-            merged,
-            headers=request_headers,
-            stream=httpx.ByteStream(body),
-            extensions=extensions,
+            method, merged, headers=raw, stream=httpx.ByteStream(body), extensions=extensions
         )
         request.read()
         return request
+
+    def _plain_request(
+        self,
+        method: str,
+        url: httpx.URL,
+        json: Any,
+        headers: HeaderTypes | None,
+        extensions: dict[str, Any],
+    ) -> httpx.Request:
+        merged_headers = httpx.Headers(self.headers)
+        merged_headers.update(headers)
+        return httpx.Request(method, url, json=json, headers=merged_headers, extensions=extensions)
 
     async def send(
         self,

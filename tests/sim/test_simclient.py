@@ -93,6 +93,13 @@ def test_other_requests_are_built_as_httpx_builds_them() -> None:
     lean.base_url = httpx.URL("http://other:8000")
     assert str(lean.build_request("POST", "/v1/x", json={}).url) == "http://other:8000/v1/x"
     assert lean.build_request("POST", "/v1/x", json={}).headers["Host"] == "other:8000"
+    # The client's own headers, changed in place, are sent from then on.
+    lean.headers["User-Agent"] = "sim"
+    plain.headers["User-Agent"] = "sim"
+    plain.base_url = lean.base_url
+    _same(
+        lean.build_request("POST", "/v1/x", json={}), plain.build_request("POST", "/v1/x", json={})
+    )
 
 
 async def _echo(request: Request) -> Response:
