@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import trio
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from rc_worker.testing import fault_plans
-from rc_worker.testing.fleet import Fleet, simulate
+from rc_worker.testing.fleet import Fault, Fleet, simulate
 from rc_worker.testing.plans import (
     DISK_FAULTS,
     DiskPlan,
@@ -117,3 +118,31 @@ def test_every_disk_fault_keeps_the_invariants(data: st.DataObject, seed: int) -
     played: PlanRun = replay(plan, seed, time_limit=TIME_LIMIT)
     note(played.story)
     assert played.problems == []
+
+
+def test_a_finish_whose_directory_vanished_before_it_was_sent_is_still_sent_whole() -> None:
+    """Found by hypothesis with a vanish plan: the finish of a job that ended while
+    its output could not be sent was on disk only, so once its directory vanished the
+    worker sent an empty finish, the controller refused it for good (400), and the
+    job never ended there. This process sends the finish it made from memory."""
+
+    async def scenario(fleet: Fleet) -> tuple[str, int, list[str]]:
+        fleet.program("train", Script.printing((1, b"a\n"), (10, b"b\n" * 300), (20, b"c\n")))
+        job = fleet.submit(["train"])
+        fleet.outage("output", Fault.TIMEOUT)  # the finish waits for the output
+        await fleet.wait_until(lambda: bool(fleet.nodes["h0"].host.spawned(job)))
+        node = fleet.nodes["h0"]
+        await fleet.wait_until(lambda: node.host.spawned(job)[0].ended_at is not None)
+        await trio.sleep(5)  # its finish is written
+        disk_fault(fleet, "h0", "vanish")
+        await trio.sleep(30)
+        fleet.restore()
+        await fleet.settle()
+        await fleet.drain()
+        finishes = [e for e in node.transport.exchanges("finish") if e.status is not None]
+        return fleet.store.job(job).state, len(finishes), fleet.check()
+
+    state, finishes, problems = simulate(scenario, hosts=1, devices=("gpu0",), seed=5)
+    assert state == "succeeded"
+    assert finishes == 1
+    assert problems == []
