@@ -25,8 +25,7 @@ import attrs
 import trio
 
 from rc_worker.core.config import Config, DeviceConfig, child_environ
-from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
-from rc_worker.gpu_health import (
+from rc_worker.core.gpu_health import (
     CHECK_MEMORY,
     CHECK_MIG,
     CHECK_PCI,
@@ -59,6 +58,7 @@ from rc_worker.gpu_health import (
     parse_xid,
     resolve_mig_uuid,
 )
+from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
 from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE

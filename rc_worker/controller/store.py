@@ -29,6 +29,7 @@ from rc_worker.controller.errors import (
     NotFound,
     StaleAttempt,
 )
+from rc_worker.controller.job_filter import JobFilter, placement_filter
 from rc_worker.controller.messages import (
     IDLE_BEHAVIORS,
     JOB_STATES,
@@ -182,26 +183,44 @@ class Store(StoreState):
     def job(self, job_id: str) -> JobInfo:
         return self._view(self._job(job_id))
 
-    def jobs(self, state: str | None = None) -> list[JobInfo]:
+    def jobs(self, state: str | None = None, where: JobFilter | None = None) -> list[JobInfo]:
         if state is not None and state not in JOB_STATES:
             raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
         candidates: list[Candidate] | None = None  # computed once, and only if a job is queued
         out = []
         for j in self._jobs.values():
-            if state is None or j.state == state:
+            if (state is None or j.state == state) and (where is None or where(j)):
                 if j.state == "queued" and candidates is None:
                     candidates = self._candidates()
                 out.append(self._view(j, candidates))
         return out
 
     def jobs_page_info(
-        self, state: str | None, *, after: int | None, limit: int, newest_first: bool
+        self,
+        state: str | None,
+        *,
+        after: int | None,
+        limit: int,
+        newest_first: bool,
+        where: JobFilter | None = None,
     ) -> tuple[list[JobInfo], int | None]:
         """One page of :meth:`jobs` (see :meth:`StoreState.jobs_page`), as views."""
         if state is not None and state not in JOB_STATES:
             self.jobs(state)  # the 400 naming the valid states
-        page, nxt = self.jobs_page(state, after=after, limit=limit, newest_first=newest_first)
+        page, nxt = self.jobs_page(
+            state, after=after, limit=limit, newest_first=newest_first, where=where
+        )
         return self.views(page), nxt
+
+    def placed_on(self, host: str | None, select: str = "") -> JobFilter | None:
+        """The filter of ``GET /v1/jobs?host=&select=`` (:mod:`job_filter`): the devices a
+        selector names come from the label index, as for ``GET /v1/devices``."""
+        try:
+            selector = parse_selector(select)
+        except SelectorError as e:
+            raise BadRequest(f"select: {e}") from None
+        devices = self._index.candidates(selector) if selector.terms else None
+        return placement_filter(host, devices)
 
     def views(self, jobs: Sequence[Job]) -> list[JobInfo]:
         """The views of ``jobs`` (the devices' candidates worked out once for them all)."""
