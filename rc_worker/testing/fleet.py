@@ -2,7 +2,8 @@
 
 Every worker runs unchanged on its own :class:`~rc_worker.testing.sim.SimHost`
 and its own state directory, against one in-process reference controller
-(``httpx.ASGITransport``, no sockets), all in one Trio run under
+(:class:`~rc_worker.testing.simclient.SimClient` over
+:class:`~rc_worker.testing.asgi.InProcessTransport`, no sockets), all in one Trio run under
 ``trio.testing.MockClock(autojump_threshold=0)``: hours of virtual time cost
 milliseconds, so hypothesis can drive thousands of scenarios::
 
@@ -123,6 +124,8 @@ class SimNode:
     """Virtual times of crashes (reboots included)."""
     vanished: set[str] = attrs.Factory(set)
     """Jobs whose directory the harness made vanish (``disk_fault``): their spool with it."""
+    power_losses: list[float] = attrs.Factory(list)
+    """Virtual times the harness cut the host's power (``disk_fault``, ``torn``)."""
     running: bool = False
     _scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     _started: trio.Event = attrs.Factory(trio.Event)

@@ -431,6 +431,7 @@ def disk_fault(fleet: Fleet, host: str, how: str) -> Callable[[], None]:
         disk.torn_writes = True
         node.host.power_loss()
         disk.torn_writes = False
+        node.power_losses.append(trio.current_time())
         fleet._note(f"{host}: power loss, torn writes")
     return lambda: None
 

@@ -5,7 +5,7 @@ A simulated worker makes thousands of requests a virtual hour, and through a pla
 ``httpx.AsyncClient`` each one pays for what only a network needs: the request's URL
 parsed and merged with the base URL afresh, an authentication flow and a redirect loop
 (both generators), and the answer's cookies read into a ``http.cookiejar`` (which parses
-the URL again). That was about a third of a simulation's CPU time (``bench/bench_sim.py``).
+the URL again): about a seventh of a fault plan's time, sampled (docs/performance.md).
 
 :class:`SimClient` is the same client for what the worker uses of it (``stream``,
 ``build_request``, ``send``, ``base_url``): a relative path is merged with the base URL
@@ -138,17 +138,7 @@ class SimClient(httpx.AsyncClient):
         chosen = self.timeout if isinstance(timeout, UseClientDefault) else httpx.Timeout(timeout)
         extensions = {"timeout": chosen.as_dict()}
         if json is None or content is not None or params is not None:
-            merged_headers = httpx.Headers(self.headers)
-            merged_headers.update(headers)
-            return httpx.Request(
-                method,
-                merged,
-                content=content,
-                json=json,
-                params=params,
-                headers=merged_headers,
-                extensions=extensions,
-            )
+            return self._plain_request(method, merged, headers, extensions, content, json, params)
         # A JSON body, the most common request: what httpx.Request(json=...) makes (the
         # same encoding, the same headers in the same order), without working out again
         # what every request of this client has in common. Headers of the call that
@@ -159,7 +149,7 @@ class SimClient(httpx.AsyncClient):
             if not isinstance(headers, Mapping) or any(
                 not isinstance(k, str) or k.lower() in names for k in headers
             ):
-                return self._plain_request(method, merged, json, headers, extensions)
+                return self._plain_request(method, merged, headers, extensions, json=json)
             raw.extend((_ascii(k), _ascii(v)) for k, v in headers.items())
         text = json_dumps(json, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         body = text.encode("utf-8")
@@ -175,13 +165,24 @@ class SimClient(httpx.AsyncClient):
         self,
         method: str,
         url: httpx.URL,
-        json: Any,
         headers: HeaderTypes | None,
         extensions: dict[str, Any],
+        content: RequestContent | None = None,
+        json: Any | None = None,
+        params: QueryParamTypes | None = None,
     ) -> httpx.Request:
+        """The request as httpx builds it, from the merged URL (what build_request does)."""
         merged_headers = httpx.Headers(self.headers)
         merged_headers.update(headers)
-        return httpx.Request(method, url, json=json, headers=merged_headers, extensions=extensions)
+        return httpx.Request(
+            method,
+            url,
+            content=content,
+            json=json,
+            params=params,
+            headers=merged_headers,
+            extensions=extensions,
+        )
 
     async def send(
         self,

@@ -1,7 +1,8 @@
 """Fault injection between a worker and the reference controller.
 
 :class:`FaultyTransport` wraps the transport a worker talks through (the
-``httpx.ASGITransport`` of a fleet, or of :func:`rc_worker.testing.local_system`)
+:class:`~rc_worker.testing.asgi.InProcessTransport` of a fleet, or the
+``httpx.ASGITransport`` of :func:`rc_worker.testing.local_system`)
 and answers each request with a :class:`Fault`, per endpoint: queued ones in
 order (:meth:`~FaultyTransport.inject`), or one held until restored
 (:meth:`~FaultyTransport.outage`). Every exchange is logged, so a test can
