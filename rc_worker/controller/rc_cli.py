@@ -305,7 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", help="job id")
     p.add_argument("--reason", default="", help="why (shown in the job's record)")
     p = sub.add_parser("devices", parents=[common], help="list devices (every one by default)")
-    p.add_argument("--state", help="only devices in this state (free, busy, quarantined, absent)")
+    p.add_argument(
+        "--state",
+        help="only devices in this state (free, busy, quarantined, absent; held: free but"
+        " kept from work by its idle behaviour)",
+    )
     p.add_argument("--host", help="only the devices of this host")
     p.add_argument("--select", metavar="SELECTOR", help="only devices this label selector matches")
     p.add_argument(

@@ -515,8 +515,8 @@ class StoreState:
     def _release(self, job: Job, att: Attempt) -> None:
         h = self._hosts.get(att.host)
         d = None if h is None else h.devices.get(att.device)
-        if d is not None and d.job is job:
-            d.job = None
+        if d is not None:
+            d.vacate(job, self._wall())
 
     def _terminate(
         self,
@@ -673,7 +673,7 @@ class StoreState:
     def adopt_job(self, job: Job, d: Device) -> None:
         self._jobs[job.job_id] = job
         self._live[job.job_id] = job
-        d.job = job
+        d.occupy(job, self._wall())
         self.journal.job(job.job_id)
         self._touch_job(job)
         self._arm_job(job)

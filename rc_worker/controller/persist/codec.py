@@ -144,6 +144,8 @@ def _device_doc(d: Device) -> dict[str, object]:
         "cleared_pending": d.cleared_pending,
         "worker_state": d.worker_state,
         "worker_faults": sorted(d.worker_faults),
+        "last_job": d.last_job,
+        "last_busy": d.last_busy,
     }
 
 
@@ -309,6 +311,8 @@ def load_host(doc: Mapping[str, Any], now: float) -> Host:
             seen_faults=set(dd.get("seen_faults") or ()),
             cleared_pending=dict(dd.get("cleared_pending") or {}),
             worker_state=dd.get("worker_state"),
+            last_job=dd.get("last_job"),
+            last_busy=dd.get("last_busy"),
         )
         d.worker_faults = set(dd.get("worker_faults") or ())
         for f in dd.get("faults") or ():
