@@ -357,8 +357,11 @@ class DeviceSupervisor:
             elif self._linger_over():
                 self.lease.end_linger()
             elif self.lease.drained(draining=self.ctx.draining):
+                # Done as far as the drain goes, but not gone: an operator's clear of
+                # a quarantine while the lease is held still moves it to releasing,
+                # and only this task runs the release. The worker ends it when it exits.
                 self.ctx.poke_poller()
-                return
+                await self._wait_for_change()
             else:
                 await self._wait_for_change()
 

@@ -60,7 +60,8 @@ class _Delivery:
     finish_ready: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
     report: dict[str, Any] | None = None
-    """The finish, when the disk would not take it."""
+    """The finish this process made (on disk too, if the disk took it); ``None`` for
+    one a previous process left on disk, read from there."""
 
 
 class Outbox:
@@ -191,7 +192,9 @@ class Outbox:
                 key,
                 e,
             )
-            delivery.report = dict(report)
+        # Sent from memory by this process: the disk's copy is for the next one. A
+        # directory that vanished meanwhile must not leave it an empty finish to send.
+        delivery.report = dict(report)
         delivery.finish_ready.set()
 
     async def report(
@@ -221,12 +224,16 @@ class Outbox:
             raise
         self._writing -= 1
         device = journal.get("device")
-        self.deliver_report(
-            job_dir,
-            job_id,
-            attempt,
-            device=device if isinstance(device, str) else None,
-            fresh=True,
+        # Sent from memory, as a finish of a job that ran is (Outbox.finish).
+        self._spawn(
+            _Delivery(
+                job_dir,
+                job_id,
+                attempt,
+                report=dict(report),
+                device=device if isinstance(device, str) else None,
+                fresh=True,
+            )
         )
 
     async def delivered(self, key: str) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from prometheus_client import Counter
 
 from rc_worker._version import __version__
 from rc_worker.cancel_watch import watch_cancels
@@ -137,6 +138,7 @@ class Worker:
         self._last_probe: list[dict[str, Any]] = []
         self.metrics = WorkerMetrics()
         self.metrics.watch(self._state_snapshot)
+        self._answer_counters: dict[tuple[str, str], Counter] = {}
         self._spool_bytes = 0
         """The job spool's size, as of the last ``/metrics`` scrape (walked in a thread)."""
         self.status_urls: list[str] = []
@@ -418,7 +420,13 @@ class Worker:
             raise refused from None
 
     def _on_answer(self, endpoint: str, status: str) -> None:
-        self.metrics.controller_requests.labels(endpoint, status).inc()
+        # The labelled child, kept: labels() takes a lock and builds a key every time,
+        # and this runs for every answer.
+        counter = self._answer_counters.get((endpoint, status))
+        if counter is None:
+            counter = self.metrics.controller_requests.labels(endpoint, status)
+            self._answer_counters[(endpoint, status)] = counter
+        counter.inc()
         if status.isdigit() and int(status) < 500:
             self._last_answer = trio.current_time()
             if status.startswith("2"):

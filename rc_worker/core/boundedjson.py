@@ -28,18 +28,16 @@ class JsonTooDeep(ValueError):
 
 def depth(value: object) -> int:
     """The nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    if not isinstance(value, dict | list):
+        return 0
     deepest = 0
-    stack: list[tuple[object, int]] = [(value, 0)]
+    # Only containers go on the stack: scalars, most of a document, add no depth.
+    stack: list[tuple[dict[Any, object] | list[object], int]] = [(value, 1)]
     while stack:
         item, level = stack.pop()
-        if isinstance(item, dict):
-            children: Iterable[object] = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, level + 1)
-        stack.extend((child, level + 1) for child in children)
+        deepest = max(deepest, level)
+        children: Iterable[object] = item.values() if isinstance(item, dict) else item
+        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
     return deepest
 
 
@@ -74,6 +72,8 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> object:
         )
     except RecursionError:
         raise too_deep from None
-    if depth(value) > max_depth:
+    # Each level opens with a bracket, so a text with no more brackets than allowed
+    # (strings' own included) cannot nest too deep: no need to walk what was parsed.
+    if text.count("[") + text.count("{") > max_depth and depth(value) > max_depth:
         raise too_deep
     return value

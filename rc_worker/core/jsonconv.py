@@ -280,8 +280,15 @@ def structure_fields(c: cattrs.Converter, cls: type) -> Callable[[object, Any], 
     return hook
 
 
+# Leaves returned as they are, tested first by exact type: most values written are these,
+# and every message field goes through here (a subclass takes the general path below).
+_LEAVES: Final = frozenset({str, int, float, bool, type(None)})
+
+
 def plain(c: cattrs.Converter, value: object) -> object:
     """``value`` as JSON-ready data: messages through their hooks, tuples as lists."""
+    if type(value) in _LEAVES:
+        return value
     if attrs.has(type(value)):
         return c.unstructure(value)
     if isinstance(value, list | tuple):

@@ -2,7 +2,8 @@
 
 Every worker runs unchanged on its own :class:`~rc_worker.testing.sim.SimHost`
 and its own state directory, against one in-process reference controller
-(``httpx.ASGITransport``, no sockets), all in one Trio run under
+(:class:`~rc_worker.testing.simclient.SimClient` over
+:class:`~rc_worker.testing.asgi.InProcessTransport`, no sockets), all in one Trio run under
 ``trio.testing.MockClock(autojump_threshold=0)``: hours of virtual time cost
 milliseconds, so hypothesis can drive thousands of scenarios::
 
@@ -60,6 +61,7 @@ from rc_worker.controller.serve import housekeeping
 from rc_worker.controller.store import Store, StoreConfig
 from rc_worker.core.config import Config, DeviceConfig
 from rc_worker.testing import invariants
+from rc_worker.testing.asgi import InProcessTransport
 from rc_worker.testing.guard import (
     STALL_STEPS,
     WALL_LIMIT,
@@ -69,6 +71,7 @@ from rc_worker.testing.guard import (
 )
 from rc_worker.testing.guard import WALL_CHECK_STEPS as WALL_CHECK_STEPS
 from rc_worker.testing.sim import Script, SimHost
+from rc_worker.testing.simclient import SimClient
 from rc_worker.testing.transport import (
     ENDPOINTS,
     Exchange,
@@ -119,6 +122,10 @@ class SimNode:
     incarnations: int = 0
     crashes: list[float] = attrs.Factory(list)
     """Virtual times of crashes (reboots included)."""
+    vanished: set[str] = attrs.Factory(set)
+    """Jobs whose directory the harness made vanish (``disk_fault``): their spool with it."""
+    power_losses: list[float] = attrs.Factory(list)
+    """Virtual times the harness cut the host's power (``disk_fault``, ``torn``)."""
     running: bool = False
     _scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     _started: trio.Event = attrs.Factory(trio.Event)
@@ -252,7 +259,7 @@ class Fleet:
         node._done = trio.Event()
         node.incarnations += 1
         # Built here, not in the task, so that node.worker is never the dead one.
-        http = httpx.AsyncClient(transport=node.transport, base_url="http://controller")
+        http = SimClient(transport=node.transport, base_url="http://controller")
         # No rng given: the worker takes its host's (SimHost.new_rng), one stream per
         # worker process, the same in every replay of a seeded fleet.
         node.worker = Worker(node.config, http=http, host=node.host, environ=self.worker_environ)
@@ -464,7 +471,7 @@ async def open_fleet(
                     name,
                     SimHost(name, seed=seed),
                     config,
-                    FaultyTransport(httpx.ASGITransport(app=app), name=name),
+                    FaultyTransport(InProcessTransport(app), name=name),
                 )
                 node.host.cgroup_v2 = cgroups
                 node.transport.on_request = functools.partial(fleet._watch.on_request, node)

@@ -17,6 +17,7 @@ controller's event log, never from the worker's own account.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +78,17 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
     assert proc.stdout is not None
     committed, read = fleet.store.output(job), bytes(proc.stdout.read)
     disrupted = _disrupted(node, proc, info, events)
-    if committed != read and not _cut_by_the_disk(committed, read):
+    # A job whose directory vanished lost its spool, and one whose host lost power
+    # before its finish was in lost what the spool held past its last fsync (the spool
+    # is never fsynced): what was not yet sent is gone, and what was sent must still be
+    # what the job wrote, in order.
+    end = info.finished_at if info.finished_at is not None else math.inf
+    spool_lost = job in node.vanished or any(proc.started_at <= t <= end for t in node.power_losses)
+    if (
+        committed != read
+        and not _cut_by_the_disk(committed, read)
+        and not (spool_lost and read.startswith(committed))
+    ):
         out.append(f"{job}: committed output is not what the worker read: {_diff(committed, read)}")
     written = bytes(proc.stdout.written)
     if not disrupted and read != written:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -120,7 +121,8 @@ class CrashPlan:
     # kill (SIGKILL), reboot, drain (SIGTERM), stop (two signals), or rereg: a kill
     # while `output` answers unknown_session, which lasts REREG_S after the
     # restart, so the new worker re-registers again and again with recovery
-    # entries it cannot yet deliver while it runs other jobs.
+    # entries it cannot yet deliver while it runs other jobs; or torn: a kill, then
+    # a power loss with torn writes (what DiskPlan(how="torn") plays as).
     how: str
 
 
@@ -167,8 +169,13 @@ class SmiPlan:
 class DiskPlan:
     """The disk of ``host`` fails at ``at`` for ``duration``.
 
-    ``how``: ``full`` (every write fails with ``ENOSPC``). Applied through
-    :func:`disk_fault`, the one place that knows how a disk is made to fail.
+    ``how``: ``full`` (every write fails with ``ENOSPC`` until repaired);
+    ``vanish`` (the directory of a job the worker holds, with everything in it, is
+    gone for good, as after an operator's ``rm -rf``: writes into it fail with
+    ``ENOENT``); ``torn`` (a torn write at a crash: the worker is killed and the host
+    loses power; its disk keeps what was fsynced, and half of each write since; the
+    worker comes back ``duration`` later, played in turn with the host's crashes).
+    Applied through :func:`disk_fault`, the one place that knows how a disk is made to fail.
     """
 
     at: float
@@ -283,7 +290,13 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
         for injection in plan.injections:
             nursery.start_soon(_inject, fleet, injection)
         for name in fleet.nodes:
-            mine = sorted((c for c in plan.crashes if c.host == name), key=lambda c: c.at)
+            # A torn write comes with a crash: played in turn with the host's others.
+            torn = [
+                CrashPlan(d.at, d.host, d.duration, "torn")
+                for d in plan.disks
+                if d.host == name and d.how == "torn"
+            ]
+            mine = sorted([c for c in plan.crashes if c.host == name] + torn, key=lambda c: c.at)
             nursery.start_soon(_crashes, fleet, name, mine)
         for cancel in plan.cancels:
             nursery.start_soon(_cancel, fleet, cancel, submitted)
@@ -294,7 +307,8 @@ async def play(fleet: Fleet, plan: FleetPlan) -> list[str]:
         for smi in plan.smi:
             nursery.start_soon(_smi, fleet, smi)
         for disk in plan.disks:
-            nursery.start_soon(_disk, fleet, disk)
+            if disk.how != "torn":
+                nursery.start_soon(_disk, fleet, disk)
     fleet.restore()
     for name, node in fleet.nodes.items():
         if not node.running:
@@ -332,6 +346,8 @@ async def _crashes(fleet: Fleet, name: str, crashes: Sequence[CrashPlan]) -> Non
             if crash.how == "rereg":
                 fleet.outage("output", Fault.UNKNOWN_SESSION, hosts=[name])
             await fleet.crash(name, reboot=crash.how == "reboot")
+            if crash.how == "torn":
+                disk_fault(fleet, name, "torn")
         await trio.sleep(crash.down_for)
         fleet.restart(name)
         if crash.how == "rereg":
@@ -362,6 +378,8 @@ async def _smi(fleet: Fleet, plan: SmiPlan) -> None:
 async def _disk(fleet: Fleet, plan: DiskPlan) -> None:
     await trio.sleep(plan.at)
     undo = disk_fault(fleet, plan.host, plan.how)
+    if plan.how == "vanish":
+        return  # gone for good: nothing to repair
     fleet._note(f"disk of {plan.host}: {plan.how}")
     try:
         await trio.sleep(plan.duration)
@@ -370,22 +388,52 @@ async def _disk(fleet: Fleet, plan: DiskPlan) -> None:
         fleet._note(f"disk of {plan.host} repaired")
 
 
+DISK_FAULTS = ("full", "vanish", "torn")
+
+
 def disk_fault(fleet: Fleet, host: str, how: str) -> Callable[[], None]:
     """Make the disk of ``host`` fail as ``how`` says; returns the repair.
 
-    The one place that knows how: ``full`` fills the host's in-memory disk
+    The one place that knows how. ``full`` fills the host's in-memory disk
     (:meth:`SimDisk.fill <rc_worker.testing.simdisk.SimDisk.fill>`: every write
     past what it holds now fails with ``ENOSPC``), and the repair frees it.
+    ``vanish`` removes the directory of the first job the worker holds on disk
+    (:meth:`SimDisk.vanish <rc_worker.testing.simdisk.SimDisk.vanish>`), for good;
+    nothing if it holds none. ``torn`` is a power loss with torn writes
+    (:meth:`SimHost.power_loss <rc_worker.testing.sim.SimHost.power_loss>` with
+    ``disk.torn_writes``): call it with the worker down (:meth:`Fleet.crash`).
+    Neither has a repair: what is gone stays gone.
     """
-    if how != "full":
-        raise ValueError(f"no disk fault {how!r}; expected 'full'")
-    disk = fleet.nodes[host].host.disk
-    disk.fill()
+    if how not in DISK_FAULTS:
+        raise ValueError(f"no disk fault {how!r}; expected one of {', '.join(DISK_FAULTS)}")
+    node = fleet.nodes[host]
+    disk = node.host.disk
+    if how == "full":
+        disk.fill()
 
-    def repair() -> None:
-        disk.capacity = None
+        def repair() -> None:
+            disk.capacity = None
 
-    return repair
+        return repair
+    if how == "vanish":
+        root = Path(node.config.state_dir) / "jobs"
+        keys = sorted(disk.listdir(root)) if disk.is_dir(root) else []
+        if keys:
+            disk.vanish(root / keys[0])
+            # Its spool went with it: what was not yet sent is lost (invariants.check).
+            node.vanished.add(keys[0].rsplit(".", 1)[0])
+            fleet._note(f"{host}: the directory of {keys[0]} vanished")
+        else:
+            fleet._note(f"{host}: no job directory to vanish")
+    else:
+        if node.running:
+            raise RuntimeError(f"a power loss of {host} needs its worker down; crash it first")
+        disk.torn_writes = True
+        node.host.power_loss()
+        disk.torn_writes = False
+        node.power_losses.append(trio.current_time())
+        fleet._note(f"{host}: power loss, torn writes")
+    return lambda: None
 
 
 async def _unoffer(fleet: Fleet, plan: UnofferPlan) -> None:

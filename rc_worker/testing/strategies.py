@@ -26,6 +26,7 @@ import attrs
 from hypothesis import strategies as st
 
 from rc_worker.testing.plans import (
+    DISK_FAULTS,
     ENDPOINTS,
     FAULTS,
     REGISTER_FAULTS,
@@ -214,7 +215,13 @@ def _kinds(hosts: int, devices: int) -> _Kinds:
     smi_plans = st.builds(
         SmiPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(["fails", "hangs"])
     )
-    disk_plans = st.builds(DiskPlan, seconds(0, 90), seconds(1, 60), st.sampled_from(names))
+    disk_plans = st.builds(
+        DiskPlan,
+        seconds(0, 90),
+        seconds(1, 60),
+        st.sampled_from(names),
+        st.sampled_from(DISK_FAULTS),
+    )
     return _Kinds(
         outages=st.lists(outage_plans, max_size=3),
         injections=st.lists(inject_plans, max_size=3),

@@ -1,7 +1,8 @@
 """Fault injection between a worker and the reference controller.
 
 :class:`FaultyTransport` wraps the transport a worker talks through (the
-``httpx.ASGITransport`` of a fleet, or of :func:`rc_worker.testing.local_system`)
+:class:`~rc_worker.testing.asgi.InProcessTransport` of a fleet, or the
+``httpx.ASGITransport`` of :func:`rc_worker.testing.local_system`)
 and answers each request with a :class:`Fault`, per endpoint: queued ones in
 order (:meth:`~FaultyTransport.inject`), or one held until restored
 (:meth:`~FaultyTransport.outage`). Every exchange is logged, so a test can
@@ -16,7 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -227,7 +228,7 @@ class FaultyTransport(httpx.AsyncBaseTransport):
             status = response.status_code
             if self.on_answer is not None:
                 await response.aread()
-                self.on_answer(endpoint, request, status, json_body(response.content))
+                self.on_answer(endpoint, request, status, _LazyJson(response.content))
             return response
         finally:
             text = "" if endpoint == "output" else content.decode("utf-8", "replace")
@@ -304,6 +305,28 @@ def _check_fault(endpoint: str, fault: Fault) -> None:
             "register cannot meet unknown_session (a register has no session to forget); "
             "use Fault.UNAVAILABLE, REFUSED, TIMEOUT or LOST for register"
         )
+
+
+class _LazyJson(Mapping[str, Any]):
+    """An answer's :func:`json_body`, parsed only if a hook looks at it (most do not)."""
+
+    def __init__(self, content: bytes) -> None:
+        self._content = content
+        self._body: Mapping[str, Any] | None = None
+
+    def _parsed(self) -> Mapping[str, Any]:
+        if self._body is None:
+            self._body = json_body(self._content)
+        return self._body
+
+    def __getitem__(self, key: str) -> Any:
+        return self._parsed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
 
 
 def json_body(content: bytes) -> Mapping[str, Any]:

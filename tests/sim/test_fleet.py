@@ -441,3 +441,38 @@ def test_a_register_retried_with_facts_from_before_a_failed_probe_is_not_a_wipe(
         assert fleet.check() == []
 
     simulate(fn, seed=seed, time_limit=TIME_LIMIT, nvidia_smi=SMI_OK)
+
+
+def test_a_held_device_cleared_while_its_worker_drains_is_released_and_the_worker_exits() -> None:
+    """Found by hypothesis: a device quarantined while its lease was still held (its
+    release hook not yet run) is done as far as a drain goes, and its task ended. Cleared
+    while the drain waited for another device's job, it moved to releasing with no task
+    left to release it, and the worker waited for it for ever."""
+    release = "/sim/hooks/release"
+    devices = [DeviceConfig(n, on_release=release, release_linger=300.0) for n in ("a", "b")]
+
+    async def scenario(fleet: Fleet) -> tuple[str, list[str], list[str]]:
+        fleet.program(release, Script.sleeping(1))
+        fleet.program("quick", Script.printing((1, b"ok\n")))
+        fleet.program("long", Script.printing((60, b"done\n")))
+        quick = fleet.submit(["quick"])
+        await fleet.wait_until(lambda: fleet.store.job(quick).state == "succeeded")
+        fleet.submit(["long"])  # on the other device: the quick one's lingers
+        await trio.sleep(5)
+        held = fleet.store.job(quick).device
+        assert held is not None
+        assert fleet.quarantine("h0", held)  # lingering: its lease is still held
+        node = fleet.nodes["h0"]
+        assert node.worker is not None
+        node.worker.drain()
+        await trio.sleep(5)  # the drain is done with the quarantined device
+        assert fleet.clear_clean_devices() == [f"h0/{held}"]
+        with trio.fail_after(600):
+            await fleet.drain()
+        ran = [p.argv[0] for p in node.host.spawned()]
+        return fleet.store.device("h0", held).state, ran, fleet.check()
+
+    state, ran, problems = simulate(scenario, hosts=1, devices=devices, seed=11)
+    assert ran.count(release) == 2  # each device released once, then the worker left
+    assert state != "quarantined"
+    assert problems == []
