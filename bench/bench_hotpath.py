@@ -103,8 +103,9 @@ def _profiled(program: str, name: str) -> list[str]:
 class System:
     """``rc serve`` and ``rc-worker run`` with ``devices`` devices, as subprocesses."""
 
-    def __init__(self, tmp: Path, devices: int) -> None:
+    def __init__(self, tmp: Path, devices: int, store: str = "sqlite") -> None:
         self.tmp = tmp
+        self.store = store
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.devices = devices
@@ -134,7 +135,7 @@ class System:
                 WORKER_TOKEN,
                 "--user-token",
                 USER_TOKEN,
-                "--memory",  # the hot path itself; the stores have bench_persist.py
+                *self._store_args(),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -156,6 +157,12 @@ class System:
         )
         self._wait(self._all_free)
         return self
+
+    def _store_args(self) -> list[str]:
+        """SQLite by default: what an operator runs, and where output goes as it is read."""
+        if self.store == "memory":
+            return ["--memory"]
+        return ["--state-dir", str(self.tmp / f"controller{self.devices}")]
 
     def _log(self, name: str) -> IO[bytes]:
         f = open(self.tmp / name, "wb")  # noqa: SIM115 - closed in __exit__
@@ -366,6 +373,7 @@ def output(system: System, size: int) -> dict[str, Any]:
     c_before = proc_status(system.serve.pid, "VmRSS")
     reset_peak(system.worker.pid)
     reset_peak(system.serve.pid)
+    w_cpu, c_cpu = cpu_seconds(system.worker.pid), cpu_seconds(system.serve.pid)
     t0 = time.monotonic()
     job_id = system.submit(["head", "-c", str(size), "/dev/zero"])
     with open(target, "wb") as out:
@@ -376,6 +384,10 @@ def output(system: System, size: int) -> dict[str, Any]:
         _, status, usage = os.wait4(logs.pid, 0)
         logs.returncode = os.waitstatus_to_exitcode(status)
     elapsed = time.monotonic() - t0
+    gib = size / float(1 << 30)
+    w_cpu = (cpu_seconds(system.worker.pid) - w_cpu) / gib
+    c_cpu = (cpu_seconds(system.serve.pid) - c_cpu) / gib
+    logs_cpu = (usage.ru_utime + usage.ru_stime) / gib
     got = target.stat().st_size
     target.unlink()
     if got != size:
@@ -385,6 +397,7 @@ def output(system: System, size: int) -> dict[str, Any]:
         "worker_rss_growth_mib": proc_status(system.worker.pid, "VmHWM") - w_before,
         "controller_rss_growth_mib": proc_status(system.serve.pid, "VmHWM") - c_before,
         "rc_logs_peak_mib": usage.ru_maxrss / 1024,
+        "cpu_s_per_gib": {"worker": w_cpu, "controller": c_cpu, "rc_logs": logs_cpu},
     }
 
 
@@ -420,40 +433,7 @@ def idle(system: System, seconds: float) -> dict[str, Any]:
 # -- main -----------------------------------------------------------------------------
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=40, help="jobs per phase (default 40)")
-    parser.add_argument(
-        "--bytes", type=int, default=256 << 20, help="output size (default 256 MiB)"
-    )
-    parser.add_argument("--idle", type=float, default=5.0, help="idle seconds (default 5)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    load = os.getloadavg()[0]
-    results: dict[str, Any] = {"load_before": load}
-    with tempfile.TemporaryDirectory(prefix="rc-bench-") as name:
-        tmp = Path(name)
-        with System(tmp, 1) as one:
-            results["latency"] = latency(one, max(10, args.jobs // 2))
-            results["raw_rate_1"] = raw_rate(tmp, 1, args.jobs)
-            results["rate_1"] = system_rate(one, args.jobs)
-        with System(tmp, 8) as eight:
-            results["idle"] = idle(eight, args.idle)
-            results["raw_rate_8"] = raw_rate(tmp, 8, args.jobs)
-            results["rate_8"] = system_rate(eight, 8 * args.jobs)
-            results["raw_pipe"] = raw_pipe(tmp, args.bytes)
-            results["output"] = output(eight, args.bytes)
-            results["commit_rate"] = commit_rate(eight, args.bytes)
-            results["raw_pipe_2"] = raw_pipe(tmp, args.bytes)
-    results["load_after"] = os.getloadavg()[0]
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return 0
-    lat, out, idl = results["latency"], results["output"], results["idle"]
-    gib = float(1 << 30)
-    r1, r8 = results["rate_1"]["rate"], results["rate_8"]["rate"]
-    raw_pipe_rate = statistics.mean([results["raw_pipe"], results["raw_pipe_2"]])
-    print(f"load average {results['load_before']:.2f} before, {results['load_after']:.2f} after")
+def _print_latency(lat: dict[str, Any]) -> None:
     print(
         f"submit -> running: p50 {lat['running_p50_ms']:.1f} ms, p99 {lat['running_p99_ms']:.1f} ms"
         f" (raw spawn -> running p50 {lat['raw_p50_ms']:.1f} ms;"
@@ -463,6 +443,10 @@ def main() -> int:
         f"submit -> finished: p50 {lat['finished_p50_ms']:.1f} ms,"
         f" p99 {lat['finished_p99_ms']:.1f} ms (target p99 <= 100 ms)"
     )
+
+
+def _print_rates(results: dict[str, Any]) -> None:
+    r1, r8 = results["rate_1"]["rate"], results["rate_8"]["rate"]
     print(
         f"back-to-back, 1 device: {r1:.1f} jobs/s vs raw loop {results['raw_rate_1']:.1f}/s"
         f" = {r1 / results['raw_rate_1']:.2f}x (target >= 0.5x)"
@@ -478,6 +462,12 @@ def main() -> int:
             f"  CPU per job ({k[-1]} device(s)): worker {r['worker_cpu_ms_per_job']:.1f} ms,"
             f" controller {r['controller_cpu_ms_per_job']:.1f} ms"
         )
+
+
+def _print_output(results: dict[str, Any]) -> None:
+    out = results["output"]
+    gib = float(1 << 30)
+    raw_pipe_rate = statistics.mean([results["raw_pipe"], results["raw_pipe_2"]])
     print(
         f"output via rc logs -f: {out['rate'] / gib:.3f} GiB/s vs raw pipe"
         f" {raw_pipe_rate / gib:.3f} GiB/s = {out['rate'] / raw_pipe_rate:.3f}x"
@@ -492,11 +482,79 @@ def main() -> int:
         f" controller {out['controller_rss_growth_mib']:.1f} MiB (target < 64 MiB each);"
         f" rc logs peak {out['rc_logs_peak_mib']:.1f} MiB"
     )
+    cpu = out["cpu_s_per_gib"]
     print(
-        f"idle, 8 devices: {idl['cpu_pct']:.3f}% of a core, {idl['rss_mib']:.1f} MiB"
-        f" (bare interpreter with the same imports {idl['bare_rss_mib']:.1f} MiB;"
-        " target < 0.5%, < 80 MiB)"
+        f"  CPU per GiB: worker {cpu['worker']:.2f} s, controller {cpu['controller']:.2f} s,"
+        f" rc logs {cpu['rc_logs']:.2f} s"
     )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=40, help="jobs per phase (default 40)")
+    parser.add_argument(
+        "--bytes", type=int, default=256 << 20, help="output size (default 256 MiB)"
+    )
+    parser.add_argument("--idle", type=float, default=5.0, help="idle seconds (default 5)")
+    parser.add_argument(
+        "--store",
+        choices=("sqlite", "memory"),
+        default="sqlite",
+        help="the controller's store (default sqlite, as an operator runs it)",
+    )
+    parser.add_argument(
+        "--phases",
+        default="latency,rate,idle,output",
+        help="comma-separated subset of latency,rate,idle,output (default all)",
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    phases = set(args.phases.split(","))
+    if not phases <= {"latency", "rate", "idle", "output"}:
+        parser.error(f"--phases: unknown phase in {args.phases!r}")
+    load = os.getloadavg()[0]
+    results: dict[str, Any] = {"load_before": load, "store": args.store}
+    with tempfile.TemporaryDirectory(prefix="rc-bench-") as name:
+        tmp = Path(name)
+        if phases & {"latency", "rate"}:
+            with System(tmp, 1, args.store) as one:
+                if "latency" in phases:
+                    results["latency"] = latency(one, max(10, args.jobs // 2))
+                if "rate" in phases:
+                    results["raw_rate_1"] = raw_rate(tmp, 1, args.jobs)
+                    results["rate_1"] = system_rate(one, args.jobs)
+        with System(tmp, 8, args.store) as eight:
+            if "idle" in phases:
+                results["idle"] = idle(eight, args.idle)
+            if "rate" in phases:
+                results["raw_rate_8"] = raw_rate(tmp, 8, args.jobs)
+                results["rate_8"] = system_rate(eight, 8 * args.jobs)
+            if "output" in phases:
+                results["raw_pipe"] = raw_pipe(tmp, args.bytes)
+                results["output"] = output(eight, args.bytes)
+                results["commit_rate"] = commit_rate(eight, args.bytes)
+                results["raw_pipe_2"] = raw_pipe(tmp, args.bytes)
+    results["load_after"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(
+        f"store {results['store']}; load average {results['load_before']:.2f} before,"
+        f" {results['load_after']:.2f} after"
+    )
+    if "latency" in results:
+        _print_latency(results["latency"])
+    if "rate_1" in results:
+        _print_rates(results)
+    if "output" in results:
+        _print_output(results)
+    if "idle" in results:
+        idl = results["idle"]
+        print(
+            f"idle, 8 devices: {idl['cpu_pct']:.3f}% of a core, {idl['rss_mib']:.1f} MiB"
+            f" (bare interpreter with the same imports {idl['bare_rss_mib']:.1f} MiB;"
+            " target < 0.5%, < 80 MiB)"
+        )
     return 0
 
 

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from rc_worker.cgroup import limits_for
 from rc_worker.client import ControllerClient
 from rc_worker.core.config import Config, DeviceConfig, child_environ
 from rc_worker.core.config_convert import cpu_count
+from rc_worker.core.errors import JobUserError
 from rc_worker.core.model import Assignment, job_key
 from rc_worker.host import Host, RunAs, resolve_user
 from rc_worker.metrics import WorkerMetrics
@@ -45,12 +47,27 @@ class WorkerContext:
     rng: random.Random = attrs.field(factory=random.Random)
     """Ids (faults) and jitter come from here: a simulation seeds it to replay exactly."""
 
-    def run_as(self, device: DeviceConfig) -> RunAs | None:
+    async def run_as(self, device: DeviceConfig) -> RunAs | None:
         """Who the device's jobs, hooks and verify scripts run as: its ``job_user`` when the
-        worker is root (only root can switch), else the worker's own user."""
-        if device.job_user is None or os.geteuid() != 0:
+        worker is root (only root can switch), else the worker's own user.
+
+        Looked up afresh (group changes take effect at the next job, as at a login) in a
+        thread: the name service may be LDAP or sssd, and a slow one must not stall the
+        event loop, so every device's heartbeats, kills and output. A user it cannot find
+        (deleted since the config was read, the directory unreachable) is
+        :class:`JobUserError`, with the reason in one line.
+        """
+        name = device.job_user
+        if name is None or os.geteuid() != 0:
             return None
-        return resolve_user(device.job_user)
+        try:
+            return await trio.to_thread.run_sync(resolve_user, name)
+        except (KeyError, OSError) as e:
+            why = e.args[0] if isinstance(e, KeyError) and e.args else e
+            raise JobUserError(
+                f"job_user {name!r} cannot be resolved ({why}); check `getent passwd {name}`"
+                " on this host, then clear the fault"
+            ) from None
 
     def job_key(self, a: Assignment) -> str:
         return job_key(a.job_id, a.attempt)

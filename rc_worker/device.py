@@ -23,7 +23,8 @@ import trio
 from rc_worker.changed import Changed
 from rc_worker.core import protocol
 from rc_worker.core.config import DeviceConfig
-from rc_worker.core.errors import ControllerError
+from rc_worker.core.errors import ControllerError, JobUserError
+from rc_worker.core.gpu_health import Fault, kind_defaults
 from rc_worker.core.lease import Lease
 from rc_worker.core.model import (
     Assignment,
@@ -42,7 +43,6 @@ from rc_worker.core.protocol import (
     RunningClaim,
 )
 from rc_worker.core.reports import finish_report, not_run_report, stale_offer_report
-from rc_worker.gpu_health import Fault, kind_defaults
 from rc_worker.hooks import run_hook
 from rc_worker.host import RunAs
 from rc_worker.logs import log_context, set_log_context
@@ -88,6 +88,8 @@ class DeviceSupervisor:
         self.offered = False
         # Which of the worker's polls offers it (the newest), while ``offered``.
         self.poll_id: int | None = None
+        # Who the job in hand (its hooks, process, verify pass) runs as.
+        self._run_as: RunAs | None = None
         self._pending: tuple[Assignment, bool] | None = None
         self._changed = Changed()
         self._acquire_scope: trio.CancelScope | None = None
@@ -437,6 +439,16 @@ class DeviceSupervisor:
             await self.ctx.report(a, not_run_report(a, "refused", refusal))
             self._settle()
             return
+        try:
+            # Once per job, for its acquire hook, process and verify pass alike.
+            self._run_as = await self.ctx.run_as(self.config)
+        except JobUserError as e:
+            # Nothing ran, so the job goes elsewhere (refused: requeued); the device
+            # would fail every job the same way, so it is quarantined until cleared.
+            await self.ctx.report(a, not_run_report(a, "refused", str(e)))
+            self._quarantine("job_user", str(e), job_id=a.job_id)
+            self._settle()
+            return
         if needs_acquire and self.config.on_acquire and not await self._acquire(a):
             return
         self.lease.acquired()
@@ -492,7 +504,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, a.job_id),
                     host=self.ctx.host,
-                    **_run_as(self.ctx.run_as(self.config)),
+                    **_run_as(self._run_as),
                 )
         self._acquire_scope = None
         if scope.cancelled_caught:
@@ -556,7 +568,7 @@ class DeviceSupervisor:
             stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
             sweep_job_id=a.job_id,
             pty=a.pty,
-            run_as=self.ctx.run_as(self.config),
+            run_as=self._run_as,
             cgroup=cgroup,
             cgroup_limits=self.ctx.cgroup_limits(self.config),
         )
@@ -586,7 +598,7 @@ class DeviceSupervisor:
                 pass_budget=self.ctx.config.verify_pass_budget,
                 env=env,
                 host=self.ctx.host,
-                **_run_as(self.ctx.run_as(self.config)),
+                **_run_as(self._run_as),
             )
         # The lease decides, by the one rule recovery decides by too: not proven
         # clean (a failed verify pass, a sweep that proves nothing) is a fault,
@@ -636,6 +648,12 @@ class DeviceSupervisor:
 
     async def _release(self) -> None:
         if self.config.on_release:
+            try:
+                run_as = await self.ctx.run_as(self.config)
+            except JobUserError as e:
+                fault_id = self._quarantine("job_user", str(e), job_id=self._last_job_id)
+                self.lease.release_failed(fault_id)
+                return
             with self.ctx.metrics.hook_seconds.labels("on_release").time():
                 outcome = await run_hook(
                     "on_release",
@@ -643,7 +661,7 @@ class DeviceSupervisor:
                     time_limit=self.config.timeout,
                     env=self.ctx.child_env(self.name, self._last_job_id),
                     host=self.ctx.host,
-                    **_run_as(self.ctx.run_as(self.config)),
+                    **_run_as(run_as),
                 )
             if not outcome.ok:
                 fault_id = self._quarantine("hook_failed", outcome.reason, job_id=self._last_job_id)

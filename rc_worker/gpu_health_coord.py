@@ -23,8 +23,14 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from rc_worker.core.gpu_health import (
+    CHECK_RESIDENT,
+    ComputeApp,
+    Fault,
+    decide_resident,
+    health_label,
+)
 from rc_worker.core.model import DeviceState
-from rc_worker.gpu_health import CHECK_RESIDENT, ComputeApp, Fault, decide_resident, health_label
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
 from rc_worker.sweep import EXEC_SETTLE, JOB_ID_VAR, sweep_job_survivors
 

@@ -25,8 +25,7 @@ import attrs
 import trio
 
 from rc_worker.core.config import Config, DeviceConfig, child_environ
-from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
-from rc_worker.gpu_health import (
+from rc_worker.core.gpu_health import (
     CHECK_MEMORY,
     CHECK_MIG,
     CHECK_PCI,
@@ -59,6 +58,7 @@ from rc_worker.gpu_health import (
     parse_xid,
     resolve_mig_uuid,
 )
+from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
 from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
@@ -135,6 +135,8 @@ class GpuHealthMonitor:
             d.name: d.mig_uuid for d in config.devices if d.mig_uuid is not None
         }
         self.ecc_labels: dict[int, dict[str, str]] = {}
+        self._seen = False
+        """nvidia-smi was seen here and that is recorded: the checks stay on."""
 
     # -- whether to run at all ---------------------------------------------
 
@@ -145,22 +147,29 @@ class GpuHealthMonitor:
         """``true``: always; ``false``: never; ``auto``: once nvidia-smi was seen here.
 
         Seen is remembered in the state directory: a host whose nvidia-smi
-        vanishes after that keeps its checks, and they fail closed.
+        vanishes after that keeps its checks, and they fail closed. Once seen and
+        recorded, this process asks no more (it is asked before and after every
+        job, and the PATH walk and the marker's stat are I/O on the event loop).
         """
         mode = self._settings.enabled
         if mode != "auto":
             return mode == "true"
         if not self.targets:
             return False
+        if self._seen:
+            return True
         marker = None if self._state_dir is None else self._state_dir / SEEN_MARKER
         if self._smi() is not None:
+            self._seen = True
             if marker is not None and not self._host.store.exists(marker):
                 try:
                     self._host.store.touch(marker)
                 except OSError as e:
+                    self._seen = False  # not recorded: try again next time
                     log.warning("cannot record that nvidia-smi was seen (%s): %s", marker, e)
             return True
-        return marker is not None and self._host.store.exists(marker)
+        self._seen = marker is not None and self._host.store.exists(marker)
+        return self._seen
 
     # -- running tools -------------------------------------------------------
 

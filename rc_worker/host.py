@@ -303,17 +303,26 @@ class LinuxHost:
             # Where the worker lives was settled at start (``Containment.home``):
             # no need to read /proc/self/cgroup again at every spawn.
             home = self.containment.home if self.containment is not None else self.own_cgroup()
-            self.cgroup_write(cgroup, "cgroup.procs", str(os.getpid()))
+            pid = str(os.getpid())
+            # Each move waits out an RCU grace period in the kernel (the cgroup
+            # threadgroup lock's writer side): about 4-5 ms when moves are spaced
+            # out, as spawns are. In a thread, so the event loop (every device's
+            # heartbeats, output and kills) does not stop twice a spawn for it; the
+            # fork itself already runs in a thread (trio's open_process). Shielded:
+            # a cancel must never leave the worker moved and not moved back.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.cgroup_write, cgroup, "cgroup.procs", pid)
             try:
                 return await self._spawn(argv, cwd, env, stdin, separate_stderr, pty, run_as)
             finally:
-                try:
-                    self.cgroup_write(home, "cgroup.procs", str(os.getpid()))
-                except OSError as e:
-                    # Not raised: that would strand the child just started.
-                    # It cannot fail where the move in succeeded (same
-                    # delegation), but if it ever does, say so loudly.
-                    log.error("could not move the worker back to cgroup %s: %s", home, e)
+                with trio.CancelScope(shield=True):
+                    try:
+                        await trio.to_thread.run_sync(self.cgroup_write, home, "cgroup.procs", pid)
+                    except OSError as e:
+                        # Not raised: that would strand the child just started.
+                        # It cannot fail where the move in succeeded (same
+                        # delegation), but if it ever does, say so loudly.
+                        log.error("could not move the worker back to cgroup %s: %s", home, e)
 
     async def _spawn(
         self,

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -588,3 +589,32 @@ async def test_at_the_root_the_worker_stays_and_still_delegates(
     leaf = containment.leaf("j.1")
     host.cgroup_mkdir(leaf)
     assert host.cgroup_read(leaf, "cgroup.controllers") == "memory\n"
+
+
+async def test_moving_the_worker_for_a_spawn_happens_off_the_event_loop(
+    real: LinuxHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each move of the worker into a job's cgroup and back waits out an RCU grace period
+    in the kernel (about 4-5 ms when spawns are spaced out): on the event loop's thread
+    it stalled every device twice a spawn. The child is still born in its cgroup."""
+    threads: list[bool] = []
+    write = LinuxHost.cgroup_write
+
+    def recorded(self: LinuxHost, path: str, name: str, value: str) -> None:
+        if name == "cgroup.procs":
+            threads.append(threading.current_thread() is threading.main_thread())
+        write(self, path, name, value)
+
+    monkeypatch.setattr(LinuxHost, "cgroup_write", recorded)
+    sink = Sink()
+    with trio.fail_after(GUARD):
+        result = await run_job(
+            JobSpec(["sh", "-c", "cat /proc/self/cgroup"], env=ENV, grace_ceiling=1),
+            sink,
+            host=real,
+        )
+    assert result.exit_code == 0
+    assert real.containment is not None
+    assert f"0::{real.containment.tree}/" in bytes(sink.data).decode()  # born in the job's
+    assert len(threads) >= 2  # in and back out
+    assert not any(threads)

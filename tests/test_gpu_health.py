@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.gpu_health import (
+from rc_worker.core.gpu_health import (
     DEFAULT_IGNORED_XIDS,
     KIND_MEMORY,
     KIND_MISSING,

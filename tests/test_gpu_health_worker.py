@@ -563,6 +563,39 @@ async def test_auto_remembers_nvidia_smi_and_fails_closed_when_it_vanishes(
     assert verdicts["gpu0"].faults == []
 
 
+def test_auto_looks_for_nvidia_smi_once_seen_and_recorded(tmp_path: Path, gpus: Gpus) -> None:
+    """enabled() is asked before and after every job: once nvidia-smi was seen and the
+    marker written, no more PATH walks; until then, every time (it may be installed)."""
+    from rc_worker.gpu_health_run import GpuHealthMonitor
+    from rc_worker.host import LinuxHost
+    from rc_worker.metrics import WorkerMetrics
+
+    cfg = config(tmp_path)
+    cfg = attrs.evolve(cfg, gpu_health=attrs.evolve(cfg.gpu_health, enabled="auto"))
+    state = tmp_path / "state"
+    state.mkdir()
+    host = LinuxHost()
+    walks: list[str] = []
+    which = host.store.which
+
+    def counted(tool: str, path: str) -> str | None:
+        walks.append(tool)
+        return which(tool, path)
+
+    host.store.which = counted  # type: ignore[method-assign,assignment]
+    bare = GpuHealthMonitor(
+        cfg, host=host, environ={"PATH": "/usr/bin:/bin"}, metrics=WorkerMetrics(), state_dir=state
+    )
+    assert [bare.enabled() for _ in range(3)] == [False] * 3
+    assert len(walks) == 3  # not seen: asked again each time
+    walks.clear()
+    seen = GpuHealthMonitor(
+        cfg, host=host, environ=environ(tmp_path, gpus), metrics=WorkerMetrics(), state_dir=state
+    )
+    assert [seen.enabled() for _ in range(3)] == [True] * 3
+    assert len(walks) == 1
+
+
 def test_status_text_shows_a_health_hold() -> None:
     from rc_worker.status import format_status
 

@@ -38,6 +38,7 @@ import anyio
 import anyio.to_thread
 
 from rc_worker.controller.errors import NotFound, StoreUnavailable
+from rc_worker.controller.job_filter import JobFilter
 from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.persist import Backend, StoreWriteError
 from rc_worker.controller.persist.codec import batch_of, stored_job
@@ -179,7 +180,13 @@ class Durability:
         return job.info()
 
     async def jobs_page(
-        self, state: str | None, *, after: int | None, limit: int | None, newest_first: bool
+        self,
+        state: str | None,
+        *,
+        after: int | None,
+        limit: int | None,
+        newest_first: bool,
+        where: JobFilter | None = None,
     ) -> tuple[list[JobInfo], int | None]:
         """One page of every job (in memory or only in the store beneath), by ``seq``.
 
@@ -189,7 +196,9 @@ class Durability:
         """
         store = self.store
         big = limit if limit is not None else 2**62
-        mem, _ = store.jobs_page(state, after=after, limit=big + 1, newest_first=newest_first)
+        mem, _ = store.jobs_page(
+            state, after=after, limit=big + 1, newest_first=newest_first, where=where
+        )
         merged = [(j.seq, info) for j, info in zip(mem, store.views(mem), strict=True)]
         known = store.memory_job_ids()
         cursor, found = after, 0
@@ -203,7 +212,7 @@ class Durability:
             for doc, stored_bytes in rows:
                 job = stored_job(doc, stored_bytes, 0.0)
                 cursor = job.seq
-                if job.job_id not in known:
+                if job.job_id not in known and (where is None or where(job)):
                     merged.append((job.seq, job.info()))
                     found += 1
             if len(rows) <= big:

@@ -211,6 +211,21 @@ class Device:
     any is held, whatever the controller's own records say."""
     held_for_health: str | None = None
     """From the worker's last heartbeat: why its GPU checks hold the device."""
+    last_job: str | None = None
+    """The job that last held the device (the seed's ``last_container_uuid``)."""
+    last_busy: float | None = None
+    """Wall clock: when a job last took or left the device (the seed's ``last_busy``)."""
+
+    def occupy(self, job: Job, wall: float) -> None:
+        """``job`` holds the device now (assigned, running, adopted)."""
+        self.job = job
+        self.last_job, self.last_busy = job.job_id, wall
+
+    def vacate(self, job: Job, wall: float) -> None:
+        """``job`` let the device go (finished, requeued, lost)."""
+        if self.job is job:
+            self.job = None
+            self.last_job, self.last_busy = job.job_id, wall
 
     @property
     def state(self) -> str:
@@ -255,6 +270,8 @@ class Device:
             worker_state=self.worker_state,
             cleared_pending=tuple(self.cleared_pending),
             held_for_health=self.held_for_health,
+            last_job=self.last_job if self.job is None else self.job.job_id,
+            last_busy=self.last_busy,
         )
 
 

@@ -43,6 +43,8 @@ log = logging.getLogger("rc_worker.controller.serve")
 HOUSEKEEPING_MAX_SLEEP_S: Final = 5.0
 """Re-check at least this often, whatever the store's next timer says (belt and braces)."""
 RETENTION_INTERVAL_S: Final = 3600.0
+RETENTION_BATCH: Final = 500
+"""Finished jobs retention deletes per transaction (see ``Backend.delete_finished_before``)."""
 WEBHOOK_TRIES: Final = 8
 WEBHOOK_BACKOFF_S: Final = (0.5, 60.0)
 WEBHOOK_TIMEOUT_S: Final = 10.0
@@ -89,18 +91,26 @@ async def retention_pass(app: Starlette, retention_s: float) -> list[str]:
     ctl = _controller(app)
     cutoff = time.time() - retention_s
     d = ctl.durability
+    ids: list[str] = []
     if d is None:
         ids = ctl.store.finished_before(cutoff)
         ctl.store.forget(ids)
     else:
-        # The store beneath holds every finished job (most are not in memory): it decides.
-        try:
-            gone = await trio.to_thread.run_sync(d.backend.delete_finished_before, cutoff)
-        except Exception as e:
-            log.warning("retention: could not delete old jobs: %s", e)
-            return []
-        ctl.store.forget_stored(gone)
-        ids = [job_id for job_id, _ in gone]
+        # The store beneath holds every finished job (most are not in memory): it decides,
+        # a batch per transaction, so that commits (every request that changes state) go
+        # on in between instead of waiting for the whole deletion.
+        while True:
+            try:
+                gone = await trio.to_thread.run_sync(
+                    d.backend.delete_finished_before, cutoff, RETENTION_BATCH
+                )
+            except Exception as e:
+                log.warning("retention: could not delete old jobs: %s", e)
+                break
+            ctl.store.forget_stored(gone)
+            ids += [job_id for job_id, _ in gone]
+            if len(gone) < RETENTION_BATCH:
+                break
     if ids:
         log.info("retention: deleted %d finished jobs", len(ids))
     return ids

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 
 from rc_worker.controller.errors import NotFound, StaleAttempt, UnknownSession
+from rc_worker.controller.job_filter import JobFilter
 from rc_worker.controller.journal import Journal
 from rc_worker.controller.matching import Address, LabelIndex
 from rc_worker.controller.messages import Event, FaultRequest
@@ -519,8 +520,8 @@ class StoreState:
     def _release(self, job: Job, att: Attempt) -> None:
         h = self._hosts.get(att.host)
         d = None if h is None else h.devices.get(att.device)
-        if d is not None and d.job is job:
-            d.job = None
+        if d is not None:
+            d.vacate(job, self._wall())
 
     def _terminate(
         self,
@@ -677,7 +678,7 @@ class StoreState:
     def adopt_job(self, job: Job, d: Device) -> None:
         self._jobs[job.job_id] = job
         self._live[job.job_id] = job
-        d.job = job
+        d.occupy(job, self._wall())
         self.journal.job(job.job_id)
         self._touch_job(job)
         self._arm_job(job)
@@ -742,11 +743,21 @@ class StoreState:
         self._events.extend(events)
 
     def jobs_page(
-        self, state: str | None, *, after: int | None, limit: int, newest_first: bool
+        self,
+        state: str | None,
+        *,
+        after: int | None,
+        limit: int,
+        newest_first: bool,
+        where: JobFilter | None = None,
     ) -> tuple[list[Job], int | None]:
         """One page of jobs in submission order (or newest first), after the cursor ``after``
         (a job's ``seq``); returns the jobs and the cursor of the next page, None at the end."""
-        jobs = [j for j in self._jobs.values() if state is None or j.state == state]
+        jobs = [
+            j
+            for j in self._jobs.values()
+            if (state is None or j.state == state) and (where is None or where(j))
+        ]
         # By seq, not by insertion: a finished job read back from the store (readmit)
         # comes in after newer ones. Nearly sorted already, so this costs next to nothing.
         jobs.sort(key=lambda j: j.seq, reverse=newest_first)
@@ -840,6 +851,11 @@ class StoreState:
 
     def in_memory(self, job_id: str) -> bool:
         return job_id in self._jobs
+
+    def output_in_memory(self, job_id: str) -> int:
+        """Bytes of the job's output held in memory (with a store beneath: not yet committed)."""
+        job = self._jobs.get(job_id)
+        return 0 if job is None else len(job.output)
 
     def memory_job_ids(self) -> set[str]:
         return set(self._jobs)

@@ -29,6 +29,7 @@ from rc_worker.controller.errors import (
     NotFound,
     StaleAttempt,
 )
+from rc_worker.controller.job_filter import JobFilter, placement_filter
 from rc_worker.controller.messages import (
     IDLE_BEHAVIORS,
     JOB_STATES,
@@ -67,7 +68,9 @@ from rc_worker.core.selectors import Selector, SelectorError, parse_selector
 
 __all__ = ["DEVICE_STATES", "Store", "StoreConfig"]
 
-DEVICE_STATES = ("free", "busy", "quarantined", "absent")
+DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
+"""What ``GET /v1/devices?state=`` takes: a device's ``state``, or ``held`` (the pool's word
+for a free device whose idle behaviour keeps work off it; its ``state`` stays ``free``)."""
 """What :attr:`DeviceInfo.state` can be (``GET /v1/devices?state=``)."""
 
 
@@ -187,26 +190,44 @@ class Store(StoreState):
     def job(self, job_id: str) -> JobInfo:
         return self._view(self._job(job_id))
 
-    def jobs(self, state: str | None = None) -> list[JobInfo]:
+    def jobs(self, state: str | None = None, where: JobFilter | None = None) -> list[JobInfo]:
         if state is not None and state not in JOB_STATES:
             raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
         candidates: list[Candidate] | None = None  # computed once, and only if a job is queued
         out = []
         for j in self._jobs.values():
-            if state is None or j.state == state:
+            if (state is None or j.state == state) and (where is None or where(j)):
                 if j.state == "queued" and candidates is None:
                     candidates = self._candidates()
                 out.append(self._view(j, candidates))
         return out
 
     def jobs_page_info(
-        self, state: str | None, *, after: int | None, limit: int, newest_first: bool
+        self,
+        state: str | None,
+        *,
+        after: int | None,
+        limit: int,
+        newest_first: bool,
+        where: JobFilter | None = None,
     ) -> tuple[list[JobInfo], int | None]:
         """One page of :meth:`jobs` (see :meth:`StoreState.jobs_page`), as views."""
         if state is not None and state not in JOB_STATES:
             self.jobs(state)  # the 400 naming the valid states
-        page, nxt = self.jobs_page(state, after=after, limit=limit, newest_first=newest_first)
+        page, nxt = self.jobs_page(
+            state, after=after, limit=limit, newest_first=newest_first, where=where
+        )
         return self.views(page), nxt
+
+    def placed_on(self, host: str | None, select: str = "") -> JobFilter | None:
+        """The filter of ``GET /v1/jobs?host=&select=`` (:mod:`job_filter`): the devices a
+        selector names come from the label index, as for ``GET /v1/devices``."""
+        try:
+            selector = parse_selector(select)
+        except SelectorError as e:
+            raise BadRequest(f"select: {e}") from None
+        devices = self._index.candidates(selector) if selector.terms else None
+        return placement_filter(host, devices)
 
     def views(self, jobs: Sequence[Job]) -> list[JobInfo]:
         """The views of ``jobs`` (the devices' candidates worked out once for them all)."""
@@ -411,7 +432,7 @@ class Store(StoreState):
         for addr in sorted(a for a in addrs if start is None or a > start):
             h = self._hosts.get(addr[0])
             d = None if h is None else h.devices.get(addr[1])
-            if h is None or d is None or (state is not None and d.state != state):
+            if h is None or d is None or not _in_state(d, state):
                 continue
             if limit is not None and len(out) >= limit:
                 nxt = f"{out[-1].host}/{out[-1].name}"
@@ -831,8 +852,8 @@ class Store(StoreState):
         ``offers``: this long poll's generations from :meth:`open_poll`; a device
         a newer poll has offered since is skipped (the offer is superseded).
         """
-        # A poll changes no field of the host's stored record: what it assigns or requeues
-        # marks the job, which is what is stored.
+        # A poll that assigns nothing changes nothing stored: only an assignment or a
+        # requeue (a device's last job) marks the host, below.
         h = self._session(session, host, mark=False)
         out: list[Assignment] = []
         changed = False
@@ -851,6 +872,8 @@ class Store(StoreState):
             changed = changed or touched
             if got is None and aimed:
                 missed = True
+        if out or changed:
+            self.journal.host(host)  # the devices' last_job / last_busy moved
         if missed and self._queue:
             # A job was aimed at a device here that took nothing: aim the queue again.
             self._wake_queue_again()
@@ -879,7 +902,7 @@ class Store(StoreState):
         job.attempts.append(att)
         job.state = "assigned"
         self.journal.job(job.job_id)
-        d.job = job
+        d.occupy(job, self._wall())
         self._live[job.job_id] = job
         self._touch_job(job)
         self._arm_job(job)
@@ -1105,3 +1128,11 @@ class Store(StoreState):
             d = h.devices.get(name)
             if d is not None:
                 d.sheet = text
+
+
+def _in_state(d: Device, state: str | None) -> bool:
+    if state is None:
+        return True
+    if state == "held":
+        return d.state == "free" and d.idle_behavior != "run"
+    return d.state == state

@@ -31,7 +31,9 @@ MAX_EVENTS_PER_PAGE = 1000
 MAX_JOBS_PER_PAGE = 10_000
 MAX_DEVICES_PER_PAGE = 10_000
 MAX_EVENTS_WAIT_S = 60.0
-STREAM_CHUNK = 64 * 1024
+STREAM_CHUNK = 1 << 20
+"""Output is read (from memory or the store beneath) and sent this much at a time: one
+thread hop and one query per MiB for a stored output, and at most this much held per reader."""
 
 
 def _user(request: Request) -> Controller:
@@ -72,14 +74,15 @@ async def list_jobs(request: Request) -> Response:
     q = request.query_params
     if state is not None and state not in JOB_STATES:
         raise BadRequest(f"state: {state!r} is not one of {', '.join(sorted(JOB_STATES))}")
+    where = ctl.store.placed_on(q.get("host"), q.get("select", ""))
     if not any(k in q for k in ("limit", "after", "order")):
         if ctl.durability is not None:
             # Finished jobs live in the store beneath, not in memory: read in a thread.
             jobs, _ = await ctl.durability.jobs_page(
-                state, after=None, limit=None, newest_first=False
+                state, after=None, limit=None, newest_first=False, where=where
             )
         else:
-            jobs = ctl.store.jobs(state)
+            jobs = ctl.store.jobs(state, where)
         return JSONResponse(unstructure(JobsPage(tuple(jobs))))
     limit = query_int(request, "limit", MAX_JOBS_PER_PAGE)
     if not 1 <= limit <= MAX_JOBS_PER_PAGE:
@@ -90,11 +93,11 @@ async def list_jobs(request: Request) -> Response:
     after = query_int(request, "after") if "after" in q else None
     if ctl.durability is not None:
         page, nxt = await ctl.durability.jobs_page(
-            state, after=after, limit=limit, newest_first=order == "desc"
+            state, after=after, limit=limit, newest_first=order == "desc", where=where
         )
     else:
         page, nxt = ctl.store.jobs_page_info(
-            state, after=after, limit=limit, newest_first=order == "desc"
+            state, after=after, limit=limit, newest_first=order == "desc", where=where
         )
     return JSONResponse(unstructure(JobsPage(tuple(page), nxt)))
 

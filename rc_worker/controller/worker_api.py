@@ -35,6 +35,10 @@ from rc_worker.core.protocol import (
 )
 
 MAX_OUTPUT_CHUNK = 16 * 1024 * 1024
+COMMIT_OUTPUT_BYTES = 4 * 1024 * 1024
+"""A durable store commits a streamed body every this many bytes, not only at its end: what
+waits for a commit sits in memory twice (the job's buffer and the journal's pieces), so a
+16 MiB body would otherwise cost its size several times over per job."""
 
 log = logging.getLogger("rc_worker.controller")
 
@@ -218,6 +222,11 @@ async def _append_as_read(
                     raise _too_large()
                 committed = ctl.store.append_output(job_id, attempt, offset, piece)
                 offset += len(piece)
+                if (
+                    ctl.durability is not None
+                    and ctl.store.output_in_memory(job_id) >= COMMIT_OUTPUT_BYTES
+                ):
+                    await ctl.durability.flush()  # StoreUnavailable: 503, body drained
         except ApiError:
             # Read the rest before answering (a gap, a stale attempt): a client
             # still sending its body would otherwise meet a closed connection,

@@ -28,18 +28,21 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn
 from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import MarkedYAMLError, ReusedAnchorWarning
-from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
-from ruamel.yaml.scalarbool import ScalarBoolean
 
 from rc_worker.core.cgroup_parse import CGROUP_MODES
 from rc_worker.core.config import LOG_FORMATS, LOG_LEVELS, Config, DeviceConfig, HooksConfig
+from rc_worker.core.config_yaml import (
+    Locator,
+    PathKey,
+    flow_depth,
+    plain,
+    refuse_tags,
+)
 from rc_worker.core.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
 from rc_worker.core.errors import ConfigError
 from rc_worker.core.names import DEVICE_NAME_HELP, is_device_name, split_label_key
-
-PathKey = tuple[str | int, ...]
 
 _DURATION_FIELDS = {
     "heartbeat_interval": True,  # True: must be positive
@@ -230,7 +233,7 @@ def parse_text(
 ) -> Config:
     """Validate and resolve config ``text``; relative paths are taken from ``base_dir``,
     which should be absolute (the shell makes it so)."""
-    loc = _Locator(name)
+    loc = Locator(name)
     try:
         with warnings.catch_warnings():
             # Redefining an anchor is legal YAML (the later one wins).
@@ -239,13 +242,13 @@ def parse_text(
             # The node tree keeps each scalar's source text (label values are
             # taken as written, as Go's yaml.v3 does); the data built from it
             # keeps each value's line and column.
-            if _flow_depth(text) > MAX_YAML_DEPTH:
+            if flow_depth(text) > MAX_YAML_DEPTH:
                 raise ConfigError(
                     f"{name}:1:1: (yaml): nested more than {MAX_YAML_DEPTH} levels deep; "
                     "a worker config needs about five"
                 )
             loc.nodes = yaml.compose(text)
-            _refuse_tags(name, loc.nodes)
+            refuse_tags(name, loc.nodes)
             tree = None if loc.nodes is None else yaml.constructor.construct_document(loc.nodes)
     except RecursionError:
         raise ConfigError(
@@ -263,7 +266,7 @@ def parse_text(
     if not isinstance(tree, CommentedMap):
         loc.fail(tree, (), "the top level is not a mapping; expected keys such as 'devices'")
     loc.root = tree
-    data = _plain(tree)
+    data = plain(tree)
     hooks = _structure_part(loc, data.get("hooks", {}), "hooks")
     # Before the devices inherit it, or a zero here would be reported there.
     if hooks.timeout <= 0:
@@ -281,7 +284,7 @@ def parse_text(
     )
 
 
-def _structure_part(loc: _Locator, value: Any, key: str) -> HooksConfig:
+def _structure_part(loc: Locator, value: Any, key: str) -> HooksConfig:
     try:
         result: HooksConfig = _conv().structure(value, HooksConfig)
     except Exception as e:
@@ -289,7 +292,7 @@ def _structure_part(loc: _Locator, value: Any, key: str) -> HooksConfig:
     return result
 
 
-def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) -> None:
+def _prepare_devices(loc: Locator, data: dict[str, Any], hooks: HooksConfig) -> None:
     """Give each device the host's hook defaults, and stringify scalar label values.
 
     Done on the raw data, before structuring, so a device that sets its own
@@ -324,7 +327,7 @@ def _prepare_devices(loc: _Locator, data: dict[str, Any], hooks: HooksConfig) ->
                 labels[key] = text
 
 
-def _prepare_gpu_health(loc: _Locator, data: dict[str, Any]) -> None:
+def _prepare_gpu_health(loc: Locator, data: dict[str, Any]) -> None:
     """Check the ``gpu_health`` values cattrs' hooks would read too loosely.
 
     ``enabled`` takes a boolean or ``auto``; ``ignored_xids`` takes plain
@@ -368,7 +371,7 @@ def _prepare_gpu_health(loc: _Locator, data: dict[str, Any]) -> None:
         )
 
 
-def _check(loc: _Locator, config: Config, machine: ConfigMachine) -> None:
+def _check(loc: Locator, config: Config, machine: ConfigMachine) -> None:
     if not config.devices:
         loc.fail_at(("devices",), "no devices; expected at least one device name")
     seen: set[str] = set()
@@ -489,7 +492,7 @@ def _check(loc: _Locator, config: Config, machine: ConfigMachine) -> None:
                 loc.fail_at(("devices", i, "job_user"), problem)
 
 
-def _check_mig(loc: _Locator, config: Config) -> None:
+def _check_mig(loc: Locator, config: Config) -> None:
     names = config.device_names
     for i, dev in enumerate(config.devices):
         if dev.mig_of is None:
@@ -531,7 +534,7 @@ def cpu_count(text: str) -> float | None:
     return cpus if math.isfinite(cpus) and cpus >= 0.01 else None
 
 
-def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:
+def _check_label(loc: Locator, where: PathKey, device: str, key: str) -> str:
     """The label name of ``key``, once it is a valid key for ``device``."""
     try:
         owner, label = split_label_key(key)
@@ -547,7 +550,7 @@ def _check_label(loc: _Locator, where: PathKey, device: str, key: str) -> str:
 
 
 def _resolve_paths(
-    loc: _Locator,
+    loc: Locator,
     config: Config,
     base_dir: PurePosixPath,
     *,
@@ -599,7 +602,7 @@ def _resolve_paths(
     return attrs.evolve(config, devices=devices, gpu_health=health, **changes)
 
 
-def _prepare_controller_urls(loc: _Locator, data: dict[str, Any], machine: ConfigMachine) -> None:
+def _prepare_controller_urls(loc: Locator, data: dict[str, Any], machine: ConfigMachine) -> None:
     """``controller_url`` may be a list (the active controller's, then standbys'):
     each is checked where it stands, and a list becomes a tuple."""
     urls = data.get("controller_url")
@@ -616,47 +619,6 @@ def _prepare_controller_urls(loc: _Locator, data: dict[str, Any], machine: Confi
         if problem:
             loc.fail_at(("controller_url", i), problem)
     data["controller_url"] = tuple(urls)
-
-
-def _flow_depth(text: str) -> int:
-    """The deepest nesting of YAML flow brackets (``[``, ``{``), a cheap bound checked before
-    ruamel recurses into them (quoted text may over-count, which only errs strict)."""
-    depth = deepest = 0
-    for ch in text:
-        if ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth = max(depth - 1, 0)
-    return deepest
-
-
-_STANDARD_TAG = re.compile(
-    r"tag:yaml\.org,2002:(str|int|float|bool|null|map|seq|omap|set|merge|timestamp|binary|value)"
-)
-
-
-def _refuse_tags(name: str, root: Node | None) -> None:
-    """Refuse any explicit tag outside YAML's core types (``!!python/object/apply``...)."""
-    stack = [] if root is None else [root]
-    seen = 0
-    while stack:
-        node = stack.pop()
-        seen += 1
-        if seen > 1_000_000:
-            break
-        tag = str(node.tag) if getattr(node, "tag", None) is not None else ""
-        if tag and not _STANDARD_TAG.fullmatch(tag):
-            mark = node.start_mark
-            raise ConfigError(
-                f"{name}:{mark.line + 1}:{mark.column + 1}: (yaml): the tag {tag!r} is not "
-                "allowed; remove it (a worker config uses plain values only)"
-            )
-        if isinstance(node, MappingNode):
-            for k, v in node.value:
-                stack.extend((k, v))
-        elif isinstance(node, SequenceNode):
-            stack.extend(node.value)
 
 
 def host_problem(host: str) -> str | None:
@@ -676,25 +638,7 @@ def listen_problem(listen: str) -> str | None:
     return None
 
 
-def _plain(node: Any) -> Any:
-    """Plain Python data from ruamel's round-trip types (keys as strings)."""
-    if isinstance(node, Mapping):
-        return {str(k) if not isinstance(k, str) else k: _plain(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_plain(v) for v in node]
-    # An anchored boolean is a ScalarBoolean, which is an int, not a bool.
-    if isinstance(node, bool | ScalarBoolean):
-        return bool(node)
-    if isinstance(node, int):
-        return int(node)
-    if isinstance(node, float):
-        return float(node)
-    if isinstance(node, str):
-        return str(node)
-    return node
-
-
-def _raise_located(loc: _Locator, error: BaseException, prefix: PathKey = ()) -> NoReturn:
+def _raise_located(loc: Locator, error: BaseException, prefix: PathKey = ()) -> NoReturn:
     for path, leaf in _leaves(error, prefix):
         if isinstance(leaf, ForbiddenExtraKeysError):
             # The first unknown key in the file, not in alphabetical order.
@@ -756,89 +700,3 @@ def _leaves(error: BaseException, path: PathKey) -> Iterator[tuple[PathKey, Base
             yield from _leaves(child, here)
     else:
         yield here, error
-
-
-class _Locator:
-    """Finds the line and column of a key path in the round-trip YAML tree."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.root: Any = None
-        self.nodes: Node | None = None
-
-    def position(self, path: PathKey, *, at_key: bool = False) -> tuple[int, int]:
-        """The 1-based line and column of the value at ``path`` (of its key if ``at_key``).
-
-        An empty value (``key:`` with nothing after it) has no position of its
-        own, so it is reported at its key. A path that leaves the tree is
-        reported at the deepest node it reached.
-        """
-        node = self.root
-        line, col = 0, 0
-        for i, part in enumerate(path):
-            last = i == len(path) - 1
-            key = _find_key(node, part) if isinstance(node, CommentedMap) else None
-            if isinstance(node, CommentedMap) and key is not None:
-                empty = node[key] is None
-                line, col = node.lc.key(key) if (last and (at_key or empty)) else node.lc.value(key)
-                node = node[key]
-            elif isinstance(node, CommentedSeq) and isinstance(part, int) and part < len(node):
-                line, col = node.lc.item(part)
-                node = node[part]
-            else:
-                break
-        return line + 1, col + 1
-
-    def value(self, path: PathKey) -> Any:
-        node = self.root
-        for part in path:
-            if isinstance(node, CommentedMap):
-                part = _find_key(node, part)
-            try:
-                node = node[part]
-            except (KeyError, IndexError, TypeError):
-                return None
-        return node
-
-    def source_text(self, path: PathKey) -> str | None:
-        """The text of the scalar at ``path`` as written in the file, if it can be found."""
-        node = self.nodes
-        for part in path:
-            if isinstance(node, MappingNode) and isinstance(part, str):
-                node = next(
-                    (v for k, v in node.value if isinstance(k, ScalarNode) and k.value == part),
-                    None,
-                )
-            elif isinstance(node, SequenceNode) and isinstance(part, int):
-                node = node.value[part] if part < len(node.value) else None
-            else:
-                return None
-        return node.value if isinstance(node, ScalarNode) else None
-
-    def is_scalar(self, path: PathKey) -> bool:
-        node = self.value(path)
-        return node is not None and not isinstance(node, CommentedMap | CommentedSeq)
-
-    def fail_at(self, path: PathKey, message: str, *, at_key: bool = False) -> NoReturn:
-        line, col = self.position(path, at_key=at_key)
-        raise ConfigError(f"{self.name}:{line}:{col}: {_dotted(path)}: {message}")
-
-    def fail(self, _node: Any, path: PathKey, message: str) -> NoReturn:
-        raise ConfigError(f"{self.name}:1:1: {_dotted(path)}: {message}")
-
-
-def _find_key(node: CommentedMap, part: str | int) -> Any:
-    """The key of ``node`` that ``part`` names (keys that are not strings match as text)."""
-    if part in node:
-        return part
-    return next((k for k in node if str(k) == str(part)), None)
-
-
-def _dotted(path: PathKey) -> str:
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(top level)"

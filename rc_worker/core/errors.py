@@ -56,3 +56,8 @@ class UnknownSession(ControllerError):
 
 class AssignmentError(RcWorkerError):
     """An assignment from the controller cannot be run as given."""
+
+
+class JobUserError(RcWorkerError):
+    """A device's ``job_user`` cannot be looked up (deleted since the config was read, or
+    the name service unreachable): nothing may run as it, so the device takes no work."""

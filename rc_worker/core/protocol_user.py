@@ -194,6 +194,10 @@ class DeviceInfo:
     worker_state: str | None = None
     cleared_pending: tuple[str, ...] = attrs.field(default=(), metadata={LOCAL: True})
     held_for_health: str | None = None
+    last_job: str | None = None
+    """The job running there now, else the last one that did (null: none since known)."""
+    last_busy: float | None = None
+    """Wall clock: when a job last took or left the device; null if none has since known."""
 
     @property
     def address(self) -> str:

@@ -69,8 +69,8 @@ class Breakable:
     ) -> list[tuple[str, int]]:
         return self.inner.read_finished(state, after, limit, newest_first)
 
-    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
-        return self.inner.delete_finished_before(wall_time)
+    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+        return self.inner.delete_finished_before(wall_time, limit)
 
     def webhook_cursors(self) -> dict[str, int]:
         return self.inner.webhook_cursors()

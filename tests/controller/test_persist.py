@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,9 @@ import httpx
 import pytest
 import trio
 
-from rc_worker.controller import StoreConfig
-from rc_worker.controller.persist import StoreOpenError
+from rc_worker.controller import StoreConfig, worker_api
+from rc_worker.controller.persist import Backend, StoreOpenError
+from rc_worker.controller.persist.codec import Batch, coalesce_output
 from rc_worker.controller.persist.schema import SCHEMA_VERSION
 
 from .helpers import FakeWorker
@@ -26,6 +28,18 @@ from .pgserver import PgServer
 
 GUARD = 60
 FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+class Counting(Breakable):
+    """Counts the commits that reach the backend."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.writes = 0
+
+    def write(self, batches: Sequence[Batch]) -> None:
+        self.writes += 1
+        super().write(batches)
 
 
 async def submit(user: httpx.AsyncClient, *command: str, **extra: Any) -> str:
@@ -382,6 +396,40 @@ async def test_retention_deletes_old_finished_jobs_and_their_output(
         reopened.backend.close()
 
 
+async def test_retention_deletes_in_batches_oldest_first(
+    store_place: StorePlace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction holds the store's lock, and every commit waits for it: a large
+    deletion goes a batch per transaction, so requests go on in between."""
+    from rc_worker.controller import serve as serve_module
+
+    monkeypatch.setattr(serve_module, "RETENTION_BATCH", 2)
+    with trio.fail_after(GUARD):
+        backend = Counting(store_place.open())
+        calls: list[int] = []
+        delete = backend.inner.delete_finished_before
+
+        def counted(wall_time: float, limit: int) -> list[tuple[str, str]]:
+            gone = delete(wall_time, limit)
+            calls.append(len(gone))
+            return gone
+
+        backend.inner.delete_finished_before = counted  # type: ignore[method-assign]
+        opened = open_controller(backend)
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            finished = []
+            for i in range(5):
+                finished.append(await submit(user, "echo", str(i)))
+                await w.run_one(f"{i}\n".encode())
+            keep = await submit(user, "sleep", "1")
+            assert await serve_module.retention_pass(opened.app, 0.0) == finished
+            assert calls == [2, 2, 1]
+            assert [j.job_id for j in await all_jobs(opened)] == [keep]
+        opened.backend.close()
+
+
 async def test_webhook_deliveries_not_confirmed_are_made_after_a_restart(
     store_place: StorePlace,
 ) -> None:
@@ -556,3 +604,70 @@ async def test_host_drain_and_retire_survive_a_restart(store_place: StorePlace) 
             ("box1/gpu0", "drain")
         ]
         reopened.backend.close()
+
+
+def test_stored_output_reads_back_exactly_at_any_offset_and_limit(
+    store_place: StorePlace,
+) -> None:
+    """Rows of several sizes, two jobs interleaved: every read is the slice of the whole.
+    (A read seeks the row holding its offset; it must neither miss the bytes of that row
+    before the offset nor run past its limit.)"""
+    whole = {"j-a": bytes(range(97)), "j-b": bytes(range(200, 255))}
+    pieces, pos = [], dict.fromkeys(whole, 0)
+    sizes = [1, 5, 2, 13, 7, 3, 11]
+    for i in range(40):
+        job = "j-a" if i % 3 else "j-b"
+        data = whole[job][pos[job] : pos[job] + sizes[i % len(sizes)]]
+        if data:
+            pieces.append((job, pos[job], data))
+            pos[job] += len(data)
+    assert pos == {k: len(v) for k, v in whole.items()}  # every byte was written
+    backend = store_place.open()
+    try:
+        backend.write([Batch(generation=1, output=coalesce_output(pieces, 9))])
+        for job, data in whole.items():
+            for offset in range(len(data) + 2):
+                for limit in (None, 1, 4, 9, 10, 1000):
+                    want = data[offset:] if limit is None else data[offset : offset + limit]
+                    assert backend.read_output(job, offset, limit) == want, (job, offset, limit)
+    finally:
+        backend.close()
+
+
+async def test_a_long_streamed_body_is_committed_as_it_is_read(
+    store_place: StorePlace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory stays bounded by the commit size, not the body size: the store's writes
+    happen while the body is still arriving, and everything is acknowledged once."""
+    monkeypatch.setattr(worker_api, "COMMIT_OUTPUT_BYTES", 1000)
+    with trio.fail_after(GUARD):
+        backend = Counting(store_place.open())
+        opened = open_controller(backend)
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            job_id = await submit(user, "cat")
+            [a] = await w.poll()
+            await w.start(a)
+            pieces = [bytes([65 + i % 26]) * 300 for i in range(20)]  # 6,000 bytes
+            held: list[int] = []
+
+            async def body() -> AsyncIterator[bytes]:
+                for piece in pieces:
+                    record = opened.store.known_job(job_id)
+                    assert record is not None
+                    held.append(len(record.output))
+                    yield piece
+
+            before = backend.writes
+            r = await bare.post(
+                f"/v1/jobs/{job_id}/output",
+                params={"attempt": a["attempt"], "offset": 0},
+                content=body(),
+                headers={**w.headers, "Content-Type": "application/octet-stream"},
+            )
+            assert r.json() == {"committed": 6000}
+            assert backend.writes - before == 5  # once 1,000 bytes wait: every fourth piece
+            assert max(held) < 1000 + 300
+            assert await output(user, job_id) == b"".join(pieces)
+        opened.backend.close()

@@ -20,11 +20,12 @@ from rc_worker.controller.messages import (
     JobSpec,
     RegisterRequest,
 )
+from rc_worker.controller.persist.codec import host_doc, load_host
 from rc_worker.controller.pool import DEVICE_STATES, device_state, host_states, pool_view
 from rc_worker.controller.store import Store, StoreConfig
 
 from .helpers import USER_TOKEN, FakeWorker
-from .storekit import assign, register, start
+from .storekit import assign, finish, register, start
 from .test_rc_cli import rc
 
 
@@ -258,3 +259,42 @@ def test_a_host_that_left_counts_apart_and_its_free_devices_as_absent() -> None:
     assert view["devices"]["absent"] == 1
     assert view["devices"]["quarantined"] == 1
     assert view["free_by_class"] == {"H100": 1}
+
+
+def test_devices_show_their_last_job_and_when_they_were_last_busy() -> None:
+    """The seed's pool shows ``last_busy`` and ``last_container_uuid`` beside the idle
+    behaviour: how long a device has been idle, and what ran there last."""
+    wall = [1000.0]
+    store = Store(instance="t", wall_clock=lambda: wall[0])
+    session = register(store, devices=("gpu0", "gpu1"))
+    fresh = store.device("box1", "gpu0")
+    assert (fresh.last_job, fresh.last_busy) == (None, None)
+    job_id = store.submit(["x"])
+    a = assign(store, session)
+    assert (store.device("box1", "gpu0").last_job, store.device("box1", "gpu0").last_busy) == (
+        job_id,
+        1000.0,
+    )
+    start(store, session, a)
+    wall[0] = 1060.0
+    finish(store, session, a)
+    done = store.device("box1", "gpu0")
+    assert (done.state, done.last_job, done.last_busy) == ("free", job_id, 1060.0)
+    assert store.device("box1", "gpu1").last_job is None
+    # Stored with the host: a controller loaded from the store shows them.
+    h = store.known_host("box1")
+    assert h is not None
+    again = load_host(json.loads(json.dumps(host_doc(h))), now=0.0)
+    assert (again.devices["gpu0"].last_job, again.devices["gpu0"].last_busy) == (job_id, 1060.0)
+
+
+def test_devices_filter_held_ones_apart() -> None:
+    store = Store(instance="t")
+    register(store, devices=("gpu0", "gpu1", "gpu2"))
+    store.set_idle_behavior("box1", "gpu1", "hold")
+    store.set_idle_behavior("box1", "gpu2", "drain")
+    held, _ = store.devices_page(state="held")
+    assert [d.name for d in held] == ["gpu1", "gpu2"]
+    assert all(d.state == "free" for d in held)  # held is the pool's word; state stays free
+    free, _ = store.devices_page(state="free")
+    assert [d.name for d in free] == ["gpu0", "gpu1", "gpu2"]

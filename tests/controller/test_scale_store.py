@@ -412,7 +412,7 @@ def test_an_unchanged_heartbeat_or_an_empty_poll_marks_nothing_to_store() -> Non
     assert marks.hosts == {"box1"}
 
 
-def test_a_poll_that_assigns_marks_the_job_and_a_start_marks_the_host() -> None:
+def test_a_poll_that_assigns_marks_the_job_and_the_host() -> None:
     store = Store(StoreConfig())
     store.journal.enable()
     session = register(store, "box1", ["gpu0"])
@@ -422,7 +422,8 @@ def test_a_poll_that_assigns_marks_the_job_and_a_start_marks_the_host() -> None:
     marks, _ = store.journal.take()
     assert a.job_id == job_id
     assert job_id in marks.jobs
+    assert marks.hosts == {"box1"}  # the device's last job is stored with the host
     start(store, session, a)
     marks, _ = store.journal.take()
     assert job_id in marks.jobs
-    assert marks.hosts == {"box1"}  # the other session calls still mark their host
+    assert marks.hosts == {"box1"}  # the other session calls mark their host as before

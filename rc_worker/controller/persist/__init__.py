@@ -59,8 +59,9 @@ class Backend(Protocol):
     ) -> list[tuple[str, int]]:
         """Stored finished jobs by ``seq`` after the cursor ``after``, with output lengths."""
 
-    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
-        """Retention: delete jobs that finished before ``wall_time``; their ids and states."""
+    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+        """Retention: delete at most ``limit`` of the jobs that finished before ``wall_time``
+        (the oldest first) in one transaction; their ids and states."""
 
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         """Stored events with ``seq > after`` (older than the store keeps in memory)."""
@@ -120,12 +121,13 @@ class MemoryBackend:
             rows = [r for r in rows if (r.seq < after if newest_first else r.seq > after)]
         return [(r.data, len(self._output.get(r.job_id, b""))) for r in rows[:limit]]
 
-    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
-        gone = [
-            (r.job_id, r.state)
+    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+        old = sorted(
+            (r.finished_at, r.job_id, r.state)
             for r in self._jobs.values()
             if r.finished_at is not None and r.finished_at < wall_time
-        ]
+        )
+        gone = [(job_id, state) for _, job_id, state in old[:limit]]
         for job_id, _ in gone:
             del self._jobs[job_id]
             self._output.pop(job_id, None)

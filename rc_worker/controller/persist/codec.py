@@ -11,7 +11,7 @@ load; wall-clock timestamps are kept as they were.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -144,6 +144,8 @@ def _device_doc(d: Device) -> dict[str, object]:
         "cleared_pending": d.cleared_pending,
         "worker_state": d.worker_state,
         "worker_faults": sorted(d.worker_faults),
+        "last_job": d.last_job,
+        "last_busy": d.last_busy,
     }
 
 
@@ -192,9 +194,40 @@ def batch_of(store: StoreState, marks: Marks, generation: int) -> Batch:
         ("counters", _dumps(store.counters())),
         ("event_seq", str(store.last_event_seq)),
     )
-    return Batch(
-        generation, tuple(jobs), tuple(hosts), events, tuple(marks.output), meta, tuple(deleted)
-    )
+    output = coalesce_output(marks.output)
+    return Batch(generation, tuple(jobs), tuple(hosts), events, output, meta, tuple(deleted))
+
+
+OUTPUT_ROW_BYTES = 1 << 20
+"""Pieces of one job's output that follow each other are stored as rows of up to this size."""
+
+
+def coalesce_output(
+    pieces: Iterable[tuple[str, int, bytes]], row_bytes: int = OUTPUT_ROW_BYTES
+) -> tuple[tuple[str, int, bytes], ...]:
+    """Join the pieces that continue each other (same job, next offset) into rows of at
+    most ``row_bytes`` (a single larger piece stays whole).
+
+    A streamed output request arrives in pieces of the server's read size (64 KiB),
+    each journalled as it is read; stored one row each, 1 GiB of output would be 16,384
+    rows, every one with its own index entry and per-row cost on the way in and on every
+    read back. The bytes and their offsets are unchanged: only the cuts move.
+    """
+    rows: list[tuple[str, int, bytes]] = []
+    run: list[bytes] = []
+    run_job, run_off, run_len = "", 0, 0
+    for job_id, off, data in pieces:
+        continues = run and job_id == run_job and off == run_off + run_len
+        if continues and run_len + len(data) <= row_bytes:
+            run.append(data)
+            run_len += len(data)
+            continue
+        if run:
+            rows.append((run_job, run_off, run[0] if len(run) == 1 else b"".join(run)))
+        run, run_job, run_off, run_len = [data], job_id, off, len(data)
+    if run:
+        rows.append((run_job, run_off, run[0] if len(run) == 1 else b"".join(run)))
+    return tuple(rows)
 
 
 # --- documents to records -------------------------------------------------------------------
@@ -278,6 +311,8 @@ def load_host(doc: Mapping[str, Any], now: float) -> Host:
             seen_faults=set(dd.get("seen_faults") or ()),
             cleared_pending=dict(dd.get("cleared_pending") or {}),
             worker_state=dd.get("worker_state"),
+            last_job=dd.get("last_job"),
+            last_busy=dd.get("last_busy"),
         )
         d.worker_faults = set(dd.get("worker_faults") or ())
         for f in dd.get("faults") or ():

@@ -213,8 +213,14 @@ class SqlBackend:
         """Stored output of ``job_id`` from ``offset``, at most ``limit`` bytes."""
         p = self.ph
         with self._transaction(self._read_failed) as cur:
-            sql = f"SELECT off, data FROM output WHERE job_id = {p} AND off + length(data) > {p}"
-            params: tuple[object, ...] = (job_id, offset)
+            # Rows start where the one holding ``offset`` starts: two seeks on the primary
+            # key (job_id, off). A condition on ``off + length(data)`` cannot use it, and
+            # made a follower reading a long output chunk by chunk quadratic.
+            sql = (
+                f"SELECT off, data FROM output WHERE job_id = {p} AND off >= COALESCE("
+                f"(SELECT MAX(off) FROM output WHERE job_id = {p} AND off <= {p}), 0)"
+            )
+            params: tuple[object, ...] = (job_id, job_id, offset)
             if limit is not None:
                 sql += f" AND off < {p}"
                 params += (offset + limit,)
@@ -225,8 +231,9 @@ class SqlBackend:
             pos = offset + len(out)
             if int(off) > pos:
                 break  # a hole (chunks are written contiguously, so never): stop at it
-            out += bytes(data)[pos - int(off) :]
-        return bytes(out if limit is None else out[:limit])
+            view = memoryview(data)[pos - int(off) :]
+            out += view if limit is None else view[: limit - len(out)]
+        return bytes(out)
 
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         """Stored events with ``seq > after``, oldest first, at most ``limit``."""
@@ -254,20 +261,25 @@ class SqlBackend:
                 (url, seq),
             )
 
-    def delete_finished_before(self, wall_time: float) -> list[tuple[str, str]]:
-        """Retention: drop finished jobs (and their output) that ended before ``wall_time``;
-        returns each one's id and state."""
+    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+        """Retention: drop at most ``limit`` finished jobs (and their output) that ended
+        before ``wall_time``, the oldest first; returns each one's id and state.
+
+        Bounded because a transaction holds :attr:`lock`, and every commit, so every
+        request that changes state, waits for it: an hour of jobs at 100 a second,
+        deleted at once, would stall the controller for as long as that takes.
+        """
         p = self.ph
         with self._transaction(self._write_failed) as cur:
             cur.execute(
-                "SELECT job_id, state FROM jobs"
-                f" WHERE finished_at IS NOT NULL AND finished_at < {p}",
-                (wall_time,),
+                "SELECT job_id, state FROM jobs WHERE finished_at IS NOT NULL"
+                f" AND finished_at < {p} ORDER BY finished_at LIMIT {p}",
+                (wall_time, limit),
             )
             gone = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
-            for job_id, _ in gone:
-                cur.execute(f"DELETE FROM output WHERE job_id = {p}", (job_id,))
-                cur.execute(f"DELETE FROM jobs WHERE job_id = {p}", (job_id,))
+            ids = [(job_id,) for job_id, _ in gone]
+            _many(cur, f"DELETE FROM output WHERE job_id = {p}", ids)
+            _many(cur, f"DELETE FROM jobs WHERE job_id = {p}", ids)
         return gone
 
 
