@@ -351,6 +351,8 @@ class Host:
                     await self.reregister()  # lost meanwhile: register again, as a worker does
                 await trio.sleep(1)
             now = time.perf_counter()
+            if r.status == 200 and not assignments:
+                self.swarm.empty_polls.append(now)  # the long poll's wait ran out
             for a in assignments:
                 self.swarm.trace.setdefault(a["job_id"], {})["offer"] = now
                 self.free.discard(a["device"])
@@ -440,6 +442,8 @@ class Swarm:
         ``answered`` (the submit), ``offer`` (in a poll's reply), ``start_sent``."""
         self.lags: list[tuple[float, float]] = []
         """The swarm's own event loop running late: (when, by how long), over 5 ms."""
+        self.empty_polls: list[float] = []
+        """When each long poll came back empty (its wait ran out)."""
 
     async def watch_loop(self) -> None:
         """Note when the swarm's own loop runs late (its lateness would be counted as the
@@ -704,6 +708,7 @@ async def _measure_fleet(
                 "jobs": {job_id: swarm.trace[job_id] for job_id in sent},
                 "swarm_loop_late": swarm.lags,
                 "swarm_gc": SWARM_GC,
+                "empty_polls": swarm.empty_polls,
                 "schedstat": sched,
             }
             await trio.Path(args.trace).write_text(json.dumps(trace))
@@ -743,7 +748,8 @@ def main(argv: list[str]) -> int:
         "--trace",
         metavar="FILE",
         help="write the load phase's per-job stage times, the swarm's loop lags and GC "
-        "pauses, and both processes' scheduler samples to FILE (JSON; the last fleet size)",
+        "pauses, when long polls came back empty, and both processes' scheduler samples "
+        "to FILE (JSON; the last fleet size)",
     )
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.hosts.split(",") if x]
