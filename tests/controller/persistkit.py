@@ -28,9 +28,23 @@ class StorePlace:
     state_dir: Path | None = None
     db: str | None = None
     server: PgServer | None = None
+    opened: list[Backend] = attrs.Factory(list)
 
     def open(self) -> Backend:
-        return open_backend(state_dir=self.state_dir, db=self.db)
+        """A backend on this store, as a controller process starting now would open it.
+
+        The tests play a controller killed and a new one started within one process, by
+        opening again without closing. A killed process's state-directory lock is dropped
+        by the kernel; here, the earlier backends' locks are let go in the same way (their
+        connections are left as they were).
+        """
+        for earlier in self.opened:
+            lock = getattr(earlier, "_lock", None)
+            if lock is not None:
+                lock.release()
+        backend = open_backend(state_dir=self.state_dir, db=self.db)
+        self.opened.append(backend)
+        return backend
 
     def cli_args(self) -> list[str]:
         if self.db is not None:

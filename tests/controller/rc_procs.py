@@ -32,9 +32,11 @@ class Served:
 
 
 @asynccontextmanager
-async def rc_serve(listen: str = "127.0.0.1:0") -> AsyncIterator[Served]:
+async def rc_serve(
+    listen: str = "127.0.0.1:0", store: Sequence[str] = ("--memory",)
+) -> AsyncIterator[Served]:
     """A real ``rc serve`` process (worker token ``wt`` for box1, user token ``ut``), keeping
-    its state in memory only: a restart forgets everything."""
+    its state in memory only unless ``store`` says otherwise: a restart forgets everything."""
     proc = await trio.lowlevel.open_process(
         [
             RC,
@@ -45,7 +47,7 @@ async def rc_serve(listen: str = "127.0.0.1:0") -> AsyncIterator[Served]:
             f"{USER}=ops:admin",
             "--worker-token",
             f"{WORKER}=box1",
-            "--memory",
+            *store,
         ],
         stderr=subprocess.PIPE,
     )

@@ -15,6 +15,8 @@ from typing import Any
 
 from rc_worker.controller.persist import StoreOpenError
 from rc_worker.controller.persist.sql import SqlBackend
+from rc_worker.core.errors import ConfigError
+from rc_worker.statelock import StateDirLock, StateDirLocked
 
 __all__ = ["DB_NAME", "SqliteBackend", "default_state_dir"]
 
@@ -40,10 +42,12 @@ class SqliteBackend(SqlBackend):
         super().__init__()
         self.state_dir = state_dir
         self.description = f"state directory {state_dir}"
+        self._lock: StateDirLock | None = None
         try:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             if not os.access(state_dir, os.W_OK | os.X_OK):
                 raise PermissionError(f"[Errno 13] Permission denied: '{state_dir}'")
+            self._lock = _lock(state_dir)
             # Autocommit mode: transactions are the explicit BEGIN/COMMIT below, DDL included.
             self.conn = sqlite3.connect(
                 state_dir / DB_NAME, isolation_level=None, check_same_thread=False, timeout=10.0
@@ -52,6 +56,8 @@ class SqliteBackend(SqlBackend):
             # FULL: a commit survives a power cut, not only a killed process.
             self.conn.execute("PRAGMA synchronous=FULL")
         except (sqlite3.Error, OSError) as e:
+            if self._lock is not None:
+                self._lock.release()
             raise StoreOpenError(
                 f"cannot use state directory {state_dir}: {e}; "
                 "give a writable --state-dir, or --memory"
@@ -77,3 +83,26 @@ class SqliteBackend(SqlBackend):
 
     def close(self) -> None:
         self.conn.close()
+        if self._lock is not None:
+            self._lock.release()
+
+
+def _lock(state_dir: Path) -> StateDirLock:
+    """One controller per state directory, as one worker per worker state directory.
+
+    Two ``rc serve`` on one database would each hand out the same job ids and event
+    numbers from their own memory and overwrite each other's records: an acknowledged
+    submit lost. SQLite's own locks serialise writes, not owners. The lock is the
+    worker's (``statelock``: an ``flock`` the kernel drops when the process dies).
+    """
+    try:
+        return StateDirLock.acquire(state_dir)
+    except StateDirLocked as e:
+        who = f"pid {e.holder}" if e.holder is not None else "another process"
+        raise StoreOpenError(
+            f"state directory {state_dir} is in use by another rc serve ({who}); stop it, or "
+            "give each controller its own --state-dir (controllers that share state, with a "
+            "standby, use --db postgresql://...)"
+        ) from None
+    except ConfigError as e:
+        raise StoreOpenError(f"cannot use state directory {state_dir}: {e}") from None
