@@ -5,7 +5,7 @@ collection, for a time proportional to every container object alive. At 1,000
 hosts x 8 devices with 100 jobs/s flowing, the controller holds 300,000-400,000
 such objects (hosts, devices, label views and indexes, connections, recent jobs
 and events); each full collection took 300-500 ms on the 2-core development VM,
-came every 5-10 s under that load (objects that live a few milliseconds longer
+came every 3-10 s under that load (objects that live a few milliseconds longer
 than a young collection's period are promoted, and they trigger the next one),
 and freed nothing: the fleet's records live as long as the fleet. Every request
 arriving meanwhile waited for it, and those waits were the 99th percentile of
