@@ -23,14 +23,24 @@ controller process:
 Bounded (every phase has a deadline, the whole run too) and clean: the
 controller is killed and its state directory removed even on failure.
 
+Under each load figure, a second line says where the latency went: each stage's p50 and
+p99 (``submit`` answered, the job in a poll's reply, ``start`` answered), the share of the
+load phase the controller and the swarm spent runnable but waiting for a core (the machine
+is shared: a tail there is the run queue, not the controller), and how late the swarm's
+own event loop ran at worst (that lateness is counted as the controller's). ``--trace
+FILE`` writes every job's stage times for a closer look. ``$RC_SWARM_RC`` replaces the
+``rc`` command line (say, ``py-spy record -o prof.svg -- rc``) to profile the controller.
+
     python bench/bench_swarm.py [--hosts 10,100,1000,2000] [--store memory|sqlite|postgres|both]
-                                [--idle-s 15] [--load-s 10] [--rate 100] [--ops 50]
+                                [--idle-s 15] [--load-s 10] [--rate 100] [--ops 200]
+                                [--trace FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -57,7 +67,16 @@ RUN_LIMIT_S = 3600.0
 """The whole run stops by itself after this long, whatever it was asked."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CONNECT_TRIES = 8
+LOOP_PROBE_S = 0.005
 TRANSPORT_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, EOFError)
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """Seconds process ``pid``'s main thread has run, and has waited to run (runnable, but
+    every core busy), from ``/proc/<pid>/schedstat``."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        ran, waited = f.read().split()[:2]
+    return int(ran) / 1e9, int(waited) / 1e9
 
 
 def cpu_seconds(pid: int) -> float:
@@ -79,9 +98,10 @@ async def rc_serve(store: str, state_dir: Path) -> AsyncIterator[tuple[trio.Proc
         where = ["--db", store]
     else:
         where = ["--state-dir", str(state_dir)]
+    rc = os.environ.get("RC_SWARM_RC", RC).split()  # a profiler's command line, say
     proc = await trio.lowlevel.open_process(
         [
-            RC,
+            *rc,
             "serve",
             "--listen",
             "127.0.0.1:0",
@@ -330,7 +350,11 @@ class Host:
                 if r.status in (401, 404, 409):
                     await self.reregister()  # lost meanwhile: register again, as a worker does
                 await trio.sleep(1)
+            now = time.perf_counter()
+            if r.status == 200 and not assignments:
+                self.swarm.empty_polls.append(now)  # the long poll's wait ran out
             for a in assignments:
+                self.swarm.trace.setdefault(a["job_id"], {})["offer"] = now
                 self.free.discard(a["device"])
                 self.nursery.start_soon(self.run_job, a)
 
@@ -355,6 +379,7 @@ class Host:
             "device": a["device"],
             "boot_id": f"boot-{self.name}",
         }
+        self.swarm.trace.setdefault(job_id, {})["start_sent"] = time.perf_counter()
         r = await self.post(f"/v1/jobs/{job_id}/start", body)
         if r.status != 200:
             # Offered again meanwhile (the controller fell so far behind that the offer timed
@@ -412,6 +437,23 @@ class Swarm:
         """Starts and output chunks refused as stale (the job was offered again meanwhile)."""
         self.progress = trio.Event()
         """Set (and replaced) whenever a job starts."""
+        self.trace: dict[str, dict[str, float]] = {}
+        """Per job, when (``time.perf_counter``) it reached each stage: ``planned``, ``sent``,
+        ``answered`` (the submit), ``offer`` (in a poll's reply), ``start_sent``."""
+        self.lags: list[tuple[float, float]] = []
+        """The swarm's own event loop running late: (when, by how long), over 5 ms."""
+        self.empty_polls: list[float] = []
+        """When each long poll came back empty (its wait ran out)."""
+
+    async def watch_loop(self) -> None:
+        """Note when the swarm's own loop runs late (its lateness would be counted as the
+        controller's latency)."""
+        while True:
+            t = time.perf_counter()
+            await trio.sleep(LOOP_PROBE_S)
+            late = time.perf_counter() - t - LOOP_PROBE_S
+            if late > LOOP_PROBE_S:
+                self.lags.append((t, late))
 
     @staticmethod
     def rng_offset(name: str) -> float:
@@ -423,6 +465,73 @@ class Swarm:
             raise RuntimeError(f"submit: {r.status} {r.body!r}")
         job_id: str = r.json()["job_id"]
         return job_id
+
+
+SWARM_GC: list[tuple[float, int, float]] = []
+"""The swarm's own garbage collections over 5 ms: (when, generation, how long)."""
+_gc_started = [0.0]
+
+
+def _note_gc(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    elif (took := time.perf_counter() - _gc_started[0]) > 0.005:
+        SWARM_GC.append((_gc_started[0], info["generation"], took))
+
+
+def _stages(
+    swarm: Swarm,
+    sent: dict[str, float],
+    sched: list[tuple[float, float, float, float, float]],
+    load_started: float,
+    out: dict[str, float],
+) -> None:
+    """Where the latency went, per stage (p50 and p99 in ms): ``submit`` (sent → answered),
+    ``offer`` (answered → in a poll's reply), ``start`` (sent → answered); the share of the
+    load phase the controller and the swarm waited for a core; the swarm's own worst lag."""
+    stages = {"submit": ("sent", "answered"), "offer": ("answered", "offer")}
+    stages["start"] = ("start_sent", "started")
+    for name, (a, b) in stages.items():
+        spans = [
+            t[b] - t[a]
+            for job_id in sent
+            if a in (t := {**swarm.trace.get(job_id, {}), "started": swarm.started.get(job_id)})
+            and t.get(b) is not None
+        ]
+        if spans:
+            out[f"{name}_p50_ms"] = statistics.median(spans) * 1000
+            out[f"{name}_p99_ms"] = pct(spans, 0.99) * 1000
+    if len(sched) >= 2:
+        (t0, _, cw0, _, sw0), (t1, _, cw1, _, sw1) = sched[0], sched[-1]
+        out["ctl_wait"] = (cw1 - cw0) / (t1 - t0)
+        out["swarm_wait"] = (sw1 - sw0) / (t1 - t0)
+    out["swarm_lag_ms"] = max((late for t, late in swarm.lags if t >= load_started), default=0)
+    out["swarm_lag_ms"] *= 1000
+
+
+def _commits(metrics: Reply) -> tuple[float, float]:
+    """The controller's group commits so far: how many, and their seconds in all."""
+    count = total = 0.0
+    for line in metrics.body.decode().splitlines():
+        if line.startswith("rc_controller_store_commit_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("rc_controller_store_commit_seconds_sum"):
+            total = float(line.split()[-1])
+    return count, total
+
+
+def _stage_line(r: dict[str, float]) -> str:
+    nan = math.nan
+    stages = "  ".join(
+        f"{k} {r.get(f'{k}_p50_ms', nan):.1f}/{r.get(f'{k}_p99_ms', nan):.1f}"
+        for k in ("submit", "offer", "start")
+    )
+    return (
+        f"{'':13}stages p50/p99 ms: {stages}; waiting for a core: controller "
+        f"{r.get('ctl_wait', nan):.0%}, swarm {r.get('swarm_wait', nan):.0%}; "
+        f"swarm loop late by up to {r['swarm_lag_ms']:.0f} ms; "
+        f"{r['commits_per_s']:.0f} commits/s of {r['commit_ms']:.1f} ms"
+    )
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -463,6 +572,11 @@ async def _measure_fleet(
             if i % 50 == 49:
                 await trio.sleep(0.1)  # not a thousand connections at once
         await trio.sleep(3)  # every poll parked
+        # The swarm stands for a thousand worker processes, each with its own collector; in
+        # one process, a full collection over all their state would stall every one of them
+        # at once, and that stall would be counted as the controller's latency.
+        gc.collect()
+        gc.freeze()
 
         # Idle: heartbeats and parked polls only.
         c0, w0 = cpu_seconds(proc.pid), time.perf_counter()
@@ -532,12 +646,28 @@ async def _measure_fleet(
             # behind a slow controller still counts from its planned time ``t``.
             async with submitting:
                 try:
+                    t_sent = time.perf_counter()
                     job_id = await swarm.submit(["true"], select="product=H100")
+                    swarm.trace.setdefault(job_id, {}).update(
+                        planned=t, sent=t_sent, answered=time.perf_counter()
+                    )
                 except (OSError, trio.BrokenResourceError, EOFError, RuntimeError):
                     swarm.errors += 1  # not retried: a submit is not idempotent
                     return
             sent[job_id] = t
 
+        nursery.start_soon(swarm.watch_loop)
+        sched: list[tuple[float, float, float, float, float]] = []
+
+        async def note_sched() -> None:
+            # Whether the controller (and the swarm) got a core when it wanted one: on a
+            # shared machine the tail is often the run queue, not the controller's work.
+            while True:
+                sched.append((time.perf_counter(), *schedstat(proc.pid), *schedstat(os.getpid())))
+                await trio.sleep(0.05)
+
+        nursery.start_soon(note_sched)
+        commits0 = _commits(await swarm.client.get("/metrics", USER_TOKEN))
         c0, w0 = cpu_seconds(proc.pid), time.perf_counter()
         jobs = int(args.rate * args.load_s)
         async with trio.open_nursery() as load:
@@ -559,12 +689,29 @@ async def _measure_fleet(
         if latencies:
             out["p50_ms"] = statistics.median(latencies) * 1000
             out["p99_ms"] = pct(latencies, 0.99) * 1000
-        metrics = (await swarm.client.get("/metrics", USER_TOKEN)).body.decode()
+        reply = await swarm.client.get("/metrics", USER_TOKEN)
+        (n0, s0), (n1, s1) = commits0, _commits(reply)
+        out["commits_per_s"] = (n1 - n0) / (time.perf_counter() - w0)
+        out["commit_ms"] = (s1 - s0) / max(n1 - n0, 1) * 1000
+        metrics = reply.body.decode()
         lost = 0.0
         for line in metrics.splitlines():
             if line.startswith('rc_controller_hosts{state="lost"}'):
                 lost = float(line.split()[-1])
         out["hosts_lost"] = lost
+        _stages(swarm, sent, sched, w0, out)
+        if args.trace:
+            for job_id in sent:
+                swarm.trace[job_id]["started"] = swarm.started.get(job_id, math.nan)
+            trace = {
+                "load_started": w0,
+                "jobs": {job_id: swarm.trace[job_id] for job_id in sent},
+                "swarm_loop_late": swarm.lags,
+                "swarm_gc": SWARM_GC,
+                "empty_polls": swarm.empty_polls,
+                "schedstat": sched,
+            }
+            await trio.Path(args.trace).write_text(json.dumps(trace))
         out["client_errors"] = swarm.errors
         out["stale"] = swarm.stale
         out["reregistered"] = swarm.reregistered
@@ -597,6 +744,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--load-s", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=100.0, help="jobs per second under load")
     p.add_argument("--ops", type=int, default=200, help="operations per cost measurement")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write the load phase's per-job stage times, the swarm's loop lags and GC "
+        "pauses, when long polls came back empty, and both processes' scheduler samples "
+        "to FILE (JSON; the last fleet size)",
+    )
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.hosts.split(",") if x]
     stores = ["memory", "sqlite"] if args.store == "both" else [args.store]
@@ -629,6 +783,7 @@ def main(argv: list[str]) -> int:
                         f"{r['reregistered']:>6.0f}{r['client_errors']:>6.0f}",
                         flush=True,
                     )
+                    print(_stage_line(r), flush=True)
                     if n != sizes[0]:
                         ratios = ", ".join(
                             f"{k.removesuffix('_ms')} {r[k] / base[k]:.1f}x"
@@ -637,6 +792,7 @@ def main(argv: list[str]) -> int:
                         )
                         print(f"{'':13}vs {sizes[0]} hosts ({n / sizes[0]:.0f}x): {ratios}")
 
+    gc.callbacks.append(_note_gc)
     trio.run(run)
     return 0
 

@@ -5,7 +5,7 @@ a persistence backend in a thread (never on the event loop). Requests that
 change state are answered only after the commit that holds their change:
 :class:`DurableMiddleware` holds back each response's first message until
 :meth:`Durability.flush` returns. Commits group themselves: while one is being
-written, every request that changes something waits on the lock, and the next
+written, every request that changes something waits for it to end, and the next
 commit takes all their changes at once.
 
 When a write fails, its marks go back into the journal (the next commit writes
@@ -72,7 +72,10 @@ class Durability:
         self.written = store.journal.generation
         self.failed: str | None = None
         """Why the last write failed; None while writes succeed."""
-        self._lock: anyio.Lock | None = None
+        self._committing: anyio.Event | None = None
+        """Set while a commit is being written; set (the event) when it ends."""
+        self._failed_commit: tuple[int, str] | None = None
+        """The generation the last commit covered and why it failed, if it failed."""
         self.last_commit_s: float | None = None
         """How long the last successful commit took to write (for /v1/health)."""
         self.busy: collections.Counter[str] = collections.Counter()
@@ -82,15 +85,30 @@ class Durability:
         return self.store.journal.generation > self.written
 
     async def flush(self) -> None:
-        """Return once everything changed so far is stored; :class:`StoreUnavailable` if not."""
+        """Return once everything changed so far is stored; :class:`StoreUnavailable` if not.
+
+        One commit is written at a time. A caller whose change came in while one was being
+        written waits for it to end, then returns if that commit held its change, or starts
+        the next (which takes every change made meanwhile). Waiters wait on an event, not a
+        lock: all of them wake together when the commit ends. With a lock each of them had
+        to be handed it in turn, one per pass of the event loop, before the next commit
+        could start, and under load the commits slowed to a few a second.
+        """
         target = self.store.journal.generation
-        if target <= self.written:
-            return
-        if self._lock is None:
-            self._lock = anyio.Lock()
-        async with self._lock:
-            if target <= self.written:
-                return  # the commit that held the lock before took this change too
+        while target > self.written:
+            if self._committing is not None:
+                ending = self._committing
+                await ending.wait()
+                failed = self._failed_commit
+                if target > self.written and failed is not None and failed[0] >= target:
+                    # The commit that held this change failed: so does this request.
+                    raise StoreUnavailable(failed[1])
+                continue
+            await self._commit()
+
+    async def _commit(self) -> None:
+        self._committing = anyio.Event()
+        try:
             marks, generation = self.store.journal.take()
             batch = batch_of(self.store, marks, generation)
             try:
@@ -106,12 +124,13 @@ class Durability:
                 if self.failed is None:
                     log.error("%s; answering 503 until it works again", e)
                 self.failed = str(e)
-                raise StoreUnavailable(
-                    f"the controller could not store this change ({e}); retry later"
-                ) from None
+                message = f"the controller could not store this change ({e}); retry later"
+                self._failed_commit = (generation, message)
+                raise StoreUnavailable(message) from None
             if self.failed is not None:
                 log.warning("the store works again (%s)", self.backend.description)
             self.failed = None
+            self._failed_commit = None
             self.written = generation
             # Committed output leaves memory: reads below it go to the backend.
             stored: dict[str, int] = {}
@@ -121,6 +140,9 @@ class Durability:
                 self.store.trim_output(job_id, upto)
             # So do stored finished jobs, but the most recent.
             self.store.evict_finished(self.keep_finished, self.busy)
+        finally:
+            ending, self._committing = self._committing, None
+            ending.set()
 
     # --- finished jobs, read from the backend -----------------------------------------------
 

@@ -21,6 +21,7 @@ import trio
 from rc_worker.controller.app import create_app
 from rc_worker.controller.context import User, parse_user_token
 from rc_worker.controller.durable import Durability
+from rc_worker.controller.gcpause import keep_gc_pauses_short
 from rc_worker.controller.persist import Backend, MemoryBackend, StoreOpenError
 from rc_worker.controller.persist.opening import open_backend, open_store
 from rc_worker.controller.persist.sqlite import default_state_dir
@@ -137,6 +138,8 @@ async def run_serve(
             durability=durability,
         )
         async with trio.open_nursery() as nursery:
+            # With a large fleet, a full GC pause was the tail of dispatch latency.
+            await nursery.start(keep_gc_pauses_short)
 
             async def serving(task_status: trio.TaskStatus[list[str]]) -> None:
                 await serve(

@@ -354,18 +354,23 @@ class StoreState:
         # No dirty mark here: a lookup is not a change (the mutations mark what they change).
         return h, d
 
-    def _session(self, session: str, host: str | None = None) -> Host:
+    def _session(self, session: str, host: str | None = None, *, mark: bool = True) -> Host:
+        """The host of a live session; :class:`UnknownSession` if none. Marks the host's
+        record to be stored unless ``mark`` is false: the callers that run for every
+        heartbeat and poll mark only what they change, so that an unchanged heartbeat
+        costs the store nothing (at 1,000 hosts, 100 commits a second otherwise)."""
         h = self._sessions.get(session)
         if h is None or (host is not None and h.name != host):
             raise UnknownSession(
                 f"session {session!r} is not known for host {host or '?'}; register again"
             )
-        self.journal.host(h.name)
+        if mark:
+            self.journal.host(h.name)
         return h
 
     def session_host(self, session: str) -> str:
         """The host a live session belongs to; :class:`UnknownSession` if none."""
-        return self._session(session).name
+        return self._session(session, mark=False).name
 
     def attempt_host(self, job_id: str, attempt: int) -> str:
         """The host of a job's current attempt; :class:`StaleAttempt` if ``attempt`` is not it."""

@@ -81,6 +81,11 @@ def _check_name(kind: str, name: str) -> None:
         )
 
 
+def _stored_worker_view(d: Device) -> tuple[object, ...]:
+    """What a heartbeat may change of a device's stored record (``persist/codec.py``)."""
+    return (d.worker_state, frozenset(d.worker_faults), tuple(d.cleared_pending.items()))
+
+
 def _same_process(h: Host, req: RegisterRequest, running: Sequence[tuple[Job, Attempt]]) -> bool:
     """Whether a registration comes from the live worker process the host last had.
 
@@ -673,8 +678,9 @@ class Store(StoreState):
         )
 
     def heartbeat(self, host: str, req: HeartbeatRequest, *, now: float) -> HeartbeatReply:
-        h = self._session(req.session, host)
-        h.last_seen = now
+        h = self._session(req.session, host, mark=False)
+        h.last_seen = now  # not stored: a restart gives every host a fresh grace anyway
+        before = [_stored_worker_view(d) for d in h.devices.values()]
         cancel: dict[tuple[str, int], CancelOrder] = {}
         for name, report in req.devices.items():
             d = h.devices.get(name)
@@ -689,6 +695,7 @@ class Store(StoreState):
             if report.state == "running" and adopt_attempt(
                 self, h, d, report.job_id, report.attempt, now
             ):
+                self.journal.host(h.name)
                 self._changed()
             job = self._jobs.get(report.job_id)
             cur = None if job is None else job.current
@@ -707,6 +714,8 @@ class Store(StoreState):
             # output is still taken, and its device stays quarantined until cleared anyway.
             if why is not None:
                 cancel[(job.job_id, report.attempt)] = CancelOrder(job.job_id, report.attempt, why)
+        if [_stored_worker_view(d) for d in h.devices.values()] != before:
+            self.journal.host(h.name)  # what the worker says of its devices is stored
         for job in self._live_cancelled():
             cur = job.current
             if cur is not None and cur.host == host and job.cancel_reason is not None:
@@ -723,7 +732,7 @@ class Store(StoreState):
 
     def cancels_for(self, host: str, session: str) -> list[CancelOrder]:
         """Cancels of this host's live jobs, for a long poll to deliver at once."""
-        self._session(session, host)
+        self._session(session, host, mark=False)
         return [
             CancelOrder(job.job_id, cur.number, job.cancel_reason)
             for job in self._live_cancelled()
@@ -843,7 +852,9 @@ class Store(StoreState):
         ``offers``: this long poll's generations from :meth:`open_poll`; a device
         a newer poll has offered since is skipped (the offer is superseded).
         """
-        h = self._session(session, host)
+        # A poll that assigns nothing changes nothing stored: only an assignment or a
+        # requeue (a device's last job) marks the host, below.
+        h = self._session(session, host, mark=False)
         out: list[Assignment] = []
         changed = False
         missed = False
@@ -861,6 +872,8 @@ class Store(StoreState):
             changed = changed or touched
             if got is None and aimed:
                 missed = True
+        if out or changed:
+            self.journal.host(host)  # the devices' last_job / last_busy moved
         if missed and self._queue:
             # A job was aimed at a device here that took nothing: aim the queue again.
             self._wake_queue_again()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rc_worker.controller.matching import LabelIndex, brute_force
-from rc_worker.controller.messages import LabelsUpdate, SheetsUpdate
+from rc_worker.controller.messages import DeviceReport, LabelsUpdate, SheetsUpdate
 from rc_worker.controller.pending import explain
 from rc_worker.controller.state import ANY, host_topic, job_topic
 from rc_worker.controller.store import Store, StoreConfig
@@ -381,3 +381,49 @@ def test_a_large_fleets_pending_reason_equals_the_reason_over_the_whole_fleet(
         store.set_idle_behavior(f"h{n // 8:02d}", f"g{n % 8}", "hold")
     selector = parse_selector("device!=none")
     assert store._explain(selector, None) == explain(selector, None, store._candidates())
+
+
+# --- what a heartbeat or a poll marks to be stored --------------------------------------------
+
+
+def test_an_unchanged_heartbeat_or_an_empty_poll_marks_nothing_to_store() -> None:
+    """At 1,000 hosts, heartbeats alone are 100 a second: one that changes nothing stored must
+    cost no commit (nor the answer wait for one)."""
+    store = Store(StoreConfig())
+    store.journal.enable()
+    session = register(store, "box1", ["gpu0", "gpu1"])
+    idle = {"gpu0": DeviceReport(state="idle"), "gpu1": DeviceReport(state="idle")}
+    heartbeat(store, session, devices=idle)
+    store.journal.take()
+    generation = store.journal.generation
+    heartbeat(store, session, now=1, devices=idle)
+    assert store.poll("box1", session, ["gpu0", "gpu1"], now=1) == []
+    store.cancels_for("box1", session)
+    assert store.journal.generation == generation
+    marks, _ = store.journal.take()
+    assert not marks
+
+    # What the worker says of its devices is stored: a change in it is marked.
+    heartbeat(store, session, now=2, devices={**idle, "gpu1": DeviceReport(state="busy")})
+    marks, _ = store.journal.take()
+    assert marks.hosts == {"box1"}
+    heartbeat(store, session, now=3, devices={**idle, "gpu0": DeviceReport("idle", ("f-1",))})
+    marks, _ = store.journal.take()
+    assert marks.hosts == {"box1"}
+
+
+def test_a_poll_that_assigns_marks_the_job_and_the_host() -> None:
+    store = Store(StoreConfig())
+    store.journal.enable()
+    session = register(store, "box1", ["gpu0"])
+    job_id = store.submit(["true"])
+    store.journal.take()
+    a = assign(store, session)
+    marks, _ = store.journal.take()
+    assert a.job_id == job_id
+    assert job_id in marks.jobs
+    assert marks.hosts == {"box1"}  # the device's last job is stored with the host
+    start(store, session, a)
+    marks, _ = store.journal.take()
+    assert job_id in marks.jobs
+    assert marks.hosts == {"box1"}  # the other session calls mark their host as before

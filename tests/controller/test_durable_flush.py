@@ -1,0 +1,105 @@
+"""Group commits (``Durability.flush``): changes made while a commit is written go in one
+next commit, every waiter wakes when its commit ends, and a failed commit fails every
+request whose change it held, without one retry per request."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import trio
+
+from rc_worker.controller.durable import Durability
+from rc_worker.controller.errors import StoreUnavailable
+from rc_worker.controller.persist import StoreWriteError
+from rc_worker.controller.store import Store, StoreConfig
+
+
+class GatedBackend:
+    """Writes nothing; each write waits (in its thread) until the test opens the gate, and
+    fails while ``failing`` is set."""
+
+    description = "a test backend"
+
+    def __init__(self) -> None:
+        self.writes: list[list[str]] = []
+        self.asked = 0
+        self.gate = threading.Semaphore(0)
+        self.failing = False
+
+    def write(self, batches: list[Any]) -> None:
+        self.asked += 1
+        self.gate.acquire(timeout=30)
+        self.writes.append([job.job_id for batch in batches for job in batch.jobs])
+        if self.failing:
+            raise StoreWriteError("the disk is full")
+
+
+async def writing(backend: GatedBackend, count: int) -> None:
+    """Wait until ``count`` writes have been asked for (the gate holds them)."""
+    for _ in range(3000):
+        if backend.asked >= count:
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("no write came")
+
+
+async def test_changes_made_during_a_commit_are_stored_by_one_next_commit() -> None:
+    store = Store(StoreConfig())
+    backend = GatedBackend()
+    d = Durability(store, backend)  # type: ignore[arg-type]
+    first = store.submit(["true"])
+    done: list[str] = []
+
+    async def flush(name: str) -> None:
+        await d.flush()
+        done.append(name)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush, "first")
+            await writing(backend, 1)  # the first commit is being written (held at the gate)
+            second, third = store.submit(["true"]), store.submit(["true"])
+            for name in ("second", "third", "fourth"):
+                nursery.start_soon(flush, name)
+            await trio.sleep(0.05)
+            assert done == []
+            backend.gate.release()  # the first commit ends; the next one starts...
+            await writing(backend, 2)
+            backend.gate.release()  # ...and ends
+    assert backend.writes == [[first], sorted([second, third])]  # two commits for four waiters
+    assert sorted(done) == ["first", "fourth", "second", "third"]
+    assert not d.dirty()
+
+
+async def test_a_failed_commit_fails_each_request_it_held_once() -> None:
+    store = Store(StoreConfig())
+    backend = GatedBackend()
+    backend.failing = True
+    d = Durability(store, backend)  # type: ignore[arg-type]
+    store.submit(["true"])
+    failed: list[str] = []
+
+    async def flush(name: str) -> None:
+        try:
+            await d.flush()
+        except StoreUnavailable:
+            failed.append(name)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for name in ("a", "b", "c"):
+                nursery.start_soon(flush, name)
+            await writing(backend, 1)
+            await trio.sleep(0.05)  # b and c wait for that commit
+            backend.gate.release()
+    assert sorted(failed) == ["a", "b", "c"]
+    assert len(backend.writes) == 1  # one write for the three of them, not one each
+    assert d.failed is not None
+    assert d.dirty()
+    backend.failing = False
+    backend.gate.release()
+    with trio.fail_after(30):
+        await d.flush()
+    assert d.failed is None
+    assert not d.dirty()
