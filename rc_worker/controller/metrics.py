@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
+from rc_worker.controller.messages import JOB_STATES, TERMINAL_STATES
 from rc_worker.controller.pool import DEVICE_STATES, HOST_STATES, device_state, host_states
 from rc_worker.controller.stats import REGISTRATION_OUTCOMES, WEBHOOK_RESULTS, Stats
 from rc_worker.controller.store import Store
@@ -76,8 +77,9 @@ class StoreCollector(Collector):
             free.add_metric([cls], n)
         yield free
         jobs = GaugeMetricFamily("rc_controller_jobs", "Jobs per state.", labels=["state"])
-        for state, n in sorted(self._store.job_state_counts().items()):
-            jobs.add_metric([state], n)
+        counts = self._store.job_state_counts()
+        for state in sorted({*JOB_STATES, *counts}):  # every state, 0 too: a series to alert on
+            jobs.add_metric([state], counts.get(state, 0))
         yield jobs
         faults = GaugeMetricFamily(
             "rc_controller_device_faults", "Faults not yet cleared, by kind.", labels=["kind"]
@@ -143,6 +145,23 @@ def _stats_metrics(stats: Stats) -> Iterator[Metric]:
     parked = GaugeMetricFamily("rc_controller_long_polls_parked", "Worker long polls waiting.")
     parked.add_metric([], stats.polls_parked)
     yield parked
+    finished = CounterMetricFamily(
+        "rc_controller_jobs_finished",
+        "Jobs that ended since the controller started, by outcome (retention never lowers it).",
+        labels=["outcome"],
+    )
+    for outcome in sorted(TERMINAL_STATES | set(stats.jobs_finished)):
+        finished.add_metric([outcome], stats.jobs_finished.get(outcome, 0))
+    yield finished
+    cleared = CounterMetricFamily(
+        "rc_controller_faults_cleared",
+        "Device faults lifted since the controller started (clears, reboots, devices gone),"
+        " by kind.",
+        labels=["kind"],
+    )
+    for kind, n in sorted(stats.faults_cleared.items()):
+        cleared.add_metric([kind], n)
+    yield cleared
     webhooks = CounterMetricFamily(
         "rc_controller_webhook_deliveries",
         "Webhook POST attempts by result (delivered, retried, refused, failed).",

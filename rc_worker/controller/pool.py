@@ -31,30 +31,40 @@ DEFAULT_CLASS_LABEL = "product"
 RECENT_S = 300.0
 
 
-def device_state(d: DeviceInfo) -> str:
-    """The pool's state of one device (``held`` is free, but not offered work)."""
-    if d.state == "free" and d.host_state == "left":
-        # Its worker deregistered: nothing runs there until it registers again.
+def view_state(state: str, idle_behavior: str, host_state: str) -> str:
+    """A device's state as the pool sees it (and ``GET /v1/devices`` shows it), from its
+    record's: ``held`` is free but kept from work by its idle behaviour; a free device of a
+    host whose worker deregistered is ``absent`` (nothing runs there until it registers)."""
+    if state == "free" and host_state == "left":
         return "absent"
-    if d.state == "free" and d.idle_behavior != "run":
+    if state == "free" and idle_behavior != "run":
         return "held"
-    return d.state
+    return state
+
+
+def view_host_state(state: str, present_idle_behaviors: Iterable[str]) -> str:
+    """A host's state as the pool sees it: ``draining`` when it is up and every present
+    device has idle behaviour ``drain`` (``rc host drain``)."""
+    behaviors = list(present_idle_behaviors)
+    if state == "up" and behaviors and all(b == "drain" for b in behaviors):
+        return "draining"
+    return state
+
+
+def device_state(d: DeviceInfo) -> str:
+    """The pool's state of one device (what its view already says)."""
+    return view_state(d.state, d.idle_behavior, d.host_state)
 
 
 def host_states(devices: Iterable[DeviceInfo]) -> dict[str, str]:
-    """Each host's state: its controller state, ``draining`` when every present
-    device of an up host has idle behaviour ``drain``."""
+    """Each host's state, from its devices' views."""
     by_host: dict[str, list[DeviceInfo]] = {}
     for d in devices:
         by_host.setdefault(d.host, []).append(d)
-    out: dict[str, str] = {}
-    for host, ds in by_host.items():
-        state = ds[0].host_state
-        present = [d for d in ds if d.present]
-        if state == "up" and present and all(d.idle_behavior == "drain" for d in present):
-            state = "draining"
-        out[host] = state
-    return out
+    return {
+        host: view_host_state(ds[0].host_state, (d.idle_behavior for d in ds if d.present))
+        for host, ds in by_host.items()
+    }
 
 
 def pool_view(

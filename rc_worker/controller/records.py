@@ -17,6 +17,7 @@ from rc_worker.controller.messages import (
     JobSpec,
     Verify,
 )
+from rc_worker.controller.pool import view_host_state, view_state
 from rc_worker.core.selectors import Selector
 
 # The recommended step of a fault that arrives without one (an older worker,
@@ -249,13 +250,19 @@ class Device:
         view.setdefault("device", self.name)
         return view
 
+    def view_state(self, host: Host) -> str:
+        """The state ``GET /v1/devices`` shows: the pool's (``held``, ``absent`` for a
+        deregistered host's), not the record's own."""
+        return view_state(self.state, self.idle_behavior, host.view_state())
+
     def info(self, host: Host) -> DeviceInfo:
         first = self.first_fault()
         cur = None if self.job is None else self.job.current
+        host_state = host.view_state()
         return DeviceInfo(
             host=self.host,
             name=self.name,
-            state=self.state,
+            state=view_state(self.state, self.idle_behavior, host_state),
             reason=None if first is None else first.reason,
             fault_id=None if first is None else first.fault_id,
             faults=tuple(f.info() for f in self.faults.values()),
@@ -266,7 +273,7 @@ class Device:
             job_id=None if self.job is None else self.job.job_id,
             attempt=None if cur is None else cur.number,
             present=self.present,
-            host_state=host.state,
+            host_state=host_state,
             worker_state=self.worker_state,
             cleared_pending=tuple(self.cleared_pending),
             held_for_health=self.held_for_health,
@@ -302,3 +309,9 @@ class Host:
         if self.recovering_until is not None:
             return "unknown"
         return "lost" if self.lost else "left" if self.left else "up"
+
+    def view_state(self) -> str:
+        """The state ``GET /v1/devices`` and the pool show: ``draining`` too."""
+        return view_host_state(
+            self.state, (d.idle_behavior for d in self.devices.values() if d.present)
+        )

@@ -545,6 +545,7 @@ class StoreState:
             self._queue.remove((job.seq, job.job_id))
         job.state = outcome
         job.outcome = outcome
+        self.stats.jobs_finished[outcome] += 1
         job.reason = reason
         job.exit_code = exit_code
         job.killed = killed
@@ -596,9 +597,11 @@ class StoreState:
         return True
 
     def _lift(self, d: Device, fault_ids: Iterable[str], *, by: str) -> None:
-        ids = [f for f in fault_ids if d.faults.pop(f, None) is not None]
+        lifted = [fault for f in fault_ids if (fault := d.faults.pop(f, None)) is not None]
+        ids = [fault.fault_id for fault in lifted]
         if not ids:
             return
+        self.stats.faults_cleared.update(fault.kind for fault in lifted)
         self.journal.host(d.host)
         self._touch_host(d.host)
         # Listed in heartbeat `cleared` whoever lifted them: a worker may hold an id it

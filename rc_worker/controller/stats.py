@@ -84,5 +84,9 @@ class Stats:
         self.commit_latency = Histogram()
         """Seconds one group commit took to write (persisted stores only)."""
         self.webhook_deliveries: Counter[str] = Counter()
+        self.jobs_finished: Counter[str] = Counter()
+        """Jobs that reached a terminal state since the controller started, by outcome."""
+        self.faults_cleared: Counter[str] = Counter()
+        """Device faults lifted (an operator's clear, a reboot, a device gone), by kind."""
         self.polls_parked = 0
         """Long polls waiting now."""

@@ -69,8 +69,8 @@ from rc_worker.core.selectors import Selector, SelectorError, parse_selector
 __all__ = ["DEVICE_STATES", "Store", "StoreConfig"]
 
 DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
-"""What ``GET /v1/devices?state=`` takes: a device's ``state``, or ``held`` (the pool's word
-for a free device whose idle behaviour keeps work off it; its ``state`` stays ``free``)."""
+"""A device's states as ``GET /v1/devices`` shows them and ``?state=`` takes them (the
+pool's: ``held`` is free but kept from work by its idle behaviour)."""
 """What :attr:`DeviceInfo.state` can be (``GET /v1/devices?state=``)."""
 
 
@@ -432,7 +432,7 @@ class Store(StoreState):
         for addr in sorted(a for a in addrs if start is None or a > start):
             h = self._hosts.get(addr[0])
             d = None if h is None else h.devices.get(addr[1])
-            if h is None or d is None or not _in_state(d, state):
+            if h is None or d is None or (state is not None and d.view_state(h) != state):
                 continue
             if limit is not None and len(out) >= limit:
                 nxt = f"{out[-1].host}/{out[-1].name}"
@@ -1128,11 +1128,3 @@ class Store(StoreState):
             d = h.devices.get(name)
             if d is not None:
                 d.sheet = text
-
-
-def _in_state(d: Device, state: str | None) -> bool:
-    if state is None:
-        return True
-    if state == "held":
-        return d.state == "free" and d.idle_behavior != "run"
-    return d.state == state

@@ -214,6 +214,36 @@ async def test_metrics_count_the_pool(client: httpx.AsyncClient, store: Store) -
     assert 'rc_controller_jobs{state="queued"} 1.0' in text
 
 
+async def test_metrics_count_jobs_finished_and_faults_cleared(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    """Issue 14 asks for jobs finished by outcome and faults cleared: counters since the
+    controller started (retention does not lower them), and every job state as a series,
+    zero included, so an alert on ``queued`` has something to read."""
+    w = FakeWorker(client)
+    with trio.fail_after(10):
+        await w.register()
+        store.submit(["x"])
+        a = await w.run_one()
+        job_id = store.submit(["y"])
+        [b] = await w.poll(wait_s=5)
+        assert (await w.start(b)).status_code == 200
+        r = await w.finish(
+            b, "failed", exit_code=3, fault_id="f-1", verify={"ok": False, "reason": "ecc"}
+        )
+        assert r.status_code == 200, r.text
+        assert store.device("box1", "gpu0").state == "quarantined"
+        assert store.clear("box1", "gpu0") == ["f-1"]
+        text = (await client.get("/metrics")).text
+    assert a["job_id"] != job_id
+    assert 'rc_controller_jobs_finished_total{outcome="succeeded"} 1.0' in text
+    assert 'rc_controller_jobs_finished_total{outcome="failed"} 1.0' in text
+    assert 'rc_controller_jobs_finished_total{outcome="lost"} 0.0' in text
+    assert 'rc_controller_faults_cleared_total{kind="verify_failed"} 1.0' in text
+    assert 'rc_controller_jobs{state="queued"} 0.0' in text
+    assert 'rc_controller_jobs{state="running"} 0.0' in text
+
+
 # -- heartbeats scale with the fleet ------------------------------------------------------
 
 
@@ -288,13 +318,26 @@ def test_devices_show_their_last_job_and_when_they_were_last_busy() -> None:
     assert (again.devices["gpu0"].last_job, again.devices["gpu0"].last_busy) == (job_id, 1060.0)
 
 
-def test_devices_filter_held_ones_apart() -> None:
+def test_devices_show_the_pools_states_held_absent_and_draining() -> None:
+    """Issue 14: a device is free, busy, held, quarantined or absent; a host unknown, up,
+    draining, lost or retired. The device list says what the pool counts."""
     store = Store(instance="t")
-    register(store, devices=("gpu0", "gpu1", "gpu2"))
+    session = register(store, devices=("gpu0", "gpu1", "gpu2"))
     store.set_idle_behavior("box1", "gpu1", "hold")
     store.set_idle_behavior("box1", "gpu2", "drain")
     held, _ = store.devices_page(state="held")
-    assert [d.name for d in held] == ["gpu1", "gpu2"]
-    assert all(d.state == "free" for d in held)  # held is the pool's word; state stays free
+    assert [(d.name, d.state, d.idle_behavior) for d in held] == [
+        ("gpu1", "held", "hold"),
+        ("gpu2", "held", "drain"),
+    ]
     free, _ = store.devices_page(state="free")
-    assert [d.name for d in free] == ["gpu0", "gpu1", "gpu2"]
+    assert [d.name for d in free] == ["gpu0"]
+    assert store.pool()["devices"]["held"] == 2
+    assert {d.host_state for d in store.devices()} == {"up"}
+    store.set_host_idle_behavior("box1", "drain")
+    assert {d.host_state for d in store.devices()} == {"draining"}
+    assert store.pool()["hosts"]["draining"] == 1
+    # A worker that deregistered after its drain: its free devices are absent.
+    store.deregister("box1", session, now=0)
+    assert {(d.state, d.host_state) for d in store.devices()} == {("absent", "left")}
+    assert [d.name for d in store.devices_page(state="absent")[0]] == ["gpu0", "gpu1", "gpu2"]
