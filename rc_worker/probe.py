@@ -25,6 +25,7 @@ import trio
 
 from rc_worker.core.config import Config, probe_environ
 from rc_worker.core.dropin_output import DROPIN_PREFIX, DROPIN_STDOUT_CAP, parse_dropin_output
+from rc_worker.core.durations import coarse_bytes
 from rc_worker.core.gpu_query import NVIDIA_SMI, NVIDIA_SMI_ARGS, gpu_scope, nvidia_smi_facts
 from rc_worker.core.labels import BUILTIN, History, ProbeResult, SourceFacts, merge_sources
 from rc_worker.host import Host, LinuxHost
@@ -147,7 +148,8 @@ class Prober:
             "kernel": host.kernel,
             "cpu_count": host.cpu_count,
             "mem_total_bytes": host.mem_total_bytes,
-            "disk_free_bytes": lambda: host.disk_free_bytes(self._config.state_dir),
+            # Three significant digits: exact to the byte, it changed at every pass.
+            "disk_free_bytes": lambda: coarse_bytes(host.disk_free_bytes(self._config.state_dir)),
         }
         found: dict[str, str] = {}
         problems: list[str] = []

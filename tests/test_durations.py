@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from rc_worker.core.durations import (
     DURATION_HELP,
     SIZE_HELP,
+    coarse_bytes,
     format_duration,
     parse_duration,
     parse_size,
@@ -206,3 +207,18 @@ def test_binary_suffix_is_a_power_of_two(n: int, suffix: str) -> None:
     power = {"K": 10, "M": 20, "G": 30, "T": 40}[suffix]
     assert parse_size(f"{n}{suffix}i") == n * 2**power
     assert parse_size(f"{n}{suffix}") == n * 10 ** (power // 10 * 3)
+
+
+@given(st.integers(min_value=0, max_value=10**15))
+def test_coarse_bytes_never_claims_more_and_stays_within_one_percent(n: int) -> None:
+    c = coarse_bytes(n)
+    assert 0 <= c <= n
+    assert n - c < max(n / 100, 1)
+    assert coarse_bytes(c) == c  # already coarse: a steady disk sends no new label
+
+
+def test_coarse_bytes_keeps_three_significant_digits() -> None:
+    assert coarse_bytes(84_563_259_392) == 84_500_000_000
+    assert coarse_bytes(84_563_210_240) == 84_500_000_000  # a few MB later: the same label
+    assert coarse_bytes(999) == 999
+    assert coarse_bytes(72_000_000_000) == 72_000_000_000
