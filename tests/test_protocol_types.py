@@ -348,3 +348,14 @@ def test_the_worker_wording_of_an_error() -> None:
             protocol.Assignment,
         )
     assert caught.value.sentence == 'stdin must be null or {"url": "..."}'
+
+
+def test_the_protocol_is_importable_by_its_first_name_too() -> None:
+    """Issue 9 names ``rc_worker/protocol.py``; the protocol lives in the pure core. Both
+    imports give the same classes and the same converter."""
+    import rc_worker.core.protocol as core_protocol
+    import rc_worker.protocol as protocol
+
+    assert sorted(protocol.__all__) == sorted(core_protocol.__all__)
+    for name in core_protocol.__all__:
+        assert getattr(protocol, name) is getattr(core_protocol, name), name

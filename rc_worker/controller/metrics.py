@@ -53,6 +53,7 @@ class StoreCollector(Collector):
         devices = self._store.devices()
         hosts = GaugeMetricFamily("rc_controller_hosts", "Hosts per state.", labels=["state"])
         counted = Counter(host_states(devices).values())
+        counted["retired"] += len(self._store.retired_hosts)
         for state in sorted({*HOST_STATES, *counted}):
             hosts.add_metric([state], counted.get(state, 0))
         yield hosts

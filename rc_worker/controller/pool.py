@@ -74,11 +74,14 @@ def pool_view(
     now: float,
     class_label: str = DEFAULT_CLASS_LABEL,
     recent_s: float = RECENT_S,
+    retired: int = 0,
 ) -> dict[str, Any]:
-    """The pool's counts and running attempts (see the module docstring)."""
+    """The pool's counts and running attempts (see the module docstring); ``retired`` hosts
+    have no devices left, so they are counted apart."""
     devices = list(devices)
     hosts = host_states(devices)
     host_counts = Counter(hosts.values())
+    host_counts["retired"] += retired
     states = Counter(device_state(d) for d in devices)
     idle = Counter(d.idle_behavior for d in devices if d.present)
     free_by_class: Counter[str] = Counter(

@@ -150,6 +150,9 @@ class StoreState:
         """Wall-clock time each queued job was (re)queued: its queue wait, for /metrics."""
         self.stats = Stats()
         """The controller's counters and histograms (rc_worker.controller.stats)."""
+        self.retired_hosts: set[str] = set()
+        """Hosts retired (``rc host retire``) and not registered since: the pool's
+        ``retired``. Stored with the counters."""
         self._cancelled: dict[str, Job] = {}
         """Live jobs with a cancel to deliver (the heartbeat and the poll look only here)."""
         self.journal = Journal()

@@ -506,6 +506,7 @@ class Store(StoreState):
             now=self._wall(),
             class_label=class_label,
             recent_s=recent_s,
+            retired=len(self.retired_hosts),
         )
 
     def _jobs_for_pool(self) -> list[JobInfo]:
@@ -572,6 +573,7 @@ class Store(StoreState):
         for key in [k for k in self._poll_gen if k[0] == host]:
             del self._poll_gen[key]
         del self._hosts[host]
+        self.retired_hosts.add(host)
         self._unindex_host(host)
         self._touch_host(host)
         self.journal.host(host)  # gone from the store beneath too
@@ -619,6 +621,7 @@ class Store(StoreState):
         self.stats.registrations["recovered" if recovered else "registered"] += 1
         if h is None:
             h = self._hosts[host] = Host(host, req.boot_id, last_seen=now)
+            self.retired_hosts.discard(host)  # back: a new host of that name
         self.journal.host(host)
         h.recovering_until = None
         if h.session is not None:

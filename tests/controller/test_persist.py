@@ -671,3 +671,22 @@ async def test_a_long_streamed_body_is_committed_as_it_is_read(
             assert max(held) < 1000 + 300
             assert await output(user, job_id) == b"".join(pieces)
         opened.backend.close()
+
+
+async def test_retired_hosts_stay_counted_across_a_restart(store_place: StorePlace) -> None:
+    with trio.fail_after(GUARD):
+        opened = open_controller(store_place.open())
+        async with clients(opened.app) as (bare, user):
+            await FakeWorker(bare, "box1").register()
+            await FakeWorker(bare, "box2").register()
+            r = await user.post("/v1/hosts/box2/retire", json={})
+            assert r.status_code == 200, r.text
+            assert (await user.get("/v1/pool")).json()["hosts"]["retired"] == 1
+        opened.backend.close()
+        reopened = open_controller(store_place.open())
+        async with clients(reopened.app) as (_, user):
+            pool = (await user.get("/v1/pool")).json()
+            assert (pool["hosts"]["retired"], pool["hosts"]["unknown"]) == (1, 1)
+            metrics = (await user.get("/metrics")).text
+            assert 'rc_controller_hosts{state="retired"} 1.0' in metrics
+        reopened.backend.close()

@@ -157,9 +157,11 @@ def test_retire_refuses_a_busy_host_unless_forced_and_keeps_the_jobs_records() -
     assert "retired" in store.job(job_id).reason
     with pytest.raises(NotFound):
         store.retire_host("box1")
+    assert store.pool()["hosts"]["retired"] == 1  # a host state too (issue 14)
     # Back again: a new host, registered afresh.
     register(store, devices=("gpu0",))
     assert [d.address for d in store.devices()] == ["box1/gpu0"]
+    assert store.pool()["hosts"]["retired"] == 0
 
 
 # -- end to end through rc --------------------------------------------------------------

@@ -193,6 +193,7 @@ def batch_of(store: StoreState, marks: Marks, generation: int) -> Batch:
         ("instance", store.instance),
         ("counters", _dumps(store.counters())),
         ("event_seq", str(store.last_event_seq)),
+        ("retired_hosts", _dumps(sorted(store.retired_hosts))),
     )
     output = coalesce_output(marks.output)
     return Batch(generation, tuple(jobs), tuple(hosts), events, output, meta, tuple(deleted))
@@ -346,6 +347,7 @@ def restore(
     if "instance" in meta:
         store.instance = meta["instance"]
     store.restore_counters(json.loads(meta.get("counters", "{}")), int(meta.get("event_seq", "0")))
+    store.retired_hosts = set(json.loads(meta.get("retired_hosts", "[]")))
     for text in loaded.hosts:
         h = load_host(json.loads(text), now)
         if h.lost or h.left:
