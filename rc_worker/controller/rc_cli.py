@@ -522,8 +522,11 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         raise
     status = run_exit_status(job)
     if args.json:
-        _out(json.dumps(job, indent=2))
-    elif job["state"] not in ("succeeded", "failed"):
+        _out(json.dumps(job, indent=2))  # output_truncated is in it
+    elif job.get("output_truncated") and not args.quiet:
+        # On stderr: stdout is the job's own output, as it was kept.
+        print(f"rc: {_truncated_message(job)}", file=sys.stderr)
+    if not args.json and job["state"] not in ("succeeded", "failed"):
         why = job.get("reason") or job.get("error") or ""
         print(f"rc: job {job_id} ended {job['state']}{': ' + why if why else ''}", file=sys.stderr)
     return status
@@ -570,16 +573,20 @@ def _truncation_marker(job: Any, *, json_mode: bool) -> None:
     if not isinstance(job, dict) or not job.get("output_truncated"):
         return
     kept = job.get("committed_bytes")
-    message = (
-        f"output truncated: the controller kept only the first {kept} bytes "
-        "(rc serve --max-output-bytes)"
-    )
+    message = _truncated_message(job)
     if json_mode:
         line = {"output_truncated": True, "committed_bytes": kept, "message": message}
         sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
     else:
         _out(f"\n[rc: {message}]")
+
+
+def _truncated_message(job: Mapping[str, Any]) -> str:
+    return (
+        f"output truncated: the controller kept only the first {job.get('committed_bytes')}"
+        " bytes (rc serve --max-output-bytes)"
+    )
 
 
 async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> int:

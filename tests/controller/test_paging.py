@@ -103,3 +103,30 @@ async def test_rc_logs_json_ends_with_a_truncation_object(
         assert await rc_cli.amain([*argv, whole], env=env, transport=transport) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [base64.b64decode(line["data"]) for line in lines] == [b"ok\n"]
+
+
+async def test_rc_run_says_on_stderr_when_the_output_was_capped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``rc run`` prints the job's output as kept on stdout, and says that it was cut on
+    stderr (``rc logs`` ends its output with the marker instead)."""
+    store = Store(StoreConfig(max_output_bytes=4), instance="t")
+    app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
+    transport = httpx.ASGITransport(app=app)
+    env = {"RC_URL": "http://rc", "RC_USER_TOKEN": USER_TOKEN}
+    async with httpx.AsyncClient(transport=transport, base_url="http://rc") as c:
+        w = FakeWorker(c)
+        await w.register()
+        status: list[int] = []
+
+        async def run() -> None:
+            status.append(await rc_cli.amain(["run", "--", "yes"], env=env, transport=transport))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await w.run_one(b"y\ny\ny\n")
+    assert status == [0]
+    captured = capsys.readouterr()
+    assert captured.out == "y\ny\n"
+    assert "rc: output truncated: the controller kept only the first" in captured.err
