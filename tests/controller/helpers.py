@@ -138,11 +138,13 @@ class FakeWorker:
 
 
 async def wait_listening(proc: trio.Process) -> str:
-    """Read a real ``rc serve``'s stderr until it says where it listens; its URL."""
+    """Read a real ``rc serve``'s stderr until it says where it listens; its (first) URL.
+
+    Read to the end of that line: a read that stops inside the address would cut it."""
     assert proc.stderr is not None
     said = b""
-    while b"listening on" not in said:
+    while b"listening on " not in said or not said.endswith(b"\n"):
         chunk = await proc.stderr.receive_some(4096)
         assert chunk, f"rc serve ended before listening: {said!r}"
         said += chunk
-    return said.split(b"listening on ")[1].split()[0].decode()
+    return said.split(b"listening on ", 1)[1].split()[0].decode().rstrip(",")

@@ -15,6 +15,8 @@ import trio
 
 from rc_worker.changed import Changed
 
+from .helpers import wait_listening
+
 RC = str(Path(sys.executable).parent / "rc")
 USER = "ut"
 WORKER = "wt"
@@ -52,14 +54,8 @@ async def rc_serve(
         stderr=subprocess.PIPE,
     )
     try:
-        assert proc.stderr is not None
-        said = b""
         with trio.fail_after(30):
-            while b"listening on " not in said or not said.endswith(b"\n"):
-                chunk = await proc.stderr.receive_some(4096)
-                assert chunk, f"rc serve ended before listening: {said!r}"
-                said += chunk
-        url = said.split(b"listening on ", 1)[1].split()[0].decode().rstrip(",")
+            url = await wait_listening(proc)
         yield Served(proc, url, int(url.rsplit(":", 1)[1]))
     finally:
         await stop(proc)
