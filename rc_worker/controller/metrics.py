@@ -24,7 +24,7 @@ Counts only: no job ids, no host names, so the endpoint needs no token.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -113,16 +113,26 @@ class StoreCollector(Collector):
         yield from _stats_metrics(self._store.stats)
 
 
+def _counted(
+    name: str, doc: str, label: str, counts: Mapping[str, int], always: Iterable[str] = ()
+) -> CounterMetricFamily:
+    """A counter family with one series per key of ``counts``, and one (0 if need be) for
+    each of ``always``: a series that exists from the start is one an alert can read."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key in sorted({*always, *counts}):
+        family.add_metric([key], counts.get(key, 0))
+    return family
+
+
 def _stats_metrics(stats: Stats) -> Iterator[Metric]:
     """What the controller counts about itself (:mod:`rc_worker.controller.stats`)."""
-    registrations = CounterMetricFamily(
+    yield _counted(
         "rc_controller_registrations",
         "Worker registrations by outcome (registered, recovered, refused).",
-        labels=["outcome"],
+        "outcome",
+        stats.registrations,
+        REGISTRATION_OUTCOMES,
     )
-    for outcome in REGISTRATION_OUTCOMES:
-        registrations.add_metric([outcome], stats.registrations.get(outcome, 0))
-    yield registrations
     for name, doc, hist in (
         (
             "rc_controller_dispatch_latency_seconds",
@@ -146,31 +156,27 @@ def _stats_metrics(stats: Stats) -> Iterator[Metric]:
     parked = GaugeMetricFamily("rc_controller_long_polls_parked", "Worker long polls waiting.")
     parked.add_metric([], stats.polls_parked)
     yield parked
-    finished = CounterMetricFamily(
+    yield _counted(
         "rc_controller_jobs_finished",
         "Jobs that ended since the controller started, by outcome (retention never lowers it).",
-        labels=["outcome"],
+        "outcome",
+        stats.jobs_finished,
+        TERMINAL_STATES,
     )
-    for outcome in sorted(TERMINAL_STATES | set(stats.jobs_finished)):
-        finished.add_metric([outcome], stats.jobs_finished.get(outcome, 0))
-    yield finished
-    cleared = CounterMetricFamily(
+    yield _counted(
         "rc_controller_faults_cleared",
         "Device faults lifted since the controller started (clears, reboots, devices gone),"
         " by kind.",
-        labels=["kind"],
+        "kind",
+        stats.faults_cleared,
     )
-    for kind, n in sorted(stats.faults_cleared.items()):
-        cleared.add_metric([kind], n)
-    yield cleared
-    webhooks = CounterMetricFamily(
+    yield _counted(
         "rc_controller_webhook_deliveries",
         "Webhook POST attempts by result (delivered, retried, refused, failed).",
-        labels=["result"],
+        "result",
+        stats.webhook_deliveries,
+        WEBHOOK_RESULTS,
     )
-    for result in WEBHOOK_RESULTS:
-        webhooks.add_metric([result], stats.webhook_deliveries.get(result, 0))
-    yield webhooks
 
 
 def metrics_endpoint(store: Store) -> Callable[[Request], Awaitable[Response]]:
