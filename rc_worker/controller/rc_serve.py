@@ -92,7 +92,6 @@ async def run_serve(
     args = build_parser().parse_args(["serve", *argv])
     env = os.environ if env is None else env
     worker, users = serve_settings(args, env)
-    check_listen(args)
     if args.heartbeat_rate < 0 or args.heartbeat_rate != args.heartbeat_rate:
         raise CliError("--heartbeat-rate: must be a number >= 0 (0: no target)", 2)
     config = StoreConfig(
@@ -103,6 +102,8 @@ async def run_serve(
         max_output_bytes=args.max_output_bytes,
     )
     if backend is None:
+        # A caller that passes the store opened it, and checked the address before that.
+        check_listen(args)
         backend = await open_serve_backend(args, env)
     try:
         listen = args.listen
