@@ -285,12 +285,7 @@ class SimDisk:
     def write_synced(self, path: Path, data: bytes, mode: int = 0o600) -> None:
         if self.frozen:
             return
-        parent, name = self._parent(path)
-        node = parent.entries.get(name)
-        if isinstance(node, _Dir):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if node is None:
-            node = parent.entries[name] = _File(bool(mode & 0o111))
+        node = self._writable(path, mode)
         node.data = bytearray()  # truncated first (O_TRUNC): its bytes are free again
         room = self.room()
         if room is not None and len(data) > room:
@@ -358,15 +353,21 @@ class SimDisk:
         if isinstance(parent.entries.get(name), _Dir):
             del parent.entries[name]
 
-    def open_append(self, path: Path, mode: int = 0o600) -> AppendFile:
-        if self.frozen:
-            return _Append(self, _File())  # nothing it writes lands
+    def _writable(self, path: Path, mode: int) -> _File:
+        """The file at ``path`` to write, created (with ``mode``'s executable bit) if absent;
+        ``IsADirectoryError`` for a directory, as ``open`` for writing says."""
         parent, name = self._parent(path)
         node = parent.entries.get(name)
         if isinstance(node, _Dir):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if node is None:
             node = parent.entries[name] = _File(bool(mode & 0o111))
+        return node
+
+    def open_append(self, path: Path, mode: int = 0o600) -> AppendFile:
+        if self.frozen:
+            return _Append(self, _File())  # nothing it writes lands
+        node = self._writable(path, mode)
         return _Append(self, node)
 
     def tree_bytes(self, path: Path) -> int:
