@@ -58,22 +58,30 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+# One decoder for every call: json.loads with hooks builds a decoder (and its scanner)
+# per document, a good part of the cost of a small one.
+_DECODER = json.JSONDecoder(
+    parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int
+)
+
+
 def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> object:
     """Parse JSON; ``ValueError`` (``JsonTooDeep`` for nesting) on anything unsafe."""
     text = data.decode("utf-8") if isinstance(data, bytes) else data
-    too_deep = JsonTooDeep(f"JSON nested too deep; at most {max_depth} levels are accepted")
+    if text.startswith("\ufeff"):
+        # What json.loads says of a text that starts with a byte order mark.
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
     try:
         # The C decoder guards its own recursion: a 100k-deep array is a RecursionError.
-        value = json.loads(
-            text,
-            parse_constant=_refuse_constant,
-            parse_float=_finite_float,
-            parse_int=_bounded_int,
-        )
+        value = _DECODER.decode(text)
     except RecursionError:
-        raise too_deep from None
+        raise _too_deep(max_depth) from None
     # Each level opens with a bracket, so a text with no more brackets than allowed
     # (strings' own included) cannot nest too deep: no need to walk what was parsed.
     if text.count("[") + text.count("{") > max_depth and depth(value) > max_depth:
-        raise too_deep
+        raise _too_deep(max_depth)
     return value
+
+
+def _too_deep(max_depth: int) -> JsonTooDeep:
+    return JsonTooDeep(f"JSON nested too deep; at most {max_depth} levels are accepted")

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from json import dumps as json_dumps
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -52,6 +54,10 @@ _URL_CACHE_SIZE = 4096
 _urls: dict[tuple[str, str], httpx.URL] = {}
 # Set by a JSON body: a call's header of one of these names takes httpx's own path.
 _BODY_HEADERS = frozenset({"content-length", "content-type", "transfer-encoding"})
+# A request's timeout by the seconds it was given (a long poll's differ by its wait):
+# what httpx.Timeout makes of them, as the request's extension holds it.
+_TIMEOUT_CACHE_SIZE = 256
+_timeouts: dict[float, dict[str, float | None]] = {}
 
 
 def _ascii(value: str | bytes) -> bytes:
@@ -121,6 +127,19 @@ class SimClient(httpx.AsyncClient):
                 timeout=timeout,
                 extensions=extensions,
             )
+        return self._lean_request(method, url, content, json, params, headers, timeout)
+
+    def _lean_request(
+        self,
+        method: str,
+        url: str,
+        content: RequestContent | None,
+        json: Any | None,
+        params: QueryParamTypes | None,
+        headers: HeaderTypes | None,
+        timeout: TimeoutTypes | UseClientDefault,
+    ) -> httpx.Request:
+        """:meth:`build_request` for a client and a call that :meth:`_lean` allows."""
         own = self.headers.raw
         if self.base_url is not self._sim_base or own != self._sim_own:
             # Another controller (a fail-over sets base_url), or the client's own
@@ -135,8 +154,7 @@ class SimClient(httpx.AsyncClient):
             if len(_urls) >= _URL_CACHE_SIZE:
                 _urls.clear()
             merged = _urls[key] = self._merge_url(url)
-        chosen = self.timeout if isinstance(timeout, UseClientDefault) else httpx.Timeout(timeout)
-        extensions = {"timeout": chosen.as_dict()}
+        extensions = {"timeout": self._timeout_of(timeout)}
         if json is None or content is not None or params is not None:
             return self._plain_request(method, merged, headers, extensions, content, json, params)
         # A JSON body, the most common request: what httpx.Request(json=...) makes (the
@@ -160,6 +178,19 @@ class SimClient(httpx.AsyncClient):
         )
         request.read()
         return request
+
+    def _timeout_of(self, timeout: TimeoutTypes | UseClientDefault) -> dict[str, float | None]:
+        """The request's ``timeout`` extension, as httpx makes it from ``timeout``."""
+        if isinstance(timeout, UseClientDefault):
+            return self.timeout.as_dict()
+        if type(timeout) is not float:
+            return httpx.Timeout(timeout).as_dict()
+        known = _timeouts.get(timeout)
+        if known is None:
+            if len(_timeouts) >= _TIMEOUT_CACHE_SIZE:
+                _timeouts.clear()
+            known = _timeouts[timeout] = httpx.Timeout(timeout).as_dict()
+        return dict(known)
 
     def _plain_request(
         self,
@@ -200,6 +231,10 @@ class SimClient(httpx.AsyncClient):
             return await super().send(
                 request, stream=stream, auth=auth, follow_redirects=follow_redirects
             )
+        return await self._lean_send(request, stream)
+
+    async def _lean_send(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        """:meth:`send` for a client and a call that :meth:`_lean` allows."""
         if self.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
         if "timeout" not in request.extensions:
@@ -222,3 +257,86 @@ class SimClient(httpx.AsyncClient):
                 response.reason_phrase,
             )
         return response
+
+    # httpx's stream() is a generator-based context manager; this one is a plain object
+    # (the worker makes every request through stream()), used as httpx's is.
+    def stream(  # type: ignore[override]
+        self,
+        method: str,
+        url: httpx.URL | str,
+        *,
+        content: RequestContent | None = None,
+        data: RequestData | None = None,
+        files: RequestFiles | None = None,
+        json: Any | None = None,
+        params: QueryParamTypes | None = None,
+        headers: HeaderTypes | None = None,
+        cookies: CookieTypes | None = None,
+        auth: AuthTypes | UseClientDefault | None = USE_CLIENT_DEFAULT,
+        follow_redirects: bool | UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout: TimeoutTypes | UseClientDefault = USE_CLIENT_DEFAULT,
+        extensions: RequestExtensions | None = None,
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        if (
+            not isinstance(url, str)
+            or data is not None
+            or files is not None
+            or cookies is not None
+            or extensions is not None
+            or not isinstance(auth, UseClientDefault)
+            or not isinstance(follow_redirects, UseClientDefault)
+            or not self._lean()
+        ):
+            return super().stream(
+                method,
+                url,
+                content=content,
+                data=data,
+                files=files,
+                json=json,
+                params=params,
+                headers=headers,
+                cookies=cookies,
+                auth=auth,
+                follow_redirects=follow_redirects,
+                timeout=timeout,
+                extensions=extensions,
+            )
+        return _Streamed(self, (method, url, content, json, params, headers, timeout))
+
+
+_LeanCall = tuple[
+    str,
+    str,
+    "RequestContent | None",
+    Any,
+    "QueryParamTypes | None",
+    "HeaderTypes | None",
+    "TimeoutTypes | UseClientDefault",
+]
+
+
+class _Streamed(AbstractAsyncContextManager[httpx.Response]):
+    """What ``httpx.AsyncClient.stream`` does, entered and left: the request built and
+    sent on entry (its answer not read), the answer closed on the way out."""
+
+    __slots__ = ("_call", "_client", "_response")
+
+    def __init__(self, client: SimClient, call: _LeanCall) -> None:
+        self._client = client
+        self._call = call
+        self._response: httpx.Response | None = None
+
+    async def __aenter__(self) -> httpx.Response:
+        request = self._client._lean_request(*self._call)
+        self._response = await self._client._lean_send(request, stream=True)
+        return self._response
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._response is not None
+        await self._response.aclose()

@@ -17,6 +17,8 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -130,11 +132,20 @@ async def _stream(request: Request) -> Response:
     return StreamingResponse(parts(), media_type="text/plain")
 
 
+async def _stream_fail(request: Request) -> Response:
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"one "
+        raise RuntimeError("the stream broke")
+
+    return StreamingResponse(parts(), media_type="text/plain")
+
+
 APP = Starlette(
     routes=[
         Route("/echo/{x}", _echo, methods=["POST", "PUT", "GET", "HEAD"]),
         Route("/fail", _fail, methods=["POST"]),
         Route("/stream", _stream, methods=["GET"]),
+        Route("/stream-fail", _stream_fail, methods=["GET"]),
     ]
 )
 
@@ -179,6 +190,25 @@ async def test_an_exception_of_the_app_reaches_the_caller() -> None:
         async with httpx.AsyncClient(transport=transport, base_url=BASE) as client:
             with pytest.raises(RuntimeError, match="the handler broke"):
                 await client.post("/fail")
+            with pytest.raises(RuntimeError, match="the stream broke"):
+                await client.get("/stream-fail")
+
+
+def test_a_plain_app_is_called_one_layer_further_in() -> None:
+    """The handlers of a Starlette app with no middleware of its own are called directly
+    (the answers above are the same either way); an app with more goes through whole."""
+    direct = InProcessTransport(APP).direct
+    assert direct is not None
+    scope = {"type": "http", "method": "POST", "path": "/echo/a", "root_path": ""}
+    found = direct.find(scope)
+    assert found is not None
+    assert (found[1], found[2]) == (_echo, {"x": "a"})
+    assert direct.find({**scope, "path": "/nowhere"}) is None
+    assert direct.find({**scope, "method": "DELETE"}) is None  # a 405 is the app's
+    fleet_app = create_app(store=Store(StoreConfig(), instance="t"), worker_tokens={"t": "h0"})
+    assert InProcessTransport(fleet_app).direct is not None
+    layered = Starlette(routes=APP.routes, middleware=[Middleware(GZipMiddleware)])
+    assert InProcessTransport(layered).direct is None
 
 
 async def test_the_controller_answers_alike_through_both() -> None:
@@ -217,6 +247,45 @@ async def test_the_controller_answers_alike_through_both() -> None:
             seen.append((beat.status_code, beat.content))
             bad = await client.post("/v1/hosts/h0/heartbeat", json=[1], headers=auth)
             seen.append((bad.status_code, bad.content))
+            for path, headers in [
+                ("/v1/hosts/h0/heartbeat", {}),  # 401, with WWW-Authenticate
+                ("/v1/hosts/h1/heartbeat", auth),  # 403: another host's token
+                ("/v1/hosts/h0/nothing", auth),  # 404 from the router
+            ]:
+                answer = await client.post(
+                    path, json={"session": "x", "devices": {}}, headers=headers
+                )
+                seen.append((answer.status_code, answer.content, answer.headers.raw))
+            gone = await client.post(
+                "/v1/hosts/h0/heartbeat", json={"session": "gone", "devices": {}}, headers=auth
+            )
+            seen.append((gone.status_code, gone.content, gone.headers.raw))
+            wrong = await client.get("/v1/hosts/h0/heartbeat", headers=auth)  # 405
+            seen.append((wrong.status_code, wrong.content))
         answers.append(seen)
     assert answers[0] == answers[1]
-    assert [status for status, _ in answers[0]] == [200, 200, 400]
+    assert [status for status, *_ in answers[0]] == [200, 200, 400, 401, 403, 404, 409, 405]
+
+
+async def test_a_controller_bug_is_logged_and_raised_alike_through_both(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected exception in a handler: logged with an error id, raised to the caller."""
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise KeyError("a store bug")
+
+    app = create_app(store=Store(StoreConfig(), instance="t"), worker_tokens={"tok": "h0"})
+    monkeypatch.setattr(app.state.store, "heartbeat", broken)
+    for transport in (httpx.ASGITransport(app=app), InProcessTransport(app)):
+        caplog.clear()
+        async with httpx.AsyncClient(transport=transport, base_url=BASE) as client:
+            with pytest.raises(KeyError, match="a store bug"):
+                await client.post(
+                    "/v1/hosts/h0/heartbeat",
+                    json={"session": "s", "devices": {}},
+                    headers={"Authorization": "Bearer tok"},
+                )
+        assert [r.getMessage().split(" in ")[-1] for r in caplog.records] == [
+            "POST /v1/hosts/h0/heartbeat"
+        ]
