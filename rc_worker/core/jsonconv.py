@@ -156,36 +156,47 @@ def make_converter() -> cattrs.Converter:
     c.register_structure_hook_factory(attrs.has, lambda cls: structure_fields(c, cls))
     c.register_unstructure_hook_factory(attrs.has, lambda cls: unstructure_fields(c, cls))
     # Predicates registered later win: the general shapes first, their special cases after.
-    c.register_structure_hook_func(_is_optional, _optional_hook(c))
-    c.register_structure_hook_func(_is_homogeneous_tuple, _tuple_hook(c))
-    c.register_structure_hook_func(_is_str_mapping, _mapping_hook(c))
+    # The shapes are factories: each type's hook is made once, its item's hook looked up
+    # then (as cattrs makes its own hooks), not at every value.
+    c.register_structure_hook_factory(_is_optional, lambda t: _optional_hook(c, t))
+    c.register_structure_hook_factory(_is_homogeneous_tuple, lambda t: _tuple_hook(c, t))
+    c.register_structure_hook_factory(_is_str_mapping, lambda t: _mapping_hook(c, t))
     c.register_structure_hook_func(lambda t: t is object, _any)
     c.register_structure_hook_func(_is_json_object, _json_object)
     c.register_structure_hook_func(lambda t: t == (str | None), _opt_str)
     return c
 
 
-def _optional_hook(c: cattrs.Converter) -> Callable[[object, Any], object]:
-    def hook(value: object, t: Any) -> object:
-        return None if value is None else c.structure(value, _non_none(t))
+def _optional_hook(c: cattrs.Converter, t: Any) -> Callable[[object, Any], object]:
+    inner = _non_none(t)
+    structure = c.get_structure_hook(inner)
+
+    def hook(value: object, _: Any) -> object:
+        return None if value is None else structure(value, inner)
 
     return hook
 
 
-def _tuple_hook(c: cattrs.Converter) -> Callable[[object, Any], tuple[object, ...]]:
-    def hook(value: object, t: Any) -> tuple[object, ...]:
-        item = typing.get_args(t)[0]
-        if item is str:
+def _tuple_hook(c: cattrs.Converter, t: Any) -> Callable[[object, Any], tuple[object, ...]]:
+    item = typing.get_args(t)[0]
+    if item is str:
+
+        def strings(value: object, _: Any) -> tuple[object, ...]:
             # Worded for the whole field, as one check: "ready: expected a list of strings".
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ProtocolError("expected a list of strings")
             return tuple(value)
+
+        return strings
+    structure = c.get_structure_hook(item)
+
+    def hook(value: object, _: Any) -> tuple[object, ...]:
         if not isinstance(value, list):
             raise ProtocolError("expected a list of objects")
         out = []
         for i, v in enumerate(value):
             try:
-                out.append(c.structure(v, item))
+                out.append(structure(v, item))
             except ProtocolError as e:
                 raise e.under(i) from None
         return tuple(out)
@@ -193,19 +204,25 @@ def _tuple_hook(c: cattrs.Converter) -> Callable[[object, Any], tuple[object, ..
     return hook
 
 
-def _mapping_hook(c: cattrs.Converter) -> Callable[[object, Any], dict[str, object]]:
-    def hook(value: object, t: Any) -> dict[str, object]:
-        item = typing.get_args(t)[1]
-        if item is str:
+def _mapping_hook(c: cattrs.Converter, t: Any) -> Callable[[object, Any], dict[str, object]]:
+    item = typing.get_args(t)[1]
+    if item is str:
+
+        def strings(value: object, _: Any) -> dict[str, object]:
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise ProtocolError("expected an object of string values")
             return dict(value)
+
+        return strings
+    structure = c.get_structure_hook(item)
+
+    def hook(value: object, _: Any) -> dict[str, object]:
         if not isinstance(value, dict):
             raise ProtocolError("expected a JSON object")
         out = {}
         for k, v in value.items():
             try:
-                out[k] = c.structure(v, item)
+                out[k] = structure(v, item)
             except ProtocolError as e:
                 raise e.under(k) from None
         return out
@@ -255,26 +272,41 @@ def wire_fields(cls: type) -> list[_Field]:
 
 def structure_fields(c: cattrs.Converter, cls: type) -> Callable[[object, Any], object]:
     """The structure hook of an attrs message: each field by its key, ``null`` as absent."""
-    fields = [f for f in wire_fields(cls) if not f.local]
+    # Worked out once per message: each field's hook (as cattrs makes its own hooks) and
+    # what a missing value means.
+    fields = [
+        (
+            f.name,
+            f.key,
+            f.nullable_type,
+            c.get_structure_hook(f.nullable_type),
+            f.required,
+            _is_optional(f.type),
+            f.if_null,
+            f.expected,
+        )
+        for f in wire_fields(cls)
+        if not f.local
+    ]
 
     def hook(value: object, _: object) -> object:
         if not isinstance(value, dict):
             raise ProtocolError("expected a JSON object")
         kwargs: dict[str, object] = {}
-        for f in fields:
-            raw = value.get(f.key)
+        for name, key, ftype, structure, required, optional, if_null, expected in fields:
+            raw = value.get(key)
             if raw is None:
-                if f.key in value and f.if_null is not _NOTHING:
-                    kwargs[f.name] = f.if_null
-                elif f.required and _is_optional(f.type):
-                    kwargs[f.name] = None
-                elif f.required:
-                    raise ProtocolError("required", (f.key,))
+                if key in value and if_null is not _NOTHING:
+                    kwargs[name] = if_null
+                elif required and optional:
+                    kwargs[name] = None
+                elif required:
+                    raise ProtocolError("required", (key,))
                 continue
             try:
-                kwargs[f.name] = c.structure(raw, f.nullable_type)
+                kwargs[name] = structure(raw, ftype)
             except ProtocolError as e:
-                raise e.under(f.key, f.expected) from None
+                raise e.under(key, expected) from None
         return cls(**kwargs)
 
     return hook
@@ -285,11 +317,19 @@ def structure_fields(c: cattrs.Converter, cls: type) -> Callable[[object, Any], 
 _LEAVES: Final = frozenset({str, int, float, bool, type(None)})
 
 
+# Whether a type is an attrs class, by type: attrs.has looks it up afresh every time.
+_messages: dict[type, bool] = {}
+
+
 def plain(c: cattrs.Converter, value: object) -> object:
     """``value`` as JSON-ready data: messages through their hooks, tuples as lists."""
-    if type(value) in _LEAVES:
+    kind = type(value)
+    if kind in _LEAVES:
         return value
-    if attrs.has(type(value)):
+    message = _messages.get(kind)
+    if message is None:
+        message = _messages[kind] = attrs.has(kind)
+    if message:
         return c.unstructure(value)
     if isinstance(value, list | tuple):
         return [plain(c, v) for v in value]
@@ -300,15 +340,15 @@ def plain(c: cattrs.Converter, value: object) -> object:
 
 def unstructure_fields(c: cattrs.Converter, cls: type) -> Callable[[object], JsonObject]:
     """The unstructure hook of an attrs message: each field under its key, in order."""
-    fields = [f for f in wire_fields(cls) if not f.local]
+    fields = [(f.name, f.key, f.omit) for f in wire_fields(cls) if not f.local]
 
     def hook(obj: object) -> JsonObject:
         out: JsonObject = {}
-        for f in fields:
-            value = getattr(obj, f.name)
-            if f.omit is not _NOTHING and value == f.omit:
+        for name, key, omit in fields:
+            value = getattr(obj, name)
+            if omit is not _NOTHING and value == omit:
                 continue
-            out[f.key] = plain(c, value)
+            out[key] = plain(c, value)
         return out
 
     return hook

@@ -21,6 +21,7 @@ route that is not a plain handler, goes through the app.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -45,6 +46,18 @@ Handler = Callable[[Request], Awaitable[Response]]
 _CLIENT = ("127.0.0.1", 123)  # what httpx.ASGITransport reports as the peer
 _ROUTE_CACHE_SIZE = 4096  # paths (one per host and job); past this the cache starts again
 
+Found = tuple[Route, Handler, dict[str, Any]]
+"""The route a request goes to, its handler and its path parameters."""
+
+# What the router chose for a method and path (the index of the route, and the path's
+# parameters; None: not a plain handler's), by route table: every fleet builds its own
+# controller, with the same routes, so what one found holds for the next.
+_chosen: dict[tuple[int, str, str], tuple[int, dict[str, Any]] | None] = {}
+# Route tables by what decides a match (each route's path, methods and kind): a number
+# for each, so that a lookup does not hash the whole table.
+_tables: dict[object, int] = {}
+_numbers = itertools.count()
+
 
 class DirectRoutes:
     """Calls the handler of a Starlette app's route without the app's route search and
@@ -64,7 +77,9 @@ class DirectRoutes:
         assert isinstance(exceptions, ExceptionMiddleware)
         exceptions.app = _raise
         self._handlers = (exceptions._exception_handlers, exceptions._status_handlers)
-        self._found: dict[tuple[str, str], tuple[Route, Handler, dict[str, Any]] | None] = {}
+        self._routes: list[Any] | None = None  # the table numbered, and how long it was
+        self._count = 0
+        self._table = 0
 
     @classmethod
     def of(cls, app: object) -> DirectRoutes | None:
@@ -80,30 +95,29 @@ class DirectRoutes:
             return None  # more layers than Starlette's own (a body limit, say)
         return cls(app, stack)
 
-    def find(self, scope: Scope) -> tuple[Route, Handler, dict[str, Any]] | None:
+    def find(self, scope: Scope) -> Found | None:
         """The route the router would hand ``scope`` to, if a plain handler's."""
-        key = (scope["method"], scope["path"])
+        routes = self.app.router.routes
+        if routes is not self._routes or len(routes) != self._count:
+            # The first time, or routes added since.
+            self._routes, self._count, self._table = routes, len(routes), _table_of(routes)
+        key = (self._table, scope["method"], scope["path"])
         try:
-            return self._found[key]
+            chosen = _chosen[key]
         except KeyError:
-            pass
-        found = None
-        for route in self.app.router.routes:
-            match, child = route.matches(scope)
-            if match is Match.FULL:
-                # The first full match is the router's choice, as in Router.app.
-                if _plain(route):
-                    assert isinstance(route, Route)
-                    found = (route, route.endpoint, child["path_params"])
-                break
-        if len(self._found) >= _ROUTE_CACHE_SIZE:
-            self._found.clear()
-        self._found[key] = found
-        return found
+            chosen = _choose(routes, scope)
+            if len(_chosen) >= _ROUTE_CACHE_SIZE:
+                _chosen.clear()
+            _chosen[key] = chosen
+        if chosen is None:
+            return None
+        route = routes[chosen[0]]
+        assert isinstance(route, Route)
+        return route, route.endpoint, chosen[1]
 
     async def call(
         self,
-        found: tuple[Route, Handler, dict[str, Any]],
+        found: Found,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -144,6 +158,27 @@ async def _raise(scope: Scope, receive: Receive, send: Send) -> None:
     if start is not None:
         await send(start)  # so that each layer knows the response had started
     raise exc
+
+
+def _choose(routes: list[Any], scope: Scope) -> tuple[int, dict[str, Any]] | None:
+    """The index of the route the router hands ``scope`` to, and its path parameters,
+    if a plain handler's (as Router.app chooses: the first full match)."""
+    for i, route in enumerate(routes):
+        match, child = route.matches(scope)
+        if match is Match.FULL:
+            return (i, child["path_params"]) if _plain(route) else None
+    return None
+
+
+def _table_of(routes: list[Any]) -> int:
+    """A number for the route table: the same for tables that match alike."""
+    if not all(type(r) is Route for r in routes):
+        return next(_numbers)  # not one to share: a number of its own
+    shape = tuple((r.path, frozenset(r.methods or ()), _plain(r)) for r in routes)
+    number = _tables.get(shape)
+    if number is None:
+        number = _tables[shape] = next(_numbers)
+    return number
 
 
 def _plain(route: object) -> bool:
@@ -231,7 +266,7 @@ class InProcessTransport(httpx.AsyncBaseTransport):
         headers = list(start.get("headers", []))
         content = b"".join(body)
         response = httpx.Response(status, headers=headers, stream=httpx.ByteStream(content))
-        if "content-encoding" in response.headers:
+        if any(k.lower() == b"content-encoding" for k, _ in headers):
             response.read()  # decoded as httpx decodes it
         else:
             # What read() would keep, without its decoder and chunker: an answer with

@@ -514,7 +514,8 @@ def simulate(
     are random as in production (hypothesis still makes Trio's scheduling
     deterministic for its own examples).
     """
-    guard = StallGuard(stall_steps, wall_limit)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    guard = StallGuard(stall_steps, wall_limit, clock)
     if seed is not None:
         # Trio breaks ties between tasks ready at once with this generator (the
         # hook its hypothesis plugin seeds); with it and the fleet's generators
@@ -538,5 +539,4 @@ def simulate(
             "steps went by without it moving (something retries without sleeping)"
         )
 
-    clock = trio.testing.MockClock(autojump_threshold=0)
     return trio.run(main, clock=clock, instruments=[guard])

@@ -45,10 +45,18 @@ WALL_CHECK_STEPS = 1000
 
 class StallGuard(trio.abc.Instrument):
     """Cancels ``scope`` past ``limit`` task steps at one virtual instant, or past
-    ``wall_limit`` real seconds (looked at every ``WALL_CHECK_STEPS`` steps)."""
+    ``wall_limit`` real seconds (looked at every ``WALL_CHECK_STEPS`` steps).
 
-    def __init__(self, limit: int, wall_limit: float | None = None) -> None:
+    ``clock``: the clock the run is given, if any (the run's time is read from it).
+    """
+
+    def __init__(
+        self, limit: int, wall_limit: float | None = None, clock: trio.abc.Clock | None = None
+    ) -> None:
         self.limit = limit
+        # The run's clock, read directly: this runs at every task step, and
+        # trio.current_time() only finds its way to the same clock.
+        self._now = trio.current_time if clock is None else clock.current_time
         self.at = -math.inf
         self.steps = 0
         self.scope: trio.CancelScope | None = None
@@ -64,7 +72,7 @@ class StallGuard(trio.abc.Instrument):
             if time.monotonic() > self.wall_deadline and not self.timed_out and self.scope:
                 self.timed_out = True
                 self.scope.cancel()
-        now = trio.current_time()
+        now = self._now()
         if now != self.at:
             self.at, self.steps = now, 0
             return

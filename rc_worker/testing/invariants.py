@@ -375,12 +375,11 @@ def job_processes(node: SimNode, device: str) -> list[SimProcess]:
     worker's own; a process is told by the program it descends from (a fork
     keeps its parent's ``argv``).
     """
+    live = [p for p in node.host.live(device=device) if "RC_JOB_ID" in p.environ]
+    if not live:
+        return live  # most of the time: no need to list the worker's own programs
     scripts = worker_scripts(node)
-    return [
-        p
-        for p in node.host.live(device=device)
-        if "RC_JOB_ID" in p.environ and p.argv[0] not in scripts
-    ]
+    return [p for p in live if p.argv[0] not in scripts]
 
 
 def worker_scripts(node: SimNode) -> set[str]:
