@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -48,12 +49,19 @@ class StallGuard(trio.abc.Instrument):
     ``wall_limit`` real seconds (looked at every ``WALL_CHECK_STEPS`` steps).
 
     ``clock``: the clock the run is given, if any (the run's time is read from it).
+    ``every``: called at each look at the wall clock, for what else wants doing now and
+    then (:mod:`~rc_worker.testing.gcpause`).
     """
 
     def __init__(
-        self, limit: int, wall_limit: float | None = None, clock: trio.abc.Clock | None = None
+        self,
+        limit: int,
+        wall_limit: float | None = None,
+        clock: trio.abc.Clock | None = None,
+        every: Callable[[], None] | None = None,
     ) -> None:
         self.limit = limit
+        self._every = every
         # The run's clock, read directly: this runs at every task step, and
         # trio.current_time() only finds its way to the same clock.
         self._now = trio.current_time if clock is None else clock.current_time
@@ -69,6 +77,8 @@ class StallGuard(trio.abc.Instrument):
         self._since_wall += 1
         if self._since_wall >= WALL_CHECK_STEPS:
             self._since_wall = 0
+            if self._every is not None:
+                self._every()
             if time.monotonic() > self.wall_deadline and not self.timed_out and self.scope:
                 self.timed_out = True
                 self.scope.cancel()
