@@ -21,7 +21,7 @@ from rc_worker.controller.messages import (
     SheetInfo,
 )
 from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
-from rc_worker.controller.state import StoreState
+from rc_worker.controller.state_persist import StoredState
 from rc_worker.core.selectors import SelectorError, parse_selector
 
 DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
@@ -29,7 +29,7 @@ DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
 pool's: ``held`` is free but kept from work by its idle behaviour)."""
 
 
-class DevicesSide(StoreState):
+class DevicesSide(StoredState):
     """Devices, hosts and events as operators see and change them (``/v1/devices``)."""
 
     def devices(self) -> list[DeviceInfo]:

@@ -27,12 +27,13 @@ from rc_worker.controller.pending import (
     waiting_reason,
 )
 from rc_worker.controller.records import Device, Host, Job
-from rc_worker.controller.state import OutputElsewhere, StoreState
+from rc_worker.controller.state import OutputElsewhere
+from rc_worker.controller.state_persist import StoredState
 from rc_worker.controller.validate import check_job
 from rc_worker.core.selectors import Selector, SelectorError, parse_selector
 
 
-class JobsSide(StoreState):
+class JobsSide(StoredState):
     """Jobs as their submitters and operators see them (``/v1/jobs``)."""
 
     # --- user side: jobs --------------------------------------------------------------------
@@ -134,7 +135,7 @@ class JobsSide(StoreState):
         newest_first: bool,
         where: JobFilter | None = None,
     ) -> tuple[list[JobInfo], int | None]:
-        """One page of :meth:`jobs` (see :meth:`StoreState.jobs_page`), as views."""
+        """One page of :meth:`jobs` (see :meth:`StoredState.jobs_page`), as views."""
         if state is not None and state not in JOB_STATES:
             self.jobs(state)  # the 400 naming the valid states
         page, nxt = self.jobs_page(

@@ -34,7 +34,8 @@ from rc_worker.controller.messages import (
 )
 from rc_worker.controller.records import Attempt, Device, Host, Job
 from rc_worker.controller.registration import reconcile_registration
-from rc_worker.controller.state import StoreState, job_topic
+from rc_worker.controller.state import job_topic
+from rc_worker.controller.state_persist import StoredState
 from rc_worker.core.model import PROTOCOL_VERSION
 
 
@@ -73,7 +74,7 @@ def _same_process(h: Host, req: RegisterRequest, running: Sequence[tuple[Job, At
     )
 
 
-class WorkerSide(StoreState):
+class WorkerSide(StoredState):
     """What workers do to the state, one method per protocol request."""
 
     # --- worker side ------------------------------------------------------------------------
