@@ -83,6 +83,7 @@ class WorkerContext:
         """
         containment = self.host.containment
         cgroup = None if containment is None else containment.leaf(job_key(a.job_id, a.attempt))
+        mark = self.host.pid_mark() if cgroup is None else None
         await self.outbox.committer.write(
             job_dir.journal,
             {
@@ -95,6 +96,8 @@ class WorkerContext:
                 # A lower bound of the job's start time in the process
                 # table's clock: recovery's sweep skips older processes.
                 "since_ticks": self.host.boot_ticks(),
+                # Where pid allocation stood: it reads only newer pids' rows.
+                "pid_mark": None if mark is None else mark.to_json(),
                 "spawned": True,
                 "cgroup": cgroup,
             },

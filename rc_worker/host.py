@@ -34,7 +34,15 @@ import attrs
 import trio
 
 from rc_worker.core.cgroup_parse import parse_mountinfo, parse_proc_cgroup
-from rc_worker.procfs import PidfdPin, StatPin, boot_ticks, parse_environ, read_proc_stat
+from rc_worker.core.pid_window import PidMark, pid_window
+from rc_worker.procfs import (
+    PidfdPin,
+    StatPin,
+    boot_ticks,
+    parse_environ,
+    read_pid_mark,
+    read_proc_stat,
+)
 from rc_worker.procfs import ProcessInfo as ProcessInfo
 from rc_worker.procfs import ProcessPin as ProcessPin
 from rc_worker.procfs import parse_proc_stat as parse_proc_stat
@@ -167,6 +175,18 @@ class Host(Protocol):
 
     def processes(self) -> list[ProcessInfo]:
         """The process table. Raises ``OSError`` when it cannot be listed at all."""
+        ...
+
+    def pid_mark(self) -> PidMark | None:
+        """Where the kernel's pid allocation stands now (``core/pid_window.py``);
+        ``None`` where this host cannot say (then every sweep reads the whole table)."""
+        ...
+
+    def processes_since(self, mark: PidMark) -> list[ProcessInfo] | None:
+        """The rows of at least every process whose pid was handed out after ``mark``
+        (see :func:`~rc_worker.core.pid_window.pid_window`), reading no other
+        process's row; ``None`` when that cannot be proven (then use
+        :meth:`processes`). Raises ``OSError`` as :meth:`processes` does."""
         ...
 
     def environ(self, pid: int) -> Mapping[str, str]:
@@ -379,6 +399,30 @@ class LinuxHost:
             info = read_proc_stat(int(name))
             if info is not None:
                 table.append(info)
+        return table
+
+    def pid_mark(self) -> PidMark | None:
+        # The last pid is the reader's pid namespace's; /proc lists the
+        # namespace it was mounted for. Where those differ, no window.
+        try:
+            if os.readlink(PROC / "self") != str(os.getpid()):
+                return None
+        except OSError:
+            return None
+        return read_pid_mark()
+
+    def processes_since(self, mark: PidMark) -> list[ProcessInfo] | None:
+        names = os.listdir(PROC)
+        now = self.pid_mark()  # after the listing: it must cover every pid listed
+        window = None if now is None else pid_window(mark, now)
+        if window is None:
+            return None
+        table: list[ProcessInfo] = []
+        for name in names:
+            if name.isdigit() and window.holds(pid := int(name)):
+                info = read_proc_stat(pid)
+                if info is not None:
+                    table.append(info)
         return table
 
     def boot_ticks(self) -> int:

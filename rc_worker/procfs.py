@@ -13,6 +13,8 @@ from typing import Protocol
 
 import attrs
 
+from rc_worker.core.pid_window import PidMark, parse_forks, parse_tasks
+
 # /proc/<pid>/stat states that mean "exited, not yet (or being) reaped".
 _DEAD_STATES = frozenset({"Z", "X", "x"})
 
@@ -68,6 +70,32 @@ def boot_ticks() -> int:
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+def read_pid_mark() -> PidMark | None:
+    """Where pid allocation stands now (see ``core/pid_window.py``); ``None`` unreadable.
+
+    The order is the proof's: the fork count first, so it counts every task
+    created after the reads that follow it; the last pid last.
+    """
+    try:
+        forks = parse_forks(_read("/proc/stat"))
+        tasks = parse_tasks(_read("/proc/loadavg"))
+        last_pid = _read("/proc/sys/kernel/ns_last_pid").strip()
+        pid_max = _read("/proc/sys/kernel/pid_max").strip()
+    except OSError:
+        return None
+    if forks is None or tasks is None or not last_pid.isdigit() or not pid_max.isdigit():
+        return None
+    return PidMark(int(last_pid), forks, tasks, int(pid_max))
 
 
 class ProcessPin(Protocol):

@@ -33,6 +33,7 @@ from rc_worker.core import protocol
 # The decision is pure (claim_decision.py), shared with the lease; re-exported here.
 from rc_worker.core.claim_decision import decide_claim as decide_claim
 from rc_worker.core.model import Claim
+from rc_worker.core.pid_window import PidMark
 from rc_worker.core.reports import lost_report, sweep_json
 from rc_worker.durable import Committer
 from rc_worker.host import Host
@@ -275,6 +276,7 @@ async def _sweep(journal: dict[str, Any], job_id: str, host: Host | None) -> Swe
         grace=RECOVERY_GRACE,
         host=host,
         since=since if isinstance(since, int) and not isinstance(since, bool) else None,
+        mark=PidMark.from_json(journal.get("pid_mark")),
     )
 
 

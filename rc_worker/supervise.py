@@ -33,6 +33,7 @@ import attrs
 import trio
 
 from rc_worker import cgroup as cgroups
+from rc_worker.core.pid_window import PidMark
 from rc_worker.host import Host, HostProcess, LinuxHost, RunAs
 from rc_worker.spawn_status import describe_spawn_error, exit_status
 from rc_worker.sweep import KILL_WAIT as SWEEP_KILL_WAIT
@@ -339,6 +340,9 @@ async def run_job(
                 error=f"cannot start {spec.command[0]!r}: cannot create its cgroup {path}: {why}",
                 sweep=swept,
             )
+    # Where pid allocation stood before the job existed: a sweep without a
+    # cgroup then reads only the rows of pids handed out since (pid_window.py).
+    mark = host.pid_mark() if spec.sweep_job_id is not None and path is None else None
     try:
         proc = await host.spawn(
             spec.command,
@@ -358,7 +362,7 @@ async def run_job(
         return Result(exit_code=None, error=why, sweep=swept)
     # No checkpoint between the spawn and the try/finally in run(): a
     # cancellation must not find a started process nobody will kill.
-    return await _Supervisor(spec, sink, host, proc, handle, since, path).run()
+    return await _Supervisor(spec, sink, host, proc, handle, (since, mark), path).run()
 
 
 class _Supervisor:
@@ -369,11 +373,12 @@ class _Supervisor:
         host: Host,
         proc: HostProcess,
         handle: JobHandle,
-        since: int | None,
+        bounds: tuple[int | None, PidMark | None],
         cgroup: str | None,
     ) -> None:
         self.spec = spec
-        self.since = since
+        # What the sweep may skip: older start times, pids handed out before.
+        self.since, self.mark = bounds
         self.cgroup = cgroup
         self.usage: dict[str, int] = {}
         self.sink = sink
@@ -528,6 +533,7 @@ class _Supervisor:
                     grace=self.spec.grace_ceiling,
                     host=self.host,
                     since=self.since,
+                    mark=self.mark,
                 )
 
     def _signal(self, sig: int) -> bool:

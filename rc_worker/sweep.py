@@ -10,13 +10,16 @@ This is the sweep for a job WITHOUT a cgroup; with one, ``cgroup.py`` ends
 what is left through the cgroup instead, exactly. Only processes that started
 at or after the job are inspected (a process older than the job cannot be
 its descendant), so a sweep costs one table walk plus the environments of
-what started since. Every signal goes through a pin (a pidfd) taken at scan
-time, its start time checked, so a pid recycled in between is never signalled.
+what started since; with a pid mark taken before the job
+(``core/pid_window.py``) not even the walk: only the rows of pids handed out
+since are read. Every signal goes through a pin (a pidfd) taken at scan time,
+its start time checked, so a pid recycled in between is never signalled.
 
 Residuals, accepted and documented rather than hidden: a process that
 rewrote its own environment block or exec'd with a cleared environment
 carries no id and is invisible here (a session leader found by id has its
-whole group signalled too, which catches its env-less children); a process
+whole group signalled too, which catches its env-less children), as is one a
+privileged job created with a pid of its choosing (``clone3`` ``set_tid``); a process
 whose environment cannot be read (a worker that is not root) makes the
 sweep blind, and :func:`unproven` then refuses to call the job's end clean.
 
@@ -35,6 +38,8 @@ from collections.abc import Mapping
 
 import attrs
 import trio
+
+from rc_worker.core.pid_window import PidMark
 
 # The report and the rule that reads it are pure (sweep_report.py); they are
 # re-exported here, where every caller has always imported them from.
@@ -137,14 +142,21 @@ def classify(
     return ScanResult(matches, blind)
 
 
-async def scan(host: Host, job_id: str, since: int | None = None) -> ScanResult:
+async def scan(
+    host: Host, job_id: str, since: int | None = None, mark: PidMark | None = None
+) -> ScanResult:
     """Walk the process table once. Raises ``OSError`` when it cannot be listed.
 
     Only candidates (see :func:`candidate`) have their environment read: the
     start time comes with the row, so a sweep after a job reads the
     environments of the processes started since, not of the whole machine.
+    With ``mark`` (taken before the job's first process), only the rows of
+    pids handed out since are read at all (``core/pid_window.py``), when the
+    host can prove that covers everything started since; else every row.
     """
-    table = host.processes()
+    table = host.processes_since(mark) if mark is not None else None
+    if table is None:
+        table = host.processes()
     excluded = never_survivors(table, host.own_pid())
     job_ids: dict[int, str | None] = {}
     unreadable: set[int] = set()
@@ -184,10 +196,11 @@ def _environ(host: Host, pid: int, unreadable: set[int]) -> Mapping[str, str] | 
 
 
 class _Sweep:
-    def __init__(self, host: Host, job_id: str, since: int | None) -> None:
+    def __init__(self, host: Host, job_id: str, since: int | None, mark: PidMark | None) -> None:
         self.host = host
         self.job_id = job_id
         self.since = since
+        self.mark = mark
         self.found: dict[int, None] = {}  # an insertion-ordered set
         self.signalled: dict[tuple[int, int], set[int]] = {}
         self.pins: dict[tuple[int, int], ProcessPin | None] = {}
@@ -198,7 +211,7 @@ class _Sweep:
 
     async def look(self) -> bool:
         """Scan and remember; whether any carrier of the id is still alive."""
-        result = await scan(self.host, self.job_id, self.since)
+        result = await scan(self.host, self.job_id, self.since, self.mark)
         for pid in result.blind_pids:
             self.blind_pids.setdefault(pid)
         self.matches = result.matches
@@ -256,7 +269,12 @@ class _Sweep:
 
 
 async def sweep_job_survivors(
-    job_id: str, *, grace: float, host: Host | None = None, since: int | None = None
+    job_id: str,
+    *,
+    grace: float,
+    host: Host | None = None,
+    since: int | None = None,
+    mark: PidMark | None = None,
 ) -> SweepReport:
     """Signal out of existence every process carrying exactly ``RC_JOB_ID=<job_id>``.
 
@@ -266,8 +284,10 @@ async def sweep_job_survivors(
     are the worker itself, init or the worker's ancestors (see
     :func:`never_survivors`), nor, when ``since`` is given (the job's first
     process's start time, in :meth:`Host.boot_ticks`), anything older than
-    the job. Processes forked by a survivor while this runs are picked up by
-    the re-scans. Every signal goes through a pin taken at scan time
+    the job; with ``mark`` too (:meth:`Host.pid_mark`, taken before the job's
+    first process), only the rows of pids handed out since are read, where
+    the host can prove that is enough. Processes forked by a survivor while
+    this runs are picked up by the re-scans. Every signal goes through a pin taken at scan time
     (:meth:`Host.pin`), so a pid recycled in between is never signalled.
     Bounded: it never waits longer than ``grace + KILL_WAIT`` plus the scans.
     """
@@ -276,7 +296,7 @@ async def sweep_job_survivors(
     if not (grace >= 0 and math.isfinite(grace)):
         raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
     host = host if host is not None else LinuxHost()
-    sweep = _Sweep(host, job_id, since)
+    sweep = _Sweep(host, job_id, since, mark)
     await trio.lowlevel.checkpoint()
     try:
         try:

@@ -23,7 +23,6 @@ next start to recover.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Mapping
@@ -32,7 +31,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import attrs
 import httpx
 import trio
 from prometheus_client import Counter
@@ -45,15 +43,12 @@ from rc_worker.changed import Changed
 from rc_worker.client import ControllerClient
 from rc_worker.context import WorkerContext, warn_token_file_mode
 from rc_worker.core.config import Config, cgroup_needs
-from rc_worker.core.errors import AssignmentError, ConfigError, ControllerError
+from rc_worker.core.errors import ConfigError, ControllerError
 from rc_worker.core.labels import ProbeResult, labels_payload
 from rc_worker.core.model import (
     PROTOCOL_VERSION,
-    Assignment,
     IdleBehavior,
-    assignment_identity,
     job_key,
-    parse_assignment,
 )
 from rc_worker.core.protocol import (
     NO_SESSION,
@@ -66,7 +61,6 @@ from rc_worker.core.protocol import (
     SheetsRequest,
     SheetsUpdate,
 )
-from rc_worker.core.reports import not_run_report, stale_offer_report
 from rc_worker.device import DeviceSupervisor
 from rc_worker.durable import Committer
 from rc_worker.gpu_health_coord import GpuHealthCoordinator
@@ -79,8 +73,9 @@ from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Damaged, Recovered, recover
 from rc_worker.sheets import SheetReader
-from rc_worker.spool import JobDir, ensure_state_dir
+from rc_worker.spool import ensure_state_dir
 from rc_worker.status import serve_status, status_app
+from rc_worker.worker_poll import Polling
 
 log = logging.getLogger("rc_worker.worker")
 
@@ -89,7 +84,7 @@ log = logging.getLogger("rc_worker.worker")
 STOP_REPORT_WINDOW_S = 3.0
 
 
-class Worker:
+class Worker(Polling):
     """One worker process's service. ``await nursery.start(worker.run)``.
 
     ``http`` is the one ``httpx.AsyncClient`` to the controller; tests and
@@ -188,9 +183,6 @@ class Worker:
         self._poke_poller()
         for dev in self.devices.values():
             dev.poke()
-
-    def _poke_poller(self) -> None:
-        self._poll_wake.notify()
 
     # -- the service ----------------------------------------------------------
 
@@ -587,162 +579,6 @@ class Worker:
             return
         dev.set_idle_behavior(behaviour)
 
-    async def _poll_manager(self, client: ControllerClient, nursery: trio.Nursery) -> None:
-        assert self._ctx is not None
-        parked: list[_Poll] = []
-        with trio.CancelScope() as polls:
-            async with trio.open_nursery() as poll_nursery:
-                while not self._ctx.draining:
-                    wake = self._poll_wake.watch()
-                    # A device listed in a parked poll that is no longer offerable
-                    # (quarantined, held, busy...) must not stay on offer until
-                    # poll_wait runs out: send a poll that withdraws it, which
-                    # makes the controller answer the old poll at once. An
-                    # assignment it made meanwhile still arrives, and is refused as
-                    # a stale offer (requeued). The old poll's devices that are
-                    # still ready stay with it until it answers, then are polled
-                    # again: no device is ever listed by two polls in flight, or
-                    # the controller would take the second listing for a lost
-                    # answer and requeue the first poll's offer (its start then
-                    # 409 stale_attempt, and again, with no time passing).
-                    withdrawn: list[DeviceSupervisor] = []
-                    for p in parked:
-                        # A poll already answered is not parked any more: its
-                        # devices may be busy with what it brought, and
-                        # withdrawing them would have the controller requeue
-                        # that very offer (a stale_attempt at start, again and
-                        # again, with no time passing).
-                        if p.done or p.superseded or all(d.ready() for d in p.devices):
-                            continue
-                        p.superseded = True
-                        withdrawn += [dev for dev in p.devices if not dev.ready()]
-                    parked[:] = [p for p in parked if not p.done]
-                    fresh = [d for d in self.devices.values() if d.ready() and not d.offered]
-                    if fresh or withdrawn:
-                        self._poll_seq += 1
-                        poll = _Poll(self._poll_seq, fresh)
-                        for dev in fresh:
-                            dev.offered, dev.poll_id = True, poll.id
-                        parked.append(poll)
-                        names = [d.name for d in withdrawn]
-                        poll_nursery.start_soon(self._poll_once, client, poll, names)
-                    await wake.wait()
-                # Draining: in-flight polls are abandoned; an assignment lost
-                # with them is never started, and the controller offers it again.
-                polls.cancel()
-
-    async def _poll_once(self, client: ControllerClient, poll: _Poll, withdrawn: list[str]) -> None:
-        devices = poll.devices
-        assignments: list[Any] = []
-        try:
-            linger = min((d.linger_deadline() for d in devices), default=math.inf)
-            wait_s = min(self._poll_wait, max(1.0, linger - trio.current_time()))
-            if not devices:
-                wait_s = 0.0  # only withdrawing: answered at once
-            try:
-                assignments = await client.poll(
-                    [d.name for d in devices], round(wait_s, 3), withdrawn
-                )
-            except ControllerError as e:
-                log.error("poll refused: %s; retrying after the heartbeat interval", e)
-                await trio.sleep(self._heartbeat_interval)
-                return
-        finally:
-            poll.done = True
-            for dev in devices:
-                if dev.poll_id == poll.id:
-                    dev.offered, dev.poll_id = False, None
-                dev.poke()
-            self._poke_poller()
-        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] = []
-        for raw in assignments:
-            self._dispatch(raw, rejections)
-        self._record_soon(rejections)
-
-    def _record_soon(self, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]) -> None:
-        """Write and deliver a poll's rejections and refusals, all together.
-
-        In the root nursery, not the poll's: a drain cancels polls, and a
-        rejection half-written must still be delivered (counted as owed
-        until then). Written as one group (group commit), off the event
-        loop: a thousand of them do not stall the heartbeat.
-        """
-        if rejections:
-            assert self._nursery is not None
-            self._rejecting += len(rejections)
-            self._nursery.start_soon(self._record_rejections, rejections)
-
-    async def _record_rejections(
-        self, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]]
-    ) -> None:
-        assert self._ctx is not None
-        try:
-            async with trio.open_nursery() as nursery:
-                for ident, report in rejections:
-                    # WorkerContext.report never fails for the disk: it sends from memory.
-                    nursery.start_soon(self._ctx.report, ident, report)
-        finally:
-            self._rejecting -= len(rejections)
-            self._poke_poller()
-
-    def _dispatch(
-        self, raw: Any, rejections: list[tuple[tuple[str, int, str], dict[str, Any]]] | None = None
-    ) -> None:
-        """Hand one assignment to its device, or reject or refuse it: into
-        ``rejections`` when given (the caller records them together), else
-        recorded at once."""
-        if rejections is None:
-            own: list[tuple[tuple[str, int, str], dict[str, Any]]] = []
-            self._dispatch(raw, own)
-            self._record_soon(own)
-            return
-        assert self._ctx is not None
-        ident = assignment_identity(raw)
-        if ident is not None and self._known_attempt(ident[0], ident[1]):
-            # A buggy controller repeated an attempt (to this device or another). That attempt
-            # has, or will have, its one report from its own run; a rejection would overwrite
-            # its files and contradict it. Nothing is written or sent.
-            log.error(
-                "ignoring job %s attempt %d assigned again (to %s): this worker already has it",
-                ident[0],
-                ident[1],
-                ident[2] or "no device",
-            )
-            self.metrics.duplicate_assignments.inc()
-            return
-        if ident is not None:
-            self._seen_attempts.add((ident[0], ident[1]))
-        try:
-            assignment = parse_assignment(raw, origin=self._ctx.client.origin)
-        except AssignmentError as e:
-            self._reject(raw, f"malformed assignment: {e}", rejections)
-            return
-        dev = self.devices.get(assignment.device)
-        if dev is None:
-            self._reject(
-                raw,
-                f"unknown device {assignment.device!r} on host {self.config.host}",
-                rejections,
-            )
-        elif not dev.can_take():
-            # The device's state, not the assignment, is in the way: the poll that
-            # offered it went stale. Refused, so the controller requeues the job.
-            self._refuse_stale(assignment, dev.not_offerable_reason(), rejections)
-        else:
-            log.info(
-                "device %s: assigned job %s attempt %d: %s",
-                dev.name,
-                assignment.job_id,
-                assignment.attempt,
-                list(assignment.command),
-                extra={
-                    "device": dev.name,
-                    "job_id": assignment.job_id,
-                    "attempt": assignment.attempt,
-                },
-            )
-            dev.assign(assignment)
-
     def _quarantine_damaged(self, device: str | None, why: str) -> None:
         """Quarantine the device of damaged state (every device when it is unknown): what ran
         there is not known, so an operator decides (``kind: damaged_state``)."""
@@ -750,48 +586,6 @@ class Worker:
         names = [device] if device in self.devices else list(self.devices)
         for name in names:
             self.devices[name].raise_fault("damaged_state", why)
-
-    def _known_attempt(self, job_id: str, attempt: int) -> bool:
-        """This worker process was handed the attempt before, or its files are on disk."""
-        assert self._ctx is not None
-        if (job_id, attempt) in self._seen_attempts:
-            return True
-        return JobDir(self._ctx.root, job_key(job_id, attempt), self.host.store).exists()
-
-    def _refuse_stale(
-        self,
-        assignment: Assignment,
-        why: str,
-        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]],
-    ) -> None:
-        report = stale_offer_report(assignment, why)
-        log.info(
-            "refusing job %s attempt %d: %s",
-            assignment.job_id,
-            assignment.attempt,
-            report["reason"],
-        )
-        rejections.append(((assignment.job_id, assignment.attempt, assignment.device), report))
-
-    def _reject(
-        self,
-        raw: Any,
-        reason: str,
-        rejections: list[tuple[tuple[str, int, str], dict[str, Any]]],
-    ) -> None:
-        assert self._ctx is not None
-        ident = assignment_identity(raw)
-        if ident is None:
-            log.error("ignoring an assignment with no usable job_id/attempt: %s", reason)
-            return
-        log.warning(
-            "rejecting job %s attempt %d: %s",
-            ident[0],
-            ident[1],
-            reason,
-            extra={"job_id": ident[0], "attempt": ident[1]},
-        )
-        rejections.append((ident, not_run_report(ident, "rejected", reason)))
 
     async def _probe_loop(self, client: ControllerClient) -> None:
         await self._send_labels(client)
@@ -861,16 +655,6 @@ class Worker:
 
     def _ctx_labels(self, name: str) -> dict[str, str]:
         return dict(self._ctx.device_labels.get(name, {})) if self._ctx is not None else {}
-
-
-@attrs.define(eq=False)
-class _Poll:
-    """One long poll in flight and the devices it offers."""
-
-    id: int
-    devices: list[DeviceSupervisor]
-    superseded: bool = False
-    done: bool = False
 
 
 def _state_dir_error(state_dir: str, e: OSError) -> ConfigError:

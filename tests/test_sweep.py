@@ -17,6 +17,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rc_worker.core.pid_window import PidMark
 from rc_worker.host import LinuxHost, ProcessInfo
 from rc_worker.sweep import (
     NOT_SWEPT,
@@ -336,6 +337,38 @@ async def test_real_processes_older_than_the_job_are_never_inspected(
     assert report.clean
     assert older.poll() is None
     assert newer.wait(timeout=10) == -signal.SIGTERM
+
+
+async def test_real_sweep_with_a_pid_mark_reads_only_newer_rows_and_finds_the_escaped(
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    # The worker's sweep without a cgroup: a pid mark before the job, then
+    # only rows of pids handed out since are read (core/pid_window.py). The
+    # older carrier of the id is not even looked at; the escaped one is found.
+    job_id = new_id()
+    older = start(children, ["sleep", "300"], job_id, start_new_session=True)
+    seen: list[list[int]] = []
+
+    class Watched(LinuxHost):
+        def processes_since(self, mark: PidMark) -> list[ProcessInfo] | None:
+            rows = super().processes_since(mark)
+            seen.append([r.pid for r in rows or []])
+            return rows
+
+    host = Watched()
+    mark = host.pid_mark()
+    if mark is None:
+        pytest.skip("this host's /proc is another pid namespace's, or unreadable")
+    escaped = start(children, ["sleep", "300"], job_id, start_new_session=True)
+    with trio.fail_after(GUARD):
+        report = await sweep_job_survivors(job_id, grace=1, host=host, mark=mark)
+    assert report.found == (escaped.pid,)
+    assert report.clean
+    assert seen
+    assert all(older.pid not in pids for pids in seen)
+    assert escaped.pid in seen[0]
+    assert older.poll() is None
+    assert escaped.wait(timeout=10) == -signal.SIGTERM
 
 
 async def test_real_escaped_process_is_found_and_removed(

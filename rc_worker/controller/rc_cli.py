@@ -688,6 +688,7 @@ async def amain(
         # Connecting is bounded well inside the default reconnect window; reading is not
         # (a followed job can be silent for hours).
         timeout = httpx.Timeout(30.0, connect=10.0, read=None)
+        rc_follow.read_up_to_a_mebibyte()
         async with httpx.AsyncClient(
             base_url=url, headers=headers, transport=transport, timeout=timeout
         ) as client:

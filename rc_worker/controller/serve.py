@@ -269,6 +269,33 @@ class _KeepAliveTimer:
             await self.server._initiate_server_close()
 
 
+class _GrowingReads:
+    """A connection's stream whose reads grow while the peer keeps them full.
+
+    hypercorn reads 64 KiB at a time: a worker streaming output at pipe speed
+    then costs a round of h11 events, ASGI messages and store appends per
+    64 KiB (a third of the controller's CPU per GiB). A read that came back
+    full says more is waiting, so the next asks for up to 1 MiB; one that did
+    not goes back to 64 KiB, so the many small requests (heartbeats, polls)
+    never have a large buffer allocated for them.
+    """
+
+    SMALL = 1 << 16
+    LARGE = 1 << 20
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+        self._size = self.SMALL
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self._stream.receive_some(self._size)
+        self._size = self.LARGE if len(data) >= self._size else self.SMALL
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)  # sending, EOF, closing: the stream's own
+
+
 class _EofClosingTCPServer(hypercorn_tcp_server.TCPServer):
     """hypercorn's connection handler, closing a connection as soon as its peer has, with a
     cheaper keep-alive timer (:class:`_KeepAliveTimer`).
@@ -283,6 +310,7 @@ class _EofClosingTCPServer(hypercorn_tcp_server.TCPServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.idle_task = cast(Any, _KeepAliveTimer(self))
+        self.stream = cast(Any, _GrowingReads(self.stream))
 
     async def _read_data(self) -> None:
         await super()._read_data()

@@ -41,11 +41,20 @@ and keeps every name it always exported.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -541,4 +550,28 @@ def simulate(
         )
 
     with collector_paused():  # a tenth of a run's time otherwise (gcpause)
-        return trio.run(main, clock=clock, instruments=[guard])
+        if seed is None:
+            return trio.run(main, clock=clock, instruments=[guard])
+        with _deterministic_scheduling():
+            return trio.run(main, clock=clock, instruments=[guard])
+
+
+@contextlib.contextmanager
+def _deterministic_scheduling() -> Iterator[None]:
+    """Trio's scheduler as hypothesis's Trio plugin sets it, for one seeded run.
+
+    By default Trio runs the tasks ready at one instant in the order they became
+    ready (reversed half the time), and ties between deadlines are broken by
+    memory address: a run then depends on what the process did before. Under
+    pytest the hypothesis plugin sorts each batch by task creation before the
+    seeded shuffle; a replay line pasted into a plain ``python`` must run the
+    same way, or it is not the run that failed
+    (``tests/sim/test_replay_in_a_fresh_process.py``).
+    """
+    module = trio._core._run
+    before = module._ALLOW_DETERMINISTIC_SCHEDULING
+    setattr(module, "_ALLOW_DETERMINISTIC_SCHEDULING", True)  # noqa: B010 (a Final)
+    try:
+        yield
+    finally:
+        setattr(module, "_ALLOW_DETERMINISTIC_SCHEDULING", before)  # noqa: B010

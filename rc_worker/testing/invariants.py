@@ -84,10 +84,15 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
     # what the job wrote, in order.
     end = info.finished_at if info.finished_at is not None else math.inf
     spool_lost = job in node.vanished or any(proc.started_at <= t <= end for t in node.power_losses)
+    # A worker killed in the instant it took a chunk out of the pipe, before its read
+    # returned, had that chunk in its memory only (a read(2), then the SIGKILL, before
+    # the write(2) to the spool): that chunk, and nothing else, may be missing.
+    unspooled = proc.stdout.lost_in_reader
     if (
         committed != read
         and not _cut_by_the_disk(committed, read)
         and not (spool_lost and read.startswith(committed))
+        and not (unspooled and committed + unspooled == read)
     ):
         out.append(f"{job}: committed output is not what the worker read: {_diff(committed, read)}")
     written = bytes(proc.stdout.written)

@@ -66,6 +66,7 @@ from typing import TypeVar
 import trio
 
 from rc_worker.cgroup import Containment
+from rc_worker.core.pid_window import PidMark, pid_window
 from rc_worker.host import HostProcess, ProcessInfo, ProcessPin, RunAs
 from rc_worker.statestore import StateStore
 from rc_worker.testing.sim_cgroup import SimCgroupFs
@@ -103,6 +104,9 @@ __all__ = [
 ]
 
 INIT_PID = 1
+_FIRST_PID = 100
+# The simulated pid_max: far more pids than any simulation hands out.
+SIM_PID_MAX = 1 << 22
 
 CLOCK_TICKS = 100
 """Clock ticks per virtual second in start times (Linux's USER_HZ)."""
@@ -143,7 +147,7 @@ class SimHost(SimCgroupFs):
         self.boots = 1
         self._programs: dict[str, Script] = {}
         self._table: dict[int, SimProcess] = {}
-        self._next_pid = 100
+        self._next_pid = _FIRST_PID
         self._handles: list[_SimHandle] = []
         self.worker_pid = self._allocate_pid()
         self.worker_alive = True
@@ -387,6 +391,20 @@ class SimHost(SimCgroupFs):
             ProcessInfo(self.worker_pid, INIT_PID, self.worker_pid, self.worker_pid, "S", uid=0),
         ]
         return rows + [p.info() for p in self._table.values()]
+
+    def pid_mark(self) -> PidMark | None:
+        # Pids are handed out in order and never wrap here; the counts are
+        # the kernel's, so the real window rule decides (and is exercised).
+        created = self._next_pid - _FIRST_PID
+        return PidMark(self._next_pid - 1, created, len(self._table) + 2, SIM_PID_MAX)
+
+    def processes_since(self, mark: PidMark) -> list[ProcessInfo] | None:
+        table = self.processes()
+        now = self.pid_mark()
+        window = None if now is None else pid_window(mark, now)
+        if window is None:
+            return None
+        return [p for p in table if window.holds(p.pid)]
 
     def environ(self, pid: int) -> Mapping[str, str]:
         if pid == self.worker_pid and self.worker_alive:

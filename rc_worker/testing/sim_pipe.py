@@ -23,7 +23,10 @@ class SimPipe:
 
     ``written`` is every byte that got into the pipe and ``read`` every byte
     the reader took out, both in order: what a job printed, and what the
-    worker saw of it.
+    worker saw of it. ``lost_in_reader`` is the end of ``read`` that the reader
+    took out in the instant it was killed (:meth:`sever`), before its read
+    returned: a read(2) whose process was SIGKILLed before its next step, the
+    bytes gone with its memory.
     """
 
     def __init__(self, capacity: int = DEFAULT_PIPE_CAPACITY) -> None:
@@ -36,6 +39,8 @@ class SimPipe:
         self._writers = 0
         self._reader_open = True
         self._severed = False
+        self._taking = b""
+        self.lost_in_reader = b""
         self._lot = trio.lowlevel.ParkingLot()
 
     @property
@@ -57,6 +62,7 @@ class SimPipe:
 
     def sever(self) -> None:
         """The reading process died: writers get SIGPIPE, its old end reads EOF."""
+        self.lost_in_reader = self._taking
         self._severed = True
         self.close_reader()
 
@@ -91,14 +97,17 @@ class SimPipe:
                 piece = bytes(self._buffer[:max_bytes])
                 del self._buffer[:max_bytes]
                 self.read += piece
+                self._taking = piece
                 self._lot.unpark_all()
                 break
             if self._writers <= 0:
                 piece = b""
                 break
             await self._lot.park()
-        # Taken before this point, so a cancellation here must not lose it.
+        # Taken before this point, so a cancellation here must not lose it; a kill
+        # here does (`sever`), as a SIGKILL between a read(2) and the caller's next step.
         await trio.lowlevel.cancel_shielded_checkpoint()
+        self._taking = b""
         return piece
 
 

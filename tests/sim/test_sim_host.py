@@ -217,11 +217,30 @@ async def test_an_unkillable_main_process_is_an_error_with_its_pid_remaining(
 async def test_an_unreadable_environment_makes_the_sweep_blind(
     autojump_clock: trio.testing.MockClock, host: SimHost
 ) -> None:
-    host.start(Script((Sleep(math.inf),), environ_readable=False), signalable=False)
-    result, _, _ = await run(host, Script(), sweep_job_id=JOB)
+    # Started while the job runs, so it may be the job's, and it cannot be read.
+    async def meanwhile() -> None:
+        await trio.sleep(0.5)
+        host.start(Script((Sleep(math.inf),), environ_readable=False), signalable=False)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(meanwhile)
+        result, _, _ = await run(host, Script((Sleep(1),)), sweep_job_id=JOB)
     assert result.sweep.scanned
     assert result.sweep.blind
     assert not result.sweep.clean
+
+
+async def test_an_unreadable_process_with_an_older_pid_is_not_looked_at(
+    autojump_clock: trio.testing.MockClock, host: SimHost
+) -> None:
+    # Same clock tick as the job's start, so its start time cannot rule it
+    # out; its pid was handed out before the job's mark, which does.
+    older = host.start(Script((Sleep(math.inf),), environ_readable=False), signalable=False)
+    result, _, _ = await run(host, Script(), sweep_job_id=JOB)
+    assert older.started_ticks == 0
+    assert result.sweep.scanned
+    assert not result.sweep.blind
+    assert result.sweep.clean
 
 
 async def test_a_worker_that_is_not_root_sees_no_environment(

@@ -19,7 +19,7 @@ import attrs
 from rc_worker.controller.journal import Marks
 from rc_worker.controller.messages import Event, JobSpec, Verify
 from rc_worker.controller.records import Attempt, Device, Fault, Host, Job
-from rc_worker.controller.state import StoreState
+from rc_worker.controller.state_persist import StoredState
 from rc_worker.core import protocol
 from rc_worker.core.selectors import parse_selector
 
@@ -166,13 +166,13 @@ def host_doc(h: Host) -> dict[str, object]:
     }
 
 
-def take_batch(store: StoreState) -> Batch:
+def take_batch(store: StoredState) -> Batch:
     """Serialize what the store's journal marked since the last batch (and the counters)."""
     marks, generation = store.journal.take()
     return batch_of(store, marks, generation)
 
 
-def batch_of(store: StoreState, marks: Marks, generation: int) -> Batch:
+def batch_of(store: StoredState, marks: Marks, generation: int) -> Batch:
     jobs = []
     for job_id in sorted(marks.jobs):
         job = store.known_job(job_id)
@@ -336,7 +336,7 @@ def load_host(doc: Mapping[str, Any], now: float) -> Host:
 
 
 def restore(
-    store: StoreState, loaded: Loaded, *, now: float, recovery_grace_s: float | None
+    store: StoredState, loaded: Loaded, *, now: float, recovery_grace_s: float | None
 ) -> None:
     """Fill an empty store from what a backend loaded, and start the recovery phase.
 
