@@ -325,16 +325,20 @@ def controller_of(request: Request) -> Controller:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing more than ``limit`` bytes without buffering them."""
-    too_large = TooLarge(f"body larger than {limit} bytes; send less per request")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large(limit)
     chunks = bytearray()
     async for chunk in request.stream():
         chunks += chunk
         if len(chunks) > limit:
-            raise too_large
+            raise _too_large(limit)
     return bytes(chunks)
+
+
+def _too_large(limit: int) -> TooLarge:
+    # Made only when raised: every request reads its body through here.
+    return TooLarge(f"body larger than {limit} bytes; send less per request")
 
 
 async def json_body(request: Request, *, empty_ok: bool = False) -> object:

@@ -326,6 +326,12 @@ def plain(c: cattrs.Converter, value: object) -> object:
     kind = type(value)
     if kind in _LEAVES:
         return value
+    # Plain containers by exact type first: neither is a message, and the general
+    # checks below (a Mapping is an ABC) cost more than the copy.
+    if kind is dict:
+        return {k: plain(c, v) for k, v in value.items()}  # type: ignore[attr-defined]
+    if kind is list or kind is tuple:
+        return [plain(c, v) for v in value]  # type: ignore[attr-defined]
     message = _messages.get(kind)
     if message is None:
         message = _messages[kind] = attrs.has(kind)

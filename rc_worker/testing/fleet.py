@@ -64,6 +64,7 @@ import httpx
 import trio
 import trio.testing
 
+from rc_worker.changed import Changed
 from rc_worker.controller import create_app
 from rc_worker.controller.messages import TERMINAL_STATES, Event, JobInfo
 from rc_worker.controller.serve import housekeeping
@@ -319,14 +320,16 @@ class Fleet:
     async def wait_until(self, predicate: Callable[[], bool], *, interval: float = 1.0) -> None:
         """Wait for ``predicate()``, re-checked at every controller change and every
         ``interval`` virtual seconds (process tables change without telling anyone)."""
-        while not predicate():
-            changed = trio.Event()
-            unsubscribe = self.store.subscribe(changed.set)
-            try:
+        if predicate():
+            return
+        changed = Changed()
+        unsubscribe = self.store.subscribe(changed.notify)  # once, not at every change
+        try:
+            while not predicate():
                 with trio.move_on_after(interval):
                     await changed.wait()
-            finally:
-                unsubscribe()
+        finally:
+            unsubscribe()
 
     async def settle(self, *, operator_every: float | None = 30.0) -> None:
         """Run until every job has ended.
