@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
-from json import dumps as json_dumps
+from json import JSONEncoder
 from types import TracebackType
 from typing import Any
 
@@ -54,6 +54,9 @@ _URL_CACHE_SIZE = 4096
 _urls: dict[tuple[str, str], httpx.URL] = {}
 # Set by a JSON body: a call's header of one of these names takes httpx's own path.
 _BODY_HEADERS = frozenset({"content-length", "content-type", "transfer-encoding"})
+# What httpx's json= encoding calls json.dumps with, as one encoder: json.dumps with
+# arguments builds a new one for every document.
+_ENCODER = JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 # A request's timeout by the seconds it was given (a long poll's differ by its wait):
 # what httpx.Timeout makes of them, as the request's extension holds it.
 _TIMEOUT_CACHE_SIZE = 256
@@ -169,7 +172,7 @@ class SimClient(httpx.AsyncClient):
             ):
                 return self._plain_request(method, merged, headers, extensions, json=json)
             raw.extend((_ascii(k), _ascii(v)) for k, v in headers.items())
-        text = json_dumps(json, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = _ENCODER.encode(json)
         body = text.encode("utf-8")
         raw.append((b"Content-Length", str(len(body)).encode("ascii")))
         raw.append((b"Content-Type", b"application/json"))
