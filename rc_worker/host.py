@@ -402,6 +402,9 @@ class LinuxHost:
         return table
 
     def pid_mark(self) -> PidMark | None:
+        return self._pid_mark(closing=False)
+
+    def _pid_mark(self, *, closing: bool) -> PidMark | None:
         # The last pid is the reader's pid namespace's; /proc lists the
         # namespace it was mounted for. Where those differ, no window.
         try:
@@ -409,11 +412,12 @@ class LinuxHost:
                 return None
         except OSError:
             return None
-        return read_pid_mark()
+        return read_pid_mark(closing=closing)
 
     def processes_since(self, mark: PidMark) -> list[ProcessInfo] | None:
         names = os.listdir(PROC)
-        now = self.pid_mark()  # after the listing: it must cover every pid listed
+        # After the listing, in the closing order: it must cover every pid listed.
+        now = self._pid_mark(closing=True)
         window = None if now is None else pid_window(mark, now)
         if window is None:
             return None

@@ -80,22 +80,30 @@ def _read(path: str) -> bytes:
         os.close(fd)
 
 
-def read_pid_mark() -> PidMark | None:
+def read_pid_mark(*, closing: bool = False) -> PidMark | None:
     """Where pid allocation stands now (see ``core/pid_window.py``); ``None`` unreadable.
 
-    The order is the proof's: the fork count first, so it counts every task
-    created after the reads that follow it; the last pid last.
+    The order is the proof's. A mark that opens a window (before a job) reads
+    the fork count first, so that it counts every task created after the last
+    pid it then reads; a mark that closes one (after listing ``/proc``) reads
+    the last pid first, so that the fork count read after it covers every
+    task created up to it.
     """
     try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+        last = b""
+        if closing:
+            last = _read("/proc/sys/kernel/ns_last_pid").strip()
         forks = parse_forks(_read("/proc/stat"))
         tasks = parse_tasks(_read("/proc/loadavg"))
-        last_pid = _read("/proc/sys/kernel/ns_last_pid").strip()
+        if not closing:
+            last = _read("/proc/sys/kernel/ns_last_pid").strip()
         pid_max = _read("/proc/sys/kernel/pid_max").strip()
     except OSError:
         return None
-    if forks is None or tasks is None or not last_pid.isdigit() or not pid_max.isdigit():
+    if forks is None or tasks is None or not last.isdigit() or not pid_max.isdigit():
         return None
-    return PidMark(int(last_pid), forks, tasks, int(pid_max))
+    return PidMark(int(last), forks, tasks, int(pid_max), pid_ns)
 
 
 class ProcessPin(Protocol):

@@ -19,7 +19,11 @@ Residuals, accepted and documented rather than hidden: a process that
 rewrote its own environment block or exec'd with a cleared environment
 carries no id and is invisible here (a session leader found by id has its
 whole group signalled too, which catches its env-less children), as is one a
-privileged job created with a pid of its choosing (``clone3`` ``set_tid``); a process
+job gave a pid of its choosing (``clone3`` with ``set_tid``, or a write to
+``/proc/sys/kernel/ns_last_pid``: both need ``CAP_CHECKPOINT_RESTORE`` or
+``CAP_SYS_ADMIN`` in the pid namespace's user namespace) or one it started
+before making a whole cycle of clones fail after taking their pids (see
+``core/pid_window.py``); a process
 whose environment cannot be read (a worker that is not root) makes the
 sweep blind, and :func:`unproven` then refuses to call the job's end clean.
 

@@ -16,7 +16,7 @@ same at once, without touching the store, until :meth:`Durability.run` manages a
 write again.
 
 Bounded memory: once stored, finished jobs beyond the most recent
-:data:`KEEP_FINISHED` leave memory (:meth:`StoreState.evict_finished`). Reads of
+:data:`KEEP_FINISHED` leave memory (:meth:`StoredState.evict_finished`). Reads of
 them (:meth:`Durability.job_info`, :meth:`Durability.jobs_page`, output) go to
 the backend in a thread; a request that acts on one (a late finish, a cancel, a
 claim) first brings it back (:meth:`Durability.ensure_jobs`), and keeps it in

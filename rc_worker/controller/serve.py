@@ -275,13 +275,17 @@ class _GrowingReads:
     hypercorn reads 64 KiB at a time: a worker streaming output at pipe speed
     then costs a round of h11 events, ASGI messages and store appends per
     64 KiB (a third of the controller's CPU per GiB). A read that came back
-    full says more is waiting, so the next asks for up to 1 MiB; one that did
-    not goes back to 64 KiB, so the many small requests (heartbeats, polls)
-    never have a large buffer allocated for them.
+    full says more is waiting, so the next asks for up to 256 KiB; one that
+    did not goes back to 64 KiB, so the many small requests (heartbeats,
+    polls) never have a large buffer allocated for them. Not more: hypercorn
+    queues up to ``max_app_queue_size`` (10) body pieces per connection while
+    the handler waits for a commit, so each uploading worker can hold ten
+    reads in the controller's memory. hypercorn always asks for 64 KiB; the
+    size asked for here is this class's own (``max_bytes`` is ignored).
     """
 
     SMALL = 1 << 16
-    LARGE = 1 << 20
+    LARGE = 1 << 18
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream

@@ -24,7 +24,7 @@ __all__ = ["DEVICE_STATES", "Store", "StoreConfig"]
 
 
 class Store(WorkerSide, DevicesSide, JobsSide):
-    """The reference controller's state and every operation on it (see :class:`StoreState`).
+    """The reference controller's state and every operation on it (see :class:`StoredState`).
 
     One class, in three parts by who calls them: jobs as users see them
     (``store_jobs.py``), devices and hosts as operators do (``store_devices.py``),

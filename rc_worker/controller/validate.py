@@ -17,6 +17,7 @@ from typing import Final
 
 from rc_worker.controller.errors import BadRequest
 from rc_worker.core import boundedjson
+from rc_worker.core.jsonconv import ProtocolError
 
 __all__ = [
     "MAX_COMMAND_ARGS",
@@ -54,6 +55,10 @@ def loads(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> object:
         raise BadRequest(f"body: not valid UTF-8 ({e})") from None
     except boundedjson.JsonTooDeep as e:
         raise BadRequest(f"body: {e}") from None
+    except boundedjson.NotFinite as e:
+        # Named by its field (``grace_s: NaN is not a JSON number; ...``), as every
+        # other malformed field is.
+        raise BadRequest(str(ProtocolError(str(e), e.path))) from None
     except ValueError as e:
         raise BadRequest(f"body: not valid JSON ({e})") from None
 

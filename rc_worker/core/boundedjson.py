@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Final
 
-__all__ = ["MAX_DEPTH", "JsonTooDeep", "depth", "loads"]
+__all__ = ["MAX_DEPTH", "JsonTooDeep", "NotFinite", "depth", "loads"]
 
 MAX_DEPTH: Final = 64
 """The deepest message of the protocol nests about 5 levels; this leaves room and stays far
@@ -24,6 +24,23 @@ MAX_INT_DIGITS: Final = 20
 
 class JsonTooDeep(ValueError):
     """The document nests deeper than allowed."""
+
+
+class NotFinite(ValueError):
+    """A number that is not finite (``NaN``, ``Infinity``, ``1e999``); ``path`` says where
+    (keys and indexes from the top, empty for the document itself), so that a message
+    can name the field rather than call the whole body invalid."""
+
+    def __init__(self, problem: str, path: tuple[str | int, ...]) -> None:
+        super().__init__(problem)
+        self.path = path
+
+
+class _Bad:
+    """A non-finite number's place in a second, locating pass (see :func:`_locate`)."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
 
 
 def depth(value: object) -> int:
@@ -41,15 +58,51 @@ def depth(value: object) -> int:
     return deepest
 
 
+def _constant_problem(name: str) -> str:
+    return f"{name} is not a JSON number; send a finite number"
+
+
+def _float_problem(text: str) -> str:
+    return f"{text[:40]} is out of range for a number"
+
+
 def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number; send a finite number")
+    raise _NonFinite(_constant_problem(name))
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is out of range for a number")
+        raise _NonFinite(_float_problem(text))
     return value
+
+
+class _NonFinite(ValueError):
+    """Raised inside the decoder; :func:`loads` turns it into :class:`NotFinite`."""
+
+
+def _locate(text: str, problem: str) -> NotFinite:
+    """Where the first non-finite number is: parsed again with markers in their place.
+
+    The decoder cannot say which key it was under when it met the number, and
+    this only runs for a body that is refused anyway.
+    """
+    marked = json.loads(
+        text,
+        parse_constant=lambda name: _Bad(_constant_problem(name)),
+        parse_float=lambda t: _Bad(_float_problem(t)) if not math.isfinite(float(t)) else 0.0,
+        parse_int=_bounded_int,
+    )
+    stack: list[tuple[object, tuple[str | int, ...]]] = [(marked, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, _Bad):
+            return NotFinite(value.problem, path)
+        if isinstance(value, dict):
+            stack.extend((v, (*path, k)) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(value))))
+    return NotFinite(problem, ())
 
 
 def _bounded_int(text: str) -> int:
@@ -76,6 +129,8 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> object:
         value = _DECODER.decode(text)
     except RecursionError:
         raise _too_deep(max_depth) from None
+    except _NonFinite as e:
+        raise _locate(text, str(e)) from None
     # Each level opens with a bracket, so a text with no more brackets than allowed
     # (strings' own included) cannot nest too deep: no need to walk what was parsed.
     if text.count("[") + text.count("{") > max_depth and depth(value) > max_depth:

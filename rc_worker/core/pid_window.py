@@ -23,6 +23,18 @@ threads included, in every namespace) and ``t`` tasks at the mark
 it did not come round; otherwise :func:`pid_window` says ``None`` and the
 sweep reads the whole table as before. Every input overcounts (other
 namespaces' tasks and clones), which only makes the answer more cautious.
+Two marks from different pid namespaces (a worker restarted in another
+container, reading a journalled mark) give no window.
+
+The residual, accepted as the RC_JOB_ID sweep's others are: a clone that
+fails *after* its pid was allocated (``CLONE_PIDFD`` with a full descriptor
+table, ``pids.max`` / ``TasksMax``, a fatal signal) moves the cursor without
+being counted (``processes`` counts successful clones only). A job that makes
+a whole cycle of them (``pid_max`` failed clones: seconds with a 32,768
+``pid_max``, minutes with 4,194,304) can leave a process, started before,
+with a pid outside the window. It could as well clear its environment and
+leave its session, which hides it from any RC_JOB_ID sweep. A job in a
+cgroup is swept through the cgroup, exactly, and neither applies.
 
 Pure: the host reads the numbers (``LinuxHost.pid_mark``), this decides.
 """
@@ -39,23 +51,24 @@ RESERVED_PIDS = 300
 class PidMark:
     """Where the kernel's pid allocation stood at a moment.
 
-    Read in this order, so each figure covers what the next one saw: ``forks``
-    first, then ``tasks`` and ``last_pid`` (one read of ``/proc/loadavg``
-    gives both), ``pid_max`` any time.
+    A mark that opens a window reads ``forks`` first and ``last_pid`` after
+    (``/proc/stat``, ``/proc/loadavg``, ``/proc/sys/kernel/ns_last_pid``); one
+    that closes it, the other way round (``procfs.read_pid_mark``).
     """
 
     last_pid: int  # the last pid handed out in this pid namespace
     forks: int  # tasks created since boot (all namespaces, threads too)
     tasks: int  # tasks that exist (zombies included)
     pid_max: int  # /proc/sys/kernel/pid_max
+    pid_ns: int  # which pid namespace (the inode of /proc/self/ns/pid)
 
     def to_json(self) -> list[int]:
-        return [self.last_pid, self.forks, self.tasks, self.pid_max]
+        return [self.last_pid, self.forks, self.tasks, self.pid_max, self.pid_ns]
 
     @classmethod
     def from_json(cls, raw: object) -> PidMark | None:
         """A mark written by :meth:`to_json`; ``None`` for anything else (a damaged file)."""
-        if not isinstance(raw, list) or len(raw) != 4:
+        if not isinstance(raw, list) or len(raw) != 5:
             return None
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in raw):
             return None
@@ -80,12 +93,12 @@ def pid_window(then: PidMark, now: PidMark) -> PidWindow | None:
 
     ``now`` must be read after whatever it is to cover (the listing of
     ``/proc``). ``None`` when the cycle may have come round, when the figures
-    cannot be from one boot (fewer forks now than then), or when they make
-    no sense; the caller then looks at every process.
+    cannot be from one boot (fewer forks now than then) or one pid namespace,
+    or when they make no sense; the caller then looks at every process.
     """
     created = now.forks - then.forks
     cycle = min(then.pid_max, now.pid_max) - RESERVED_PIDS
-    if created < 0 or cycle <= 0 or then.tasks < 0:
+    if created < 0 or cycle <= 0 or then.tasks < 0 or then.pid_ns != now.pid_ns:
         return None
     if not (0 <= then.last_pid < then.pid_max and 0 <= now.last_pid < now.pid_max):
         return None

@@ -396,7 +396,7 @@ class SimHost(SimCgroupFs):
         # Pids are handed out in order and never wrap here; the counts are
         # the kernel's, so the real window rule decides (and is exercised).
         created = self._next_pid - _FIRST_PID
-        return PidMark(self._next_pid - 1, created, len(self._table) + 2, SIM_PID_MAX)
+        return PidMark(self._next_pid - 1, created, len(self._table) + 2, SIM_PID_MAX, 1)
 
     def processes_since(self, mark: PidMark) -> list[ProcessInfo] | None:
         table = self.processes()

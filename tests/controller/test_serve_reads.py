@@ -1,5 +1,5 @@
 """The controller's connection reads (``serve._GrowingReads``): 64 KiB while a peer's reads
-come back short, up to 1 MiB while it keeps them full, over a real socket pair."""
+come back short, up to 256 KiB while it keeps them full, over a real socket pair."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ async def test_reads_grow_while_full_and_shrink_after_a_short_one() -> None:
         await reads.send_all(b"answer")
         assert await peer.receive_some(100) == b"answer"
     asked = [n for n, _ in recording.reads]
-    assert asked[:3] == [1 << 16, 1 << 16, 1 << 20]
-    # Every read after a full one asks for 1 MiB; every read after a short one, 64 KiB.
+    assert asked[:3] == [1 << 16, 1 << 16, _GrowingReads.LARGE]
+    # Every read after a full one asks for the larger size; every read after a short one, 64 KiB.
     for (size, got), (after, _) in zip(recording.reads, recording.reads[1:], strict=False):
-        assert after == (1 << 20 if got >= (size or 0) else 1 << 16)
+        assert after == (_GrowingReads.LARGE if got >= (size or 0) else 1 << 16)
     assert asked[-1] == 1 << 16  # the "z" after the body's last, short, read

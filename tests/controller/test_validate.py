@@ -336,3 +336,34 @@ async def _request(
             content=None if method == "GET" else body,
             headers={**auth(token), "content-type": content_type},
         )
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            b'{"command": ["x"], "max_runtime_s": 1e999}',
+            "max_runtime_s: 1e999 is out of range for a number",
+        ),
+        (b'{"grace_s": NaN}', "grace_s: NaN is not a JSON number; send a finite number"),
+        (
+            b'{"env": {"A": "1"}, "labels": {"x": [1, -Infinity]}}',
+            "labels.x[1]: -Infinity is not a JSON number; send a finite number",
+        ),
+        (b"-Infinity", "body: -Infinity is not a JSON number; send a finite number"),
+    ],
+)
+def test_a_non_finite_number_is_refused_by_its_field(body: bytes, message: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        loads(body)
+    assert str(refused.value) == message
+
+
+async def test_a_non_finite_number_in_a_submit_is_a_400_naming_the_field(
+    edge: httpx.AsyncClient, small_store: Store
+) -> None:
+    raw = b'{"command": ["x"], "grace_s": Infinity}'
+    r = await edge.post("/v1/jobs", content=raw, headers=auth(USER_TOKEN))
+    assert r.status_code == 400
+    assert r.json()["message"] == "grace_s: Infinity is not a JSON number; send a finite number"
+    assert small_store.jobs() == []
