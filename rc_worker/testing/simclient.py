@@ -341,5 +341,11 @@ class _Streamed(AbstractAsyncContextManager[httpx.Response]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        assert self._response is not None
-        await self._response.aclose()
+        response = self._response
+        assert response is not None
+        if type(response.stream) is httpx.ByteStream and not response.is_closed:
+            # All that aclose() does for an answer held in memory (its stream's own
+            # aclose does nothing), without its error-wrapping context manager.
+            response.is_closed = True
+        else:
+            await response.aclose()
