@@ -84,25 +84,23 @@ class WorkerContext:
         containment = self.host.containment
         cgroup = None if containment is None else containment.leaf(job_key(a.job_id, a.attempt))
         mark = self.host.pid_mark() if cgroup is None else None
-        await self.outbox.committer.write(
-            job_dir.journal,
-            {
-                "job_id": a.job_id,
-                "attempt": a.attempt,
-                "device": a.device,
-                "boot_id": self.boot_id,
-                # A reported timestamp, never used for a timeout.
-                "started_at": time.time(),
-                # A lower bound of the job's start time in the process
-                # table's clock: recovery's sweep skips older processes.
-                "since_ticks": self.host.boot_ticks(),
-                # Where pid allocation stood: it reads only newer pids' rows.
-                "pid_mark": None if mark is None else mark.to_json(),
-                "spawned": True,
-                "cgroup": cgroup,
-            },
-            before=job_dir.create,
-        )
+        record: dict[str, Any] = {
+            "job_id": a.job_id,
+            "attempt": a.attempt,
+            "device": a.device,
+            "boot_id": self.boot_id,
+            # A reported timestamp, never used for a timeout.
+            "started_at": time.time(),
+            # A lower bound of the job's start time in the process
+            # table's clock: recovery's sweep skips older processes.
+            "since_ticks": self.host.boot_ticks(),
+            # Where pid allocation stood: it reads only newer pids' rows.
+            "pid_mark": None if mark is None else mark.to_json(),
+            "spawned": True,
+            "cgroup": cgroup,
+        }
+        await self.outbox.committer.write(job_dir.journal, record, before=job_dir.create)
+        job_dir.written_journal = record
         return cgroup
 
     def cgroup_limits(self, device: DeviceConfig) -> dict[str, str]:

@@ -62,6 +62,8 @@ class _Delivery:
     report: dict[str, Any] | None = None
     """The finish this process made (on disk too, if the disk took it); ``None`` for
     one a previous process left on disk, read from there."""
+    on_disk: bool = True
+    """Whether the finish is on disk for the next process; False while held in memory only."""
 
 
 class Outbox:
@@ -169,7 +171,15 @@ class Outbox:
     ) -> None:
         """Deliver a finish the disk would not take, from memory."""
         self._spawn(
-            _Delivery(job_dir, job_id, attempt, report=dict(report), device=device, fresh=True)
+            _Delivery(
+                job_dir,
+                job_id,
+                attempt,
+                report=dict(report),
+                device=device,
+                fresh=True,
+                on_disk=False,
+            )
         )
 
     def owes(self, device: str) -> bool:
@@ -184,18 +194,69 @@ class Outbox:
     async def finish(self, key: str, report: Mapping[str, Any]) -> None:
         """Record a job's finish report durably; it is sent once its output is in."""
         delivery = self._deliveries[key]
+        delivery.report = dict(report)
         try:
             await self.committer.write(delivery.job_dir.finish, report)
         except OSError as e:
-            log.error(
-                "job %s: cannot write its finish (%s); holding it in memory to send",
-                key,
-                e,
-            )
+            delivery.on_disk = False
+            # A directory that vanished is made again, journal and all: held in
+            # memory only, the outcome would be lost if the worker stopped first.
+            if not delivery.job_dir.exists() and await self.write_held(delivery):
+                log.warning(
+                    "job %s: its directory was gone (%s); wrote it again with its finish",
+                    key,
+                    e,
+                )
+            else:
+                log.error(
+                    "job %s: cannot write its finish (%s); holding it in memory to send",
+                    key,
+                    e,
+                )
         # Sent from memory by this process: the disk's copy is for the next one. A
         # directory that vanished meanwhile must not leave it an empty finish to send.
-        delivery.report = dict(report)
         delivery.finish_ready.set()
+
+    async def write_held(self, delivery: _Delivery) -> bool:
+        """Write a finish held in memory only to disk, with its directory and the
+        journal this process wrote (if either is gone); whether the disk took it.
+
+        The journal goes first, as when the job was spawned: a crash between the
+        two leaves a job that was interrupted, never a finish the controller's
+        registration would not expect (a spawned job's finish needs its journal
+        to be reported in ``recovery`` at the next start).
+        """
+        if delivery.on_disk or delivery.report is None:
+            return True
+        jd = delivery.job_dir
+        writes: list[tuple[Path, Mapping[str, Any]]] = []
+        if jd.written_journal is not None and not jd.store.exists(jd.journal):
+            writes.append((jd.journal, jd.written_journal))
+        writes.append((jd.finish, delivery.report))
+        try:
+            await self.committer.write_all(writes, before=jd.create)
+        except OSError as e:
+            log.error("job %s: still cannot write its finish (%s)", jd.key, e)
+            return False
+        delivery.on_disk = True
+        return True
+
+    async def write_held_reports(self) -> None:
+        """At a stop: write every finish held in memory only to disk, so that the
+        next start delivers it (those the disk still refuses stay in memory)."""
+        for d in list(self._deliveries.values()):
+            if not d.done.is_set():
+                await self.write_held(d)
+
+    def held_in_memory(self) -> list[str]:
+        """What is owed and held in memory only: lost if the worker stops now."""
+        held = [
+            d.job_dir.key
+            for d in self._deliveries.values()
+            if not d.on_disk and not d.done.is_set()
+        ]
+        # Fault reports the disk refused are held in memory only too.
+        return held + [path.name for path in self._in_memory]
 
     async def report(
         self,

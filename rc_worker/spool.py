@@ -107,6 +107,10 @@ class JobDir:
         self.journal = self.path / "journal.json"
         self.output = self.path / "output"
         self.finish = self.path / "finish.json"
+        # The journal this process wrote here, kept so that a finish whose
+        # directory vanished (an operator's rm, a lost mount) can be written
+        # back with it: recovery at the next start reports the job from it.
+        self.written_journal: dict[str, Any] | None = None
 
     def create(self) -> None:
         self.store.mkdir(self.path, parents=True)

@@ -367,7 +367,9 @@ class Worker(Polling):
 
         Stopping (a second signal) does not wait on the controller: once every
         device is idle, reports it has not taken within ``STOP_REPORT_WINDOW_S``
-        stay on disk and go out after the next start.
+        stay on disk and go out after the next start. One held in memory only (the
+        disk refused it, or its directory vanished) is written to disk first, within
+        the window; one the disk still refuses is lost, and the log line says so.
         """
         assert self._ctx is not None
         while True:
@@ -380,15 +382,30 @@ class Worker(Polling):
                     break
             await wake.wait()
         with trio.move_on_after(STOP_REPORT_WINDOW_S):
+            # A report held in memory only (the disk refused it) is written first,
+            # within the same window, so that it too stays for the next start.
+            await outbox.write_held_reports()
             while outbox.pending() or self._rejecting:
                 await self._poll_wake.wait()
             return
-        log.warning(
-            "stopping with %d report(s) the controller has not taken; they stay in %s "
-            "and are delivered after the next start",
-            outbox.pending(),
-            self.config.state_dir,
-        )
+        lost = outbox.held_in_memory()
+        if lost:
+            log.error(
+                "stopping with %d report(s) the controller has not taken; %d of them "
+                "the disk would not take and are lost (%s); the rest stay in %s and are "
+                "delivered after the next start",
+                outbox.pending(),
+                len(lost),
+                ", ".join(lost),
+                self.config.state_dir,
+            )
+        else:
+            log.warning(
+                "stopping with %d report(s) the controller has not taken; they stay in %s "
+                "and are delivered after the next start",
+                outbox.pending(),
+                self.config.state_dir,
+            )
 
     async def _deregister(self, client: ControllerClient, outbox: Outbox) -> None:
         # Only after a complete drain: a worker that still owes reports must

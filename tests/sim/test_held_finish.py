@@ -1,0 +1,86 @@
+"""A finish held in memory only (its directory vanished) survives a stop of the worker.
+
+Found by hypothesis: a job's directory vanished while it ran, so its finish could not be
+written and was held in memory to send; the worker was then stopped (two signals)
+while the controller's finish endpoint was down, said the report stayed on disk, and
+the job ended ``lost`` though its worker never crashed. The worker now writes the
+directory again, journal and finish, so the next start reports and delivers it.
+"""
+
+from __future__ import annotations
+
+from rc_worker.testing.fleet import Fault
+from rc_worker.testing.plans import (
+    CrashPlan,
+    DiskPlan,
+    FleetPlan,
+    IdlePlan,
+    JobPlan,
+    OutagePlan,
+    PlanRun,
+    replay,
+)
+from rc_worker.testing.sim import Script, Sleep, Write
+
+# One byte at 2 s, then it exits 0 at 10 s; its directory vanishes at 5 s (for good),
+# the finish endpoint is down from 1 s to 20 s, and the worker is stopped at 15 s,
+# while the finish, sent from memory, is still being retried.
+JOB = Script(steps=(Sleep(2.0), Write(b"x"), Sleep(8.0)), exit_code=0)
+PLAN = FleetPlan(
+    hosts=1,
+    devices=1,
+    jobs=(JobPlan(0.0, JOB),),
+    outages=(OutagePlan(1.0, 19.0, "finish", Fault.UNAVAILABLE, None),),
+    crashes=(CrashPlan(15.0, "h0", 0.0, "stop"),),
+    disks=(DiskPlan(5.0, 1.0, "h0", "vanish"),),
+)
+
+# The plan hypothesis printed, replayed as it was found.
+FOUND = FleetPlan(
+    hosts=1,
+    devices=1,
+    jobs=(
+        JobPlan(0.0, Script(steps=(), exit_code=0), {"grace_s": 0.0}),
+        JobPlan(0.0, Script(steps=(), exit_code=0), {"grace_s": 0.0}),
+        JobPlan(
+            7.0,
+            Script(
+                steps=(
+                    Sleep(2.0),
+                    Write(b"\x00"),
+                    Sleep(8.5),
+                    Write(b"\x00"),
+                    Sleep(13.5),
+                    Write(b"\x00"),
+                    Sleep(18.5),
+                ),
+                exit_code=0,
+            ),
+            {"grace_s": 0.0},
+        ),
+    ),
+    outages=(OutagePlan(67.5, 2.5, "finish", Fault.UNAVAILABLE, None),),
+    crashes=(CrashPlan(67.5, "h0", 0.0, "stop"),),
+    idles=(IdlePlan(6.0, 14.5, "h0", "gpu0", "hold"),),
+    disks=(DiskPlan(25.5, 1.0, "h0", "vanish"),),
+)
+
+
+def _outcome(played: PlanRun, job: str) -> str:
+    [line] = [s for s in played.story.splitlines() if s.startswith(f"{job}:")]
+    return line
+
+
+def test_a_finish_whose_directory_vanished_survives_a_stop_before_it_is_taken() -> None:
+    played = replay(PLAN, 0)
+    assert "the directory of j-1-sim.1 vanished" in played.story
+    assert "stop h0" in played.story
+    assert played.problems == []
+    assert _outcome(played, "j-1-sim").startswith("j-1-sim: succeeded on h0/gpu0 exit 0")
+
+
+def test_the_plan_hypothesis_found_replays_without_a_lost_job() -> None:
+    played = replay(FOUND, 0)
+    assert "the directory of j-3-sim.1 vanished" in played.story
+    assert played.problems == []
+    assert _outcome(played, "j-3-sim").startswith("j-3-sim: succeeded on h0/gpu0 exit 0")
