@@ -62,8 +62,6 @@ class _Delivery:
     report: dict[str, Any] | None = None
     """The finish this process made (on disk too, if the disk took it); ``None`` for
     one a previous process left on disk, read from there."""
-    on_disk: bool = True
-    """Whether the finish is on disk for the next process; False while held in memory only."""
 
 
 class Outbox:
@@ -171,15 +169,7 @@ class Outbox:
     ) -> None:
         """Deliver a finish the disk would not take, from memory."""
         self._spawn(
-            _Delivery(
-                job_dir,
-                job_id,
-                attempt,
-                report=dict(report),
-                device=device,
-                fresh=True,
-                on_disk=False,
-            )
+            _Delivery(job_dir, job_id, attempt, report=dict(report), device=device, fresh=True)
         )
 
     def owes(self, device: str) -> bool:
@@ -198,7 +188,6 @@ class Outbox:
         try:
             await self.committer.write(delivery.job_dir.finish, report)
         except OSError as e:
-            delivery.on_disk = False
             # A directory that vanished is made again, journal and all: held in
             # memory only, the outcome would be lost if the worker stopped first.
             if not delivery.job_dir.exists() and await self.write_held(delivery):
@@ -218,17 +207,18 @@ class Outbox:
         delivery.finish_ready.set()
 
     async def write_held(self, delivery: _Delivery) -> bool:
-        """Write a finish held in memory only to disk, with its directory and the
-        journal this process wrote (if either is gone); whether the disk took it.
+        """Write a finish held in memory only (the disk refused it, or its directory
+        vanished since) to disk, with its directory and the journal this process
+        wrote if they are gone too; whether the finish is on disk now.
 
         The journal goes first, as when the job was spawned: a crash between the
         two leaves a job that was interrupted, never a finish the controller's
         registration would not expect (a spawned job's finish needs its journal
         to be reported in ``recovery`` at the next start).
         """
-        if delivery.on_disk or delivery.report is None:
-            return True
         jd = delivery.job_dir
+        if delivery.report is None or jd.store.exists(jd.finish):
+            return True
         writes: list[tuple[Path, Mapping[str, Any]]] = []
         if jd.written_journal is not None and not jd.store.exists(jd.journal):
             writes.append((jd.journal, jd.written_journal))
@@ -238,7 +228,6 @@ class Outbox:
         except OSError as e:
             log.error("job %s: still cannot write its finish (%s)", jd.key, e)
             return False
-        delivery.on_disk = True
         return True
 
     async def write_held_reports(self) -> None:
@@ -253,7 +242,9 @@ class Outbox:
         held = [
             d.job_dir.key
             for d in self._deliveries.values()
-            if not d.on_disk and not d.done.is_set()
+            if d.report is not None
+            and not d.done.is_set()
+            and not d.job_dir.store.exists(d.job_dir.finish)
         ]
         # Fault reports the disk refused are held in memory only too.
         return held + [path.name for path in self._in_memory]

@@ -138,6 +138,12 @@ class SimNode:
     """Jobs whose directory the harness made vanish (``disk_fault``): their spool with it."""
     power_losses: list[float] = attrs.Factory(list)
     """Virtual times the harness cut the host's power (``disk_fault``, ``torn``)."""
+    stops: list[float] = attrs.Factory(list)
+    """Virtual times the worker was stopped (two signals, :meth:`Fleet.stop` without
+    ``drain``): it waits for the controller a bounded time only."""
+    full_disk: list[list[float]] = attrs.Factory(list)
+    """``[from, until]`` of each time the harness filled the host's disk (``disk_fault``,
+    ``full``); ``until`` is infinite until it is repaired."""
     running: bool = False
     _scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     _started: trio.Event = attrs.Factory(trio.Event)
@@ -251,6 +257,7 @@ class Fleet:
         if drain:
             node.worker.drain()
         else:
+            node.stops.append(trio.current_time())
             node.worker.stop()
         await node._done.wait()
         node.running = False

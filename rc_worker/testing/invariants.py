@@ -78,6 +78,9 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
     assert proc.stdout is not None
     committed, read = fleet.store.output(job), bytes(proc.stdout.read)
     disrupted = _disrupted(node, proc, info, events)
+    # `lost` is also the truth for a finish the worker could hold in memory only and
+    # lost at a stop (`_held_finish_lost_at_a_stop`): that case alone.
+    held_lost = _held_finish_lost_at_a_stop(node, proc, info)
     # A job whose directory vanished lost its spool, and one whose host lost power
     # before its finish was in lost what the spool held past its last fsync (the spool
     # is never fsynced): what was not yet sent is gone, and what was sent must still be
@@ -98,7 +101,7 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
     written = bytes(proc.stdout.written)
     if not disrupted and read != written:
         out.append(f"{job}: the worker read other than the job wrote: {_diff(read, written)}")
-    if info.state == "lost" and not disrupted:
+    if info.state == "lost" and not disrupted and not held_lost:
         # `lost` is for a crashed worker or a lost host only (docs/protocol.md),
         # whether or not the job's process was signalled afterwards.
         out.append(
@@ -106,7 +109,12 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
             f"and the host was never lost ({info.reason!r})"
         )
     code = proc.returncode
-    if code is None or code < 0 or proc.signalled or (info.state == "lost" and disrupted):
+    if (
+        code is None
+        or code < 0
+        or proc.signalled
+        or (info.state == "lost" and (disrupted or held_lost))
+    ):
         return out
     want = "succeeded" if code == 0 else "failed"
     if (info.state, info.exit_code, info.killed) != (want, code, False):
@@ -184,6 +192,24 @@ def _check_hooks(node: SimNode, events: list[Event]) -> list[str]:
 
 def _crashed_during(node: SimNode, start: float, end: float) -> bool:
     return any(start <= t <= end for t in node.crashes)
+
+
+def _held_finish_lost_at_a_stop(node: SimNode, proc: SimProcess, info: JobInfo) -> bool:
+    """Whether the job's finish could only be held in memory when its worker stopped.
+
+    Its directory vanished (journal and all) and the disk was full when the worker
+    was stopped after the job ended: nothing could be written back for the next
+    start, and a stop does not wait out the controller (issue 13), so the outcome
+    went with that process and the controller ends the job ``lost``. A full disk
+    alone, or a vanished directory alone, keeps it (the worker writes it again).
+    """
+    if info.state != "lost" or info.job_id not in node.vanished or proc.ended_at is None:
+        return False
+    end = info.finished_at if info.finished_at is not None else math.inf
+    return any(
+        proc.ended_at <= t <= end and any(a <= t <= b for a, b in node.full_disk)
+        for t in node.stops
+    )
 
 
 def _disrupted(node: SimNode, proc: SimProcess, info: JobInfo, events: list[Event]) -> bool:

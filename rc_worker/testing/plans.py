@@ -410,9 +410,12 @@ def disk_fault(fleet: Fleet, host: str, how: str) -> Callable[[], None]:
     disk = node.host.disk
     if how == "full":
         disk.fill()
+        window = [trio.current_time(), math.inf]
+        node.full_disk.append(window)
 
         def repair() -> None:
             disk.capacity = None
+            window[1] = trio.current_time()
 
         return repair
     if how == "vanish":

@@ -9,7 +9,12 @@ directory again, journal and finish, so the next start reports and delivers it.
 
 from __future__ import annotations
 
-from rc_worker.testing.fleet import Fault
+import logging
+
+import attrs
+import pytest
+
+from rc_worker.testing.fleet import Fault, Fleet, simulate
 from rc_worker.testing.plans import (
     CrashPlan,
     DiskPlan,
@@ -18,6 +23,7 @@ from rc_worker.testing.plans import (
     JobPlan,
     OutagePlan,
     PlanRun,
+    play,
     replay,
 )
 from rc_worker.testing.sim import Script, Sleep, Write
@@ -84,3 +90,47 @@ def test_the_plan_hypothesis_found_replays_without_a_lost_job() -> None:
     assert "the directory of j-3-sim.1 vanished" in played.story
     assert played.problems == []
     assert _outcome(played, "j-3-sim").startswith("j-3-sim: succeeded on h0/gpu0 exit 0")
+
+
+def test_a_finish_whose_directory_vanished_after_it_was_written_survives_a_stop() -> None:
+    """The finish was on disk, then its directory vanished while the controller was
+    down: the stop writes it back rather than say it stays on disk."""
+    plan = attrs.evolve(PLAN, disks=(DiskPlan(12.0, 1.0, "h0", "vanish"),))
+    played = replay(plan, 0)
+    assert "the directory of j-1-sim.1 vanished" in played.story
+    assert played.problems == []
+    assert _outcome(played, "j-1-sim").startswith("j-1-sim: succeeded on h0/gpu0 exit 0")
+
+
+# Its directory vanishes, then the disk is full from before the job ends until after
+# the stop: the finish can be written neither when the job ends nor at the stop.
+UNWRITABLE = attrs.evolve(
+    PLAN, disks=(DiskPlan(5.0, 1.0, "h0", "vanish"), DiskPlan(9.0, 20.0, "h0", "full"))
+)
+
+
+def test_a_finish_the_disk_still_refuses_at_a_stop_is_said_to_be_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rc_worker.worker")
+    played = replay(UNWRITABLE, 0)
+    [stopping] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopping")]
+    assert "1 of them the disk would not take and are lost (j-1-sim.1)" in stopping
+    assert _outcome(played, "j-1-sim").startswith("j-1-sim: lost on h0/gpu0")
+    # The one case a job that exited 0 on its own may end lost (invariants.py).
+    assert played.problems == []
+
+
+@pytest.mark.parametrize("forget", ["vanished", "full_disk", "stops"])
+def test_the_check_allows_that_loss_only_with_all_three_causes(forget: str) -> None:
+    """Forget the vanished directory, the full disk or the stop, and the same run
+    is a violation: a job that exited 0 must not end lost for any one of them."""
+
+    async def scenario(fleet: Fleet) -> list[str]:
+        await play(fleet, UNWRITABLE)
+        getattr(fleet.nodes["h0"], forget).clear()
+        return fleet.check()
+
+    problems = simulate(scenario, seed=0, **UNWRITABLE.fleet_args())
+    assert any("j-1-sim: ended lost on h0" in p for p in problems)
+    assert any("j-1-sim: exited 0 on its own but was reported lost" in p for p in problems)
