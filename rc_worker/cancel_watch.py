@@ -3,9 +3,9 @@
 The heartbeat carries cancels too, but only every heartbeat interval (10 s by
 default); the watch (``watch_cancels`` on a poll with an empty ``ready``, see
 docs/protocol.md) brings one to the job within a round trip of the user's
-request. ``known_cancels`` lists what the worker already has, so a cancel it
-acted on does not make the controller answer again at once while the job
-winds down.
+request. ``known_cancels`` lists what the worker already has (every cancel the
+last answer carried), so a cancel it acted on does not make the controller
+answer again at once while the job winds down.
 """
 
 from __future__ import annotations
@@ -40,11 +40,17 @@ async def watch_cancels(
     taken, say); ``wait_s``: the long poll's wait; ``pause_s``: how long to
     wait after the controller refused the watch for good.
     """
+    # What the controller listed at its last answer. Not narrowed to the attempts
+    # held here: the controller keeps listing the cancel of an attempt that ended
+    # here until its finish is acknowledged (an outage on finish, say), and a
+    # cancel left out of ``known_cancels`` is answered again at once, so the
+    # watch would poll in a loop without ever waiting.
+    # A cancel whose attempt no device holds yet (offered, the poll's answer not
+    # yet read) reaches it by the heartbeat, or by ``start``'s ``409 cancelled``.
     known: set[JobRef] = set()
     while True:
         wake = changed()
         holding = held()
-        known &= holding
         if not holding:
             await wake.wait()
             continue
@@ -54,6 +60,8 @@ async def watch_cancels(
             log.error("cancel watch refused: %s; retrying after the heartbeat interval", e)
             await trio.sleep(pause_s())
             continue
+        # The answer lists every cancel the controller still has for this host:
+        # one it leaves out is done with (its job ended there).
+        known = {(c.job_id, c.attempt) for c in cancels}
         for cancel in cancels:
-            known.add((cancel.job_id, cancel.attempt))
             apply(cancel)
