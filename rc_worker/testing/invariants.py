@@ -87,6 +87,13 @@ def _check_job(fleet: Fleet, info: JobInfo, finishes: int, events: list[Event]) 
     # what the job wrote, in order.
     end = info.finished_at if info.finished_at is not None else math.inf
     spool_lost = job in node.vanished or any(proc.started_at <= t <= end for t in node.power_losses)
+    # The marker of a disk error is held in memory when the disk refuses the output
+    # (spool.py): a worker killed after the disk filled, before it was sent, took it
+    # with it, and its successor sends what the spool held, a prefix without it.
+    spool_lost = spool_lost or any(
+        proc.started_at <= full[0] <= end and any(full[0] <= t <= end for t in node.crashes)
+        for full in node.full_disk
+    )
     # A worker killed in the instant it took a chunk out of the pipe, before its read
     # returned, had that chunk in its memory only (a read(2), then the SIGKILL, before
     # the write(2) to the spool): that chunk, and nothing else, may be missing.
