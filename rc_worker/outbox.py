@@ -223,8 +223,11 @@ class Outbox:
         if jd.written_journal is not None and not jd.store.exists(jd.journal):
             writes.append((jd.journal, jd.written_journal))
         writes.append((jd.finish, delivery.report))
+        # The directory only, never an empty output file: the shipper tells a vanished
+        # spool by its missing file, and would resend into an empty one for ever.
+        mkdir = functools.partial(jd.store.mkdir, jd.path, parents=True)
         try:
-            await self.committer.write_all(writes, before=jd.create)
+            await self.committer.write_all(writes, before=mkdir)
         except OSError as e:
             log.error("job %s: still cannot write its finish (%s)", jd.key, e)
             return False

@@ -102,6 +102,19 @@ def test_a_finish_whose_directory_vanished_after_it_was_written_survives_a_stop(
     assert _outcome(played, "j-1-sim").startswith("j-1-sim: succeeded on h0/gpu0 exit 0")
 
 
+def test_a_directory_written_again_does_not_hide_that_its_output_is_gone() -> None:
+    """The output endpoint is down until after the job's finish wrote its directory
+    again: the shipper must still see the spool is gone (no empty output file made
+    for it), or it would resend into an empty file for ever and never send the finish."""
+    plan = attrs.evolve(
+        PLAN, outages=(OutagePlan(1.0, 29.0, "output", Fault.UNAVAILABLE, None),), crashes=()
+    )
+    played = replay(plan, 0)
+    assert "the directory of j-1-sim.1 vanished" in played.story
+    assert played.problems == []
+    assert _outcome(played, "j-1-sim").startswith("j-1-sim: succeeded on h0/gpu0 exit 0")
+
+
 # Its directory vanishes, then the disk is full from before the job ends until after
 # the stop: the finish can be written neither when the job ends nor at the stop.
 UNWRITABLE = attrs.evolve(
