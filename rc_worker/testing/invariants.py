@@ -204,13 +204,15 @@ def _crashed_during(node: SimNode, start: float, end: float) -> bool:
 def _held_finish_lost_at_a_stop(node: SimNode, proc: SimProcess, info: JobInfo) -> bool:
     """Whether the job's finish could only be held in memory when its worker stopped.
 
-    Its directory vanished (journal and all) and the disk was full when the worker
-    was stopped after the job ended: nothing could be written back for the next
-    start, and a stop does not wait out the controller (issue 13), so the outcome
-    went with that process and the controller ends the job ``lost``. A full disk
-    alone, or a vanished directory alone, keeps it (the worker writes it again).
+    The disk was full when the worker was stopped after the job ended, before the
+    controller took the finish: a finish not on disk by then (the disk refused it
+    when the job ended, or its directory vanished, journal and all) could not be
+    written back for the next start, and a stop does not wait out the controller
+    (issue 13), so the outcome went with that process and the controller ends the
+    job ``lost``. A finish written before the disk filled is on disk and survives
+    the stop; a vanished directory alone is written again.
     """
-    if info.state != "lost" or info.job_id not in node.vanished or proc.ended_at is None:
+    if info.state != "lost" or proc.ended_at is None:
         return False
     end = info.finished_at if info.finished_at is not None else math.inf
     return any(

@@ -134,10 +134,19 @@ def test_a_finish_the_disk_still_refuses_at_a_stop_is_said_to_be_lost(
     assert played.problems == []
 
 
-@pytest.mark.parametrize("forget", ["vanished", "full_disk", "stops"])
-def test_the_check_allows_that_loss_only_with_all_three_causes(forget: str) -> None:
-    """Forget the vanished directory, the full disk or the stop, and the same run
-    is a violation: a job that exited 0 must not end lost for any one of them."""
+def test_a_finish_a_full_disk_refused_through_a_stop_is_lost_and_allowed_so() -> None:
+    # No vanished directory: the disk, full from before the job's end until after the
+    # stop, refused the finish then and at the stop; the finish endpoint refused it too.
+    played = replay(attrs.evolve(PLAN, disks=(DiskPlan(9.0, 20.0, "h0", "full"),)), 0)
+    assert _outcome(played, "j-1-sim").startswith("j-1-sim: lost on h0/gpu0")
+    assert played.problems == []
+
+
+@pytest.mark.parametrize("forget", ["full_disk", "stops"])
+def test_the_check_allows_that_loss_only_with_a_full_disk_at_a_stop(forget: str) -> None:
+    """Forget the full disk or the stop, and the same run is a violation: a job that
+    exited 0 must not end lost for either one alone (nor for a vanished directory,
+    which the worker writes again)."""
 
     async def scenario(fleet: Fleet) -> list[str]:
         await play(fleet, UNWRITABLE)
