@@ -234,11 +234,25 @@ class Outbox:
         return True
 
     async def write_held_reports(self) -> None:
-        """At a stop: write every finish held in memory only to disk, so that the
-        next start delivers it (those the disk still refuses stay in memory)."""
+        """At a stop: write every finish and fault report held in memory only to disk,
+        so that the next start delivers it (those the disk still refuses stay in memory).
+
+        A fault lost at a stop is worse than a late one: the next worker would not
+        know the device is quarantined, and would offer it."""
         for d in list(self._deliveries.values()):
             if not d.done.is_set():
                 await self.write_held(d)
+        for path, record in list(self._in_memory.items()):
+            try:
+                await self.committer.write(path, record)
+            except OSError as e:
+                log.error("cannot write fault %s at the stop either (%s)", path.name, e)
+                continue
+            if path in self._in_memory:
+                del self._in_memory[path]  # on disk now: the next start sends it
+            else:
+                # Delivered while it was being written: the file must not send it twice.
+                await self.committer.run_blocking(functools.partial(self._store.unlink, path))
 
     def held_in_memory(self) -> list[str]:
         """What is owed and held in memory only: lost if the worker stops now."""
