@@ -362,7 +362,7 @@ async def run_job(
         return Result(exit_code=None, error=why, sweep=swept)
     # No checkpoint between the spawn and the try/finally in run(): a
     # cancellation must not find a started process nobody will kill.
-    return await _Supervisor(spec, sink, host, proc, handle, (since, mark), path).run()
+    return await _Supervisor(spec, sink, host, proc, handle, since, mark, path).run()
 
 
 class _Supervisor:
@@ -373,12 +373,14 @@ class _Supervisor:
         host: Host,
         proc: HostProcess,
         handle: JobHandle,
-        bounds: tuple[int | None, PidMark | None],
+        since: int | None,
+        mark: PidMark | None,
         cgroup: str | None,
     ) -> None:
         self.spec = spec
         # What the sweep may skip: older start times, pids handed out before.
-        self.since, self.mark = bounds
+        self.since = since
+        self.mark = mark
         self.cgroup = cgroup
         self.usage: dict[str, int] = {}
         self.sink = sink
