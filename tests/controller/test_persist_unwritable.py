@@ -155,8 +155,7 @@ async def test_a_full_state_directory_answers_503_and_recovers(tmp_path: Path) -
                 after = r.json()["job_id"]
                 # Quiet now: take a copy of the directory to open after the server is gone
                 # (its tmpfs goes with its mount namespace).
-                for name in os.listdir(seen):
-                    shutil.copy2(seen / name, copy / name)
+                shutil.copytree(seen, copy, dirs_exist_ok=True)
     assert (copy / DB_NAME).exists()
     backend = open_backend(state_dir=copy)
     try:

@@ -1,7 +1,10 @@
 """The stored schema, its version, and the migrations between versions.
 
 Version 1 is the first schema (kept as a fixture in tests/fixtures/); version 2
-adds the webhook cursors and an index on the job order. A fresh database gets
+adds the webhook cursors and an index on the job order; version 3 moves SQLite's
+job output out of the database into files (a step of that backend's own:
+``SqliteBackend._migrate_more``; PostgreSQL keeps output in rows, where a standby
+sees it). A fresh database gets
 the current version; an older one is migrated at start, one step at a time in
 one transaction; a newer one is refused. The SQL is written once with two
 placeholders for the types that differ between SQLite and PostgreSQL.
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 _V1: Final = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -30,7 +33,7 @@ _V2: Final = (
     "CREATE INDEX jobs_by_finish ON jobs (finished_at)",
 )
 
-MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {1: _V1, 2: _V2}
+MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {1: _V1, 2: _V2, 3: ()}
 """``MIGRATIONS[n]`` takes a database at version ``n - 1`` (0: empty) to version ``n``."""
 
 

@@ -90,8 +90,12 @@ class SqlBackend:
             if found < SCHEMA_VERSION:
                 for sql in statements(found, real=self.real, blob=self.blob):
                     cur.execute(sql)
+                self._migrate_more(cur, found)
                 self._put_meta(cur, [("schema_version", str(SCHEMA_VERSION))])
             return found
+
+    def _migrate_more(self, cur: Any, found: int) -> None:
+        """A backend's own migration steps from version ``found``, in the same transaction."""
 
     def _put_meta(self, cur: Any, rows: Sequence[tuple[str, str]]) -> None:
         p = self.ph
@@ -124,11 +128,7 @@ class SqlBackend:
                 (int(s), str(t), float(tm), str(d)) for s, t, tm, d in reversed(cur.fetchall())
             )
             # Only how much each of those jobs has: the bytes are read when someone asks.
-            cur.execute(
-                "SELECT o.job_id, SUM(length(o.data)) FROM output o"
-                " JOIN jobs j ON j.job_id = o.job_id WHERE j.finished_at IS NULL"
-                " GROUP BY o.job_id"
-            )
+            cur.execute(self._LIVE_OUTPUT_LENGTHS)
             output = {str(j): int(n) for j, n in cur.fetchall()}
             cur.execute(
                 "SELECT state, COUNT(*) FROM jobs WHERE finished_at IS NOT NULL GROUP BY state"
@@ -167,18 +167,29 @@ class SqlBackend:
                     f" VALUES ({p}, {p}, {p}, {p}) ON CONFLICT (seq) DO NOTHING",
                     list(b.events),
                 )
-                _many(
-                    cur,
-                    f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
-                    " ON CONFLICT (job_id, off) DO NOTHING",
-                    list(b.output),
-                )
+                self._write_output(cur, b.output)
                 self._put_meta(cur, b.meta)
+
+    def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> None:
+        """Store output rows ``(job_id, offset, data)`` within the open transaction."""
+        p = self.ph
+        _many(
+            cur,
+            f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
+            " ON CONFLICT (job_id, off) DO NOTHING",
+            rows,
+        )
 
     # Each job with how many bytes of output it has stored (its committed length).
     _JOB_WITH_BYTES = (
         "SELECT j.data, (SELECT COALESCE(SUM(length(o.data)), 0) FROM output o"
         " WHERE o.job_id = j.job_id) FROM jobs j"
+    )
+    # The jobs still to run or running, with their stored output length (if any).
+    _LIVE_OUTPUT_LENGTHS = (
+        "SELECT o.job_id, SUM(length(o.data)) FROM output o"
+        " JOIN jobs j ON j.job_id = o.job_id WHERE j.finished_at IS NULL"
+        " GROUP BY o.job_id"
     )
 
     def read_job(self, job_id: str) -> tuple[str, int] | None:
@@ -278,9 +289,17 @@ class SqlBackend:
             )
             gone = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
             ids = [(job_id,) for job_id, _ in gone]
-            _many(cur, f"DELETE FROM output WHERE job_id = {p}", ids)
+            self._delete_output(cur, ids)
             _many(cur, f"DELETE FROM jobs WHERE job_id = {p}", ids)
+        self._output_deleted([job_id for job_id, _ in gone])
         return gone
+
+    def _delete_output(self, cur: Any, ids: Sequence[tuple[str]]) -> None:
+        """Delete these jobs' output within the open transaction."""
+        _many(cur, f"DELETE FROM output WHERE job_id = {self.ph}", ids)
+
+    def _output_deleted(self, job_ids: Sequence[str]) -> None:
+        """After the commit that deleted these jobs' output (what lives outside the database)."""
 
 
 def _many(cur: Any, sql: str, rows: Sequence[Sequence[object]]) -> None:

@@ -1,26 +1,33 @@
 """The default backend: one SQLite database (WAL) in the controller's state directory.
 
-The directory is the whole controller: the database holds every record and
-every byte of job output, so copying the directory backs it up.
+The directory is the whole controller: the database holds every record, and
+``output/`` every byte of job output, one append-only file a job, of which the
+database keeps the committed length (:mod:`.output_files`: why, and why it is
+crash-safe). Copying the directory while ``rc serve`` is stopped backs it up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rc_worker.controller.persist import StoreOpenError
+from rc_worker.controller.persist.output_files import OutputFiles, extend, reconcile
 from rc_worker.controller.persist.sql import SqlBackend
 from rc_worker.core.errors import ConfigError
 from rc_worker.statelock import StateDirLock, StateDirLocked
 
-__all__ = ["DB_NAME", "SqliteBackend", "default_state_dir"]
+__all__ = ["DB_NAME", "OUTPUT_DIR", "SqliteBackend", "default_state_dir"]
 
 DB_NAME = "controller.db"
+OUTPUT_DIR = "output"
+
+log = logging.getLogger("rc_worker.controller")
 
 
 def default_state_dir(env: Mapping[str, str]) -> Path:
@@ -55,6 +62,7 @@ class SqliteBackend(SqlBackend):
             self.conn.execute("PRAGMA journal_mode=WAL")
             # FULL: a commit survives a power cut, not only a killed process.
             self.conn.execute("PRAGMA synchronous=FULL")
+            self.files = OutputFiles(state_dir / OUTPUT_DIR)
         except (sqlite3.Error, OSError) as e:
             if self._lock is not None:
                 self._lock.release()
@@ -80,6 +88,113 @@ class SqliteBackend(SqlBackend):
     def _has_schema(self, cur: Any) -> bool:
         cur.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'")
         return cur.fetchone() is not None
+
+    # --- output in files (output_files.py) ----------------------------------------------------
+
+    _JOB_WITH_BYTES = (
+        "SELECT j.data, COALESCE((SELECT f.length FROM output_files f"
+        " WHERE f.job_id = j.job_id), 0) FROM jobs j"
+    )
+    _LIVE_OUTPUT_LENGTHS = (
+        "SELECT f.job_id, f.length FROM output_files f"
+        " JOIN jobs j ON j.job_id = f.job_id WHERE j.finished_at IS NULL"
+    )
+
+    def migrate(self) -> int:
+        found = super().migrate()
+        self._reconcile_output()
+        return found
+
+    def _migrate_more(self, cur: Any, found: int) -> None:
+        if found >= 3:
+            return
+        cur.execute("CREATE TABLE output_files (job_id TEXT PRIMARY KEY, length BIGINT NOT NULL)")
+        if found == 0:
+            return
+        # Output stored in rows by an earlier version moves to files in this transaction:
+        # written and fsynced first, so a crash before the commit leaves the rows (and
+        # files that the next attempt writes again, at the same offsets).
+        cur.execute("SELECT COUNT(*), COALESCE(SUM(length(data)), 0) FROM output")
+        rows, size = cur.fetchone()
+        if not rows:
+            return
+        log.info("moving %d bytes of job output out of the database into %s", size, self.files.root)
+        lengths: dict[str, int] = {}
+        cur.execute("SELECT job_id, off, data FROM output ORDER BY job_id, off")
+        while batch := cur.fetchmany(16):
+            pieces = [(str(j), int(o), bytes(d)) for j, o, d in batch]
+            self.files.write(pieces)
+            for job_id, off, data in pieces:
+                lengths[job_id] = extend(lengths.get(job_id, 0), [(off, len(data))])
+        cur.executemany(
+            "INSERT INTO output_files (job_id, length) VALUES (?, ?)", sorted(lengths.items())
+        )
+        cur.execute("DELETE FROM output")
+
+    def _reconcile_output(self) -> None:
+        """Make the files agree with the committed lengths (after a crash, or a backup)."""
+        with self._transaction(
+            lambda e: StoreOpenError(
+                f"cannot check the job output in {self.files.root}: {e}; "
+                "give a writable --state-dir, or --memory"
+            )
+        ) as cur:
+            cur.execute("SELECT job_id, length FROM output_files")
+            lengths = {str(j): int(n) for j, n in cur.fetchall()}
+            repair = reconcile(lengths, self.files.sizes())
+            self.files.repair(repair)
+            for job_id, committed, found in repair.shortened:
+                log.warning(
+                    "job %s: its output file %s holds %d of the %d bytes stored; serving "
+                    "the %d there (restore the file from a backup to get the rest)",
+                    job_id,
+                    self.files.path(job_id),
+                    found,
+                    committed,
+                    found,
+                )
+            cur.executemany(
+                "UPDATE output_files SET length = ? WHERE job_id = ?",
+                [(found, job_id) for job_id, _, found in repair.shortened],
+            )
+
+    def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> None:
+        if not rows:
+            return
+        # The bytes are durable before the lengths that make them count are committed.
+        self.files.write(rows)
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for job_id, off, data in rows:
+            spans.setdefault(job_id, []).append((off, len(data)))
+        updates = []
+        for job_id, pieces in spans.items():
+            cur.execute("SELECT length FROM output_files WHERE job_id = ?", (job_id,))
+            row = cur.fetchone()
+            updates.append((job_id, extend(0 if row is None else int(row[0]), pieces)))
+        cur.executemany(
+            "INSERT INTO output_files (job_id, length) VALUES (?, ?)"
+            " ON CONFLICT (job_id) DO UPDATE SET length = excluded.length",
+            updates,
+        )
+
+    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        with self._transaction(self._read_failed) as cur:
+            cur.execute("SELECT length FROM output_files WHERE job_id = ?", (job_id,))
+            row = cur.fetchone()
+        end = 0 if row is None else int(row[0])
+        if limit is not None:
+            end = min(end, offset + limit)
+        try:
+            # Outside the lock: commits need not wait for a follower's reads.
+            return self.files.read(job_id, offset, end - offset)
+        except OSError as e:
+            raise self._read_failed(e) from e
+
+    def _delete_output(self, cur: Any, ids: Sequence[tuple[str]]) -> None:
+        cur.executemany("DELETE FROM output_files WHERE job_id = ?", ids)
+
+    def _output_deleted(self, job_ids: Sequence[str]) -> None:
+        self.files.remove(job_ids)
 
     def close(self) -> None:
         self.conn.close()

@@ -1,0 +1,248 @@
+"""SQLite's job output in files beside the database (``persist/output_files.py``).
+
+The rule under test: a byte counts once its length is committed. The decisions are
+pure and property-tested; the rest runs on a real state directory, with the crashes
+between a file write and its commit played by failing the commit, and by bytes left
+on disk as a killed process leaves them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rc_worker.controller.persist import StoreWriteError
+from rc_worker.controller.persist.codec import Batch, JobRow
+from rc_worker.controller.persist.opening import open_backend
+from rc_worker.controller.persist.output_files import extend, file_name, reconcile
+from rc_worker.controller.persist.sqlite import DB_NAME, OUTPUT_DIR, SqliteBackend
+
+# --- pure -----------------------------------------------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_a_file_name_is_one_plain_name_whatever_the_id(job_id: str) -> None:
+    name = file_name(job_id)
+    assert "/" not in name
+    assert "\0" not in name
+    assert name not in (".", "..")
+    assert 0 < len(name.encode()) <= 255
+
+
+@given(st.text(min_size=1, max_size=40), st.text(min_size=1, max_size=40))
+def test_two_ids_never_share_a_file(a: str, b: str) -> None:
+    if a != b:
+        assert file_name(a) != file_name(b)
+
+
+def test_a_hostile_id_gets_a_hashed_name() -> None:
+    assert file_name("j-7-ab12") == "j-7-ab12"
+    for hostile in ("../../etc/passwd", "..", ".hidden", "a/b", "x" * 300):
+        assert file_name(hostile).startswith("%")
+
+
+@st.composite
+def contiguous(draw: st.DrawFn) -> tuple[int, list[tuple[int, int]]]:
+    """A committed length and pieces as the store hands them out: each continues the
+    last, some already committed (a retried batch), in any order."""
+    length = draw(st.integers(0, 50))
+    pieces, pos = [], draw(st.integers(0, length))
+    for size in draw(st.lists(st.integers(0, 20), max_size=8)):
+        pieces.append((pos, size))
+        pos += size
+    return length, draw(st.permutations(pieces))
+
+
+@given(contiguous())
+def test_the_length_covers_every_contiguous_piece(case: tuple[int, list[tuple[int, int]]]) -> None:
+    length, pieces = case
+    assert extend(length, pieces) == max([length] + [off + n for off, n in pieces])
+
+
+@given(st.integers(0, 50), st.lists(st.tuples(st.integers(0, 100), st.integers(0, 20))))
+def test_the_length_never_counts_a_byte_past_a_hole(
+    length: int, pieces: list[tuple[int, int]]
+) -> None:
+    end = extend(length, pieces)
+    assert end >= length
+    # Every byte below the new end is the old length's or some piece's.
+    covered = set(range(length))
+    for off, n in pieces:
+        covered |= set(range(off, off + n))
+    assert set(range(end)) <= covered
+
+
+@given(
+    st.dictionaries(st.sampled_from(["j-1", "j-2", "j-3", "a/b"]), st.integers(0, 9)),
+    st.dictionaries(st.sampled_from(["j-1", "j-2", "j-4", file_name("a/b")]), st.integers(0, 9)),
+)
+def test_after_a_repair_every_file_matches_its_length(
+    lengths: dict[str, int], sizes: dict[str, int]
+) -> None:
+    repair = reconcile(lengths, sizes)
+    files = {name: n for name, n in sizes.items() if name not in repair.remove}
+    files.update(repair.truncate)
+    final = dict(lengths)
+    final.update({job_id: found for job_id, _, found in repair.shortened})
+    by_name = {file_name(job_id): n for job_id, n in final.items()}
+    # Only files without a length are removed; every length has exactly its bytes behind it.
+    assert set(repair.remove) == set(sizes) - set(by_name)
+    assert all(files.get(name, 0) == n for name, n in by_name.items())
+    # A cut never goes below a committed length, and a length only shrinks to what is there.
+    assert all(
+        n == by_name[name] == lengths[j]
+        for name, n in repair.truncate
+        for j in lengths
+        if file_name(j) == name
+    )
+    assert all(found < committed for _, committed, found in repair.shortened)
+
+
+# --- on a real state directory -----------------------------------------------------------------
+
+
+def opened(state_dir: Path) -> SqliteBackend:
+    backend = open_backend(state_dir=state_dir)
+    assert isinstance(backend, SqliteBackend)
+    return backend
+
+
+def test_output_lives_in_files_and_the_database_keeps_lengths(tmp_path: Path) -> None:
+    backend = opened(tmp_path)
+    try:
+        backend.write([Batch(generation=1, output=(("j-1-t", 0, b"hello "),))])
+        backend.write([Batch(generation=2, output=(("j-1-t", 6, b"world\n"),))])
+        assert (tmp_path / OUTPUT_DIR / "j-1-t").read_bytes() == b"hello world\n"
+        assert backend.read_output("j-1-t", 3, 4) == b"lo w"
+        assert backend.read_output("j-1-t", 0, None) == b"hello world\n"
+        assert backend.read_output("j-9-t", 0, None) == b""
+    finally:
+        backend.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM output").fetchone() == (0,)
+        assert conn.execute("SELECT job_id, length FROM output_files").fetchall() == [("j-1-t", 12)]
+
+
+def test_a_failed_commit_leaves_its_bytes_unread_and_cut_at_the_next_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = opened(tmp_path)
+    backend.write([Batch(generation=1, output=(("j-1-t", 0, b"kept"),))])
+
+    def refuse() -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(backend, "_commit", refuse)
+    with pytest.raises(StoreWriteError):
+        backend.write([Batch(generation=2, output=(("j-1-t", 4, b" never acknowledged"),))])
+    monkeypatch.undo()
+    # The bytes reached the file before the commit failed; they do not count.
+    assert (tmp_path / OUTPUT_DIR / "j-1-t").stat().st_size > 4
+    assert backend.read_output("j-1-t", 0, None) == b"kept"
+    backend.close()
+    backend = opened(tmp_path)
+    try:
+        assert (tmp_path / OUTPUT_DIR / "j-1-t").read_bytes() == b"kept"
+        # And the batch, retried, stores them once.
+        backend.write([Batch(generation=2, output=(("j-1-t", 4, b" then stored"),))])
+        assert backend.read_output("j-1-t", 0, None) == b"kept then stored"
+    finally:
+        backend.close()
+
+
+def test_an_open_removes_files_never_committed(tmp_path: Path) -> None:
+    opened(tmp_path).close()
+    stray = tmp_path / OUTPUT_DIR / "j-5-t"
+    stray.write_bytes(b"written by a controller killed before its commit")
+    backend = opened(tmp_path)
+    try:
+        assert not stray.exists()
+        assert backend.read_output("j-5-t", 0, None) == b""
+    finally:
+        backend.close()
+
+
+def test_a_short_file_is_served_as_it_is_and_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = opened(tmp_path)
+    backend.write(
+        [
+            Batch(
+                generation=1,
+                jobs=(JobRow("j-1-t", 1, "succeeded", 1.0, '{"job_id": "j-1-t"}'),),
+                output=(("j-1-t", 0, b"0123456789"),),
+            )
+        ]
+    )
+    backend.close()
+    (tmp_path / OUTPUT_DIR / "j-1-t").write_bytes(b"0123")  # a backup copied too early
+    with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
+        backend = opened(tmp_path)
+    try:
+        [message] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert "j-1-t" in message
+        assert "4 of the 10 bytes" in message
+        assert backend.read_output("j-1-t", 0, None) == b"0123"
+        row = backend.read_job("j-1-t")
+        assert row is not None
+        assert row[1] == 4
+    finally:
+        backend.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
+        opened(tmp_path).close()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_hostile_job_id_stays_inside_the_output_directory(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    backend = opened(state)
+    try:
+        backend.write([Batch(generation=1, output=(("../../escaped", 0, b"x"),))])
+        assert not (tmp_path / "escaped").exists()
+        assert [p.name for p in (state / OUTPUT_DIR).iterdir()] == [file_name("../../escaped")]
+        assert backend.read_output("../../escaped", 0, None) == b"x"
+    finally:
+        backend.close()
+
+
+def test_retention_removes_the_files_of_the_jobs_it_deletes(tmp_path: Path) -> None:
+    backend = opened(tmp_path)
+    try:
+        backend.write(
+            [
+                Batch(
+                    generation=1,
+                    jobs=(
+                        JobRow("j-1-t", 1, "succeeded", 10.0, '{"job_id": "j-1-t"}'),
+                        JobRow("j-2-t", 2, "succeeded", 99.0, '{"job_id": "j-2-t"}'),
+                    ),
+                    output=(("j-1-t", 0, b"old"), ("j-2-t", 0, b"new")),
+                )
+            ]
+        )
+        assert backend.delete_finished_before(50.0, 10) == [("j-1-t", "succeeded")]
+        assert sorted(p.name for p in (tmp_path / OUTPUT_DIR).iterdir()) == ["j-2-t"]
+        assert backend.read_output("j-1-t", 0, None) == b""
+        assert backend.read_output("j-2-t", 0, None) == b"new"
+    finally:
+        backend.close()
+
+
+def test_an_unreadable_output_directory_is_one_line_at_open(tmp_path: Path) -> None:
+    from rc_worker.controller.persist import StoreOpenError
+
+    opened(tmp_path).close()
+    (tmp_path / OUTPUT_DIR).rmdir()
+    (tmp_path / OUTPUT_DIR).write_text("not a directory")
+    with pytest.raises(StoreOpenError) as caught:
+        opened(tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert str(tmp_path) in message
