@@ -79,7 +79,10 @@ def test_the_length_never_counts_a_byte_past_a_hole(
 
 @given(
     st.dictionaries(st.sampled_from(["j-1", "j-2", "j-3", "a/b"]), st.integers(0, 9)),
-    st.dictionaries(st.sampled_from(["j-1", "j-2", "j-4", file_name("a/b")]), st.integers(0, 9)),
+    st.dictionaries(
+        st.sampled_from(["j-1", "j-2", "j-4", file_name("a/b")]),
+        st.integers(-1, 9),  # -1: an entry that is not a plain file (a link)
+    ),
 )
 def test_after_a_repair_every_file_matches_its_length(
     lengths: dict[str, int], sizes: dict[str, int]
@@ -90,8 +93,11 @@ def test_after_a_repair_every_file_matches_its_length(
     final = dict(lengths)
     final.update({job_id: found for job_id, _, found in repair.shortened})
     by_name = {file_name(job_id): n for job_id, n in final.items()}
-    # Only files without a length are removed; every length has exactly its bytes behind it.
-    assert set(repair.remove) == set(sizes) - set(by_name)
+    # Only files without a length, and what is not a plain file, are removed; every length
+    # has exactly its bytes behind it.
+    assert set(repair.remove) == (set(sizes) - set(by_name)) | {
+        n for n, v in sizes.items() if v < 0
+    }
     assert all(files.get(name, 0) == n for name, n in by_name.items())
     # A cut never goes below a committed length, and a length only shrinks to what is there.
     assert all(
@@ -246,3 +252,39 @@ def test_an_unreadable_output_directory_is_one_line_at_open(tmp_path: Path) -> N
     message = str(caught.value)
     assert "\n" not in message
     assert str(tmp_path) in message
+
+
+def test_a_file_cut_under_a_running_controller_is_an_error_not_a_short_read(
+    tmp_path: Path,
+) -> None:
+    backend = opened(tmp_path)
+    try:
+        backend.write([Batch(generation=1, output=(("j-1-t", 0, b"0123456789"),))])
+        (tmp_path / OUTPUT_DIR / "j-1-t").write_bytes(b"0123")
+        assert backend.read_output("j-1-t", 0, 4) == b"0123"
+        with pytest.raises(StoreWriteError) as caught:
+            backend.read_output("j-1-t", 0, None)
+        message = str(caught.value)
+        assert "\n" not in message
+        assert "j-1-t" in message
+        assert "restart rc serve" in message
+        (tmp_path / OUTPUT_DIR / "j-1-t").unlink()
+        with pytest.raises(StoreWriteError):
+            backend.read_output("j-1-t", 2, None)
+    finally:
+        backend.close()
+
+
+def test_a_link_in_the_output_directory_is_never_followed(tmp_path: Path) -> None:
+    opened(tmp_path).close()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"not the controller's")
+    (tmp_path / OUTPUT_DIR / "j-1-t").symlink_to(target)
+    backend = opened(tmp_path)  # a link is no output file: removed at open
+    try:
+        assert not (tmp_path / OUTPUT_DIR / "j-1-t").is_symlink()
+        backend.write([Batch(generation=1, output=(("j-1-t", 0, b"mine"),))])
+        assert backend.read_output("j-1-t", 0, None) == b"mine"
+        assert target.read_bytes() == b"not the controller's"
+    finally:
+        backend.close()

@@ -38,6 +38,8 @@ import attrs
 __all__ = ["OutputFiles", "Repair", "extend", "file_name", "reconcile"]
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Never through a link: the directory is the controller's, and what it opens there is its own.
+_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def file_name(job_id: str) -> str:
@@ -69,7 +71,8 @@ class Repair:
     """What an open must do to make the files agree with the committed lengths."""
 
     remove: tuple[str, ...] = ()
-    """Files with no committed length: written, then never committed (or deleted)."""
+    """Files with no committed length (written, then never committed, or deleted), and
+    entries that are not plain files."""
     truncate: tuple[tuple[str, int], ...] = ()
     """``(file, length)``: bytes past the committed length were never acknowledged."""
     shortened: tuple[tuple[str, int, int], ...] = ()
@@ -79,12 +82,16 @@ class Repair:
 
 def reconcile(lengths: Mapping[str, int], sizes: Mapping[str, int]) -> Repair:
     """Compare the committed ``lengths`` (by job id) with the files found (``sizes``,
-    by file name) and say what to repair."""
+    by file name; a negative size is an entry that is not a plain file) and say what to
+    repair."""
     named = {file_name(job_id): (job_id, n) for job_id, n in lengths.items()}
     remove = tuple(sorted(name for name in sizes if name not in named))
     truncate, shortened = [], []
     for name, (job_id, n) in sorted(named.items()):
         found = sizes.get(name, 0)
+        if found < 0:  # not a plain file (a link): removed, and its bytes are gone
+            remove += (name,)
+            found = 0
         if found > n:
             truncate.append((name, n))
         elif found < n:
@@ -115,9 +122,9 @@ class OutputFiles:
         for job_id, writes in by_job.items():
             path = self.path(job_id)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_WRONLY | _FLAGS)
             except FileNotFoundError:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | _FLAGS, 0o600)
                 created = True
             try:
                 for off, data in writes:
@@ -134,7 +141,7 @@ class OutputFiles:
         if size <= 0:
             return b""
         try:
-            fd = os.open(self.path(job_id), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.path(job_id), os.O_RDONLY | _FLAGS)
         except FileNotFoundError:
             return b""
         try:
@@ -161,12 +168,15 @@ class OutputFiles:
                 self.path(job_id).unlink()
 
     def sizes(self) -> dict[str, int]:
-        """Every file here, by name, with its size."""
+        """Every entry here but a directory, by name, with its size: a link (which is never
+        written through) counts as a file of no bytes, so that it is replaced or removed."""
         out: dict[str, int] = {}
         with os.scandir(self.root) as it:
             for entry in it:
                 if entry.is_file(follow_symlinks=False):
                     out[entry.name] = entry.stat(follow_symlinks=False).st_size
+                elif not entry.is_dir(follow_symlinks=False):
+                    out[entry.name] = -1
         return out
 
     def repair(self, repair: Repair) -> None:
@@ -175,7 +185,7 @@ class OutputFiles:
             with contextlib.suppress(FileNotFoundError):
                 (self.root / name).unlink()
         for name, length in repair.truncate:
-            fd = os.open(self.root / name, os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(self.root / name, os.O_WRONLY | _FLAGS)
             try:
                 os.ftruncate(fd, length)
                 os.fsync(fd)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rc_worker.controller.persist import StoreOpenError
+from rc_worker.controller.persist import StoreOpenError, StoreWriteError
 from rc_worker.controller.persist.output_files import OutputFiles, extend, reconcile
 from rc_worker.controller.persist.sql import SqlBackend
 from rc_worker.core.errors import ConfigError
@@ -186,9 +186,18 @@ class SqliteBackend(SqlBackend):
             end = min(end, offset + limit)
         try:
             # Outside the lock: commits need not wait for a follower's reads.
-            return self.files.read(job_id, offset, end - offset)
+            data = self.files.read(job_id, offset, end - offset)
         except OSError as e:
             raise self._read_failed(e) from e
+        if len(data) < end - offset:
+            # Cut or removed under a running controller. Serving less than the committed
+            # length would leave a follower waiting forever for bytes that never come.
+            raise StoreWriteError(
+                f"reading {self.description} failed: the output file {self.files.path(job_id)} "
+                f"holds fewer than the {end} bytes stored for job {job_id}; restart rc serve "
+                "to serve what it holds (or restore the file)"
+            )
+        return data
 
     def _delete_output(self, cur: Any, ids: Sequence[tuple[str]]) -> None:
         cur.executemany("DELETE FROM output_files WHERE job_id = ?", ids)
