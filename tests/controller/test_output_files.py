@@ -9,6 +9,7 @@ on disk as a killed process leaves them.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 from pathlib import Path
 
@@ -286,5 +287,123 @@ def test_a_link_in_the_output_directory_is_never_followed(tmp_path: Path) -> Non
         backend.write([Batch(generation=1, output=(("j-1-t", 0, b"mine"),))])
         assert backend.read_output("j-1-t", 0, None) == b"mine"
         assert target.read_bytes() == b"not the controller's"
+    finally:
+        backend.close()
+
+
+def test_a_read_racing_retention_gets_nothing_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = opened(tmp_path)
+    try:
+        backend.write(
+            [
+                Batch(
+                    generation=1,
+                    jobs=(JobRow("j-1-t", 1, "succeeded", 10.0, '{"job_id": "j-1-t"}'),),
+                    output=(("j-1-t", 0, b"0123456789"),),
+                )
+            ]
+        )
+        read = backend.files.read
+
+        def retention_first(job_id: str, offset: int, size: int) -> bytes:
+            # Retention commits and removes the file between the length's read and this one.
+            assert backend.delete_finished_before(50.0, 10) == [("j-1-t", "succeeded")]
+            return read(job_id, offset, size)
+
+        monkeypatch.setattr(backend.files, "read", retention_first)
+        assert backend.read_output("j-1-t", 0, None) == b""
+    finally:
+        backend.close()
+
+
+def test_a_name_created_by_a_failed_write_is_made_durable_by_its_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rc_worker.controller.persist import output_files
+
+    backend = opened(tmp_path)
+    synced: list[Path] = []
+    real_fsync_dir = output_files._fsync_dir
+    monkeypatch.setattr(output_files, "_fsync_dir", lambda p: (synced.append(p), real_fsync_dir(p)))
+    real_pwrite = output_files._pwrite_all
+
+    def full_for_b(fd: int, data: bytes, offset: int) -> None:
+        if data == b"b":
+            raise OSError(28, "No space left on device")
+        real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(output_files, "_pwrite_all", full_for_b)
+    try:
+        with pytest.raises(StoreWriteError):
+            backend.write([Batch(generation=1, output=(("j-a", 0, b"a"), ("j-b", 0, b"b")))])
+        assert (tmp_path / OUTPUT_DIR / "j-a").exists()  # created, its name not yet synced
+        monkeypatch.setattr(output_files, "_pwrite_all", real_pwrite)
+        synced.clear()
+        # The retry finds j-a there; its name must still be synced before its length counts.
+        backend.write([Batch(generation=1, output=(("j-a", 0, b"a"),))])
+        assert synced == [tmp_path / OUTPUT_DIR]
+        assert backend.read_output("j-a", 0, None) == b"a"
+    finally:
+        backend.close()
+
+
+def test_a_directory_among_the_output_files_is_refused_in_one_line(tmp_path: Path) -> None:
+    from rc_worker.controller.persist import StoreOpenError
+
+    opened(tmp_path).close()
+    (tmp_path / OUTPUT_DIR / "j-1-t").mkdir()
+    with pytest.raises(StoreOpenError) as caught:
+        opened(tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert str(tmp_path / OUTPUT_DIR / "j-1-t") in message
+    assert "move it out" in message
+
+
+def _store_of_schema_1(state_dir: Path) -> None:
+    fixture = Path(__file__).parent.parent / "fixtures" / "controller-schema-v1.sql"
+    text = "\n".join(line for line in fixture.read_text().splitlines() if not line.startswith("--"))
+    state_dir.mkdir(mode=0o700)
+    conn = sqlite3.connect(state_dir / DB_NAME)
+    try:
+        for sql in (s.strip() for s in text.split(";\n")):
+            if sql:
+                conn.execute(sql)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def test_an_upgrade_without_room_for_the_output_says_so_and_keeps_the_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from rc_worker.controller.persist import StoreOpenError
+    from rc_worker.controller.persist import sqlite as sqlite_backend
+
+    state = tmp_path / "state"
+    _store_of_schema_1(state)
+    real_statvfs = os.statvfs
+
+    class Full:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(sqlite_backend.os, "statvfs", lambda path: Full())
+    with pytest.raises(StoreOpenError) as caught:
+        opened(state)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "14 bytes of job output" in message
+    assert "4096 bytes are free" in message
+    monkeypatch.setattr(sqlite_backend.os, "statvfs", real_statvfs)
+    with sqlite3.connect(state / DB_NAME) as conn:  # untouched: still version 1, rows and all
+        assert conn.execute("SELECT COUNT(*) FROM output").fetchone() == (2,)
+    assert list((state / OUTPUT_DIR).iterdir()) == []
+    with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
+        backend = opened(state)
+    try:
+        assert backend.read_output("j-1-v1", 0, None) == b"from schema 1\n"
+        assert any("VACUUM" in r.getMessage() for r in caplog.records)
     finally:
         backend.close()

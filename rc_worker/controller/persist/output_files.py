@@ -27,6 +27,7 @@ backend's thread, never on the event loop.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -108,6 +109,11 @@ class OutputFiles:
         root.mkdir(mode=0o700, exist_ok=True)
         if fresh:
             _fsync_dir(root.parent)
+        self._unsynced = True
+        """A file was created here since the directory was last fsynced. Kept across a
+        write that failed after creating one: its retry finds the file there, and must
+        still make its name durable before a length that points at it is committed. True
+        at first: a process killed mid-write left names nobody has synced."""
 
     def path(self, job_id: str) -> Path:
         return self.root / file_name(job_id)
@@ -118,22 +124,26 @@ class OutputFiles:
         by_job: dict[str, list[tuple[int, bytes]]] = {}
         for job_id, off, data in pieces:
             by_job.setdefault(job_id, []).append((off, data))
-        created = False
         for job_id, writes in by_job.items():
             path = self.path(job_id)
             try:
                 fd = os.open(path, os.O_WRONLY | _FLAGS)
             except FileNotFoundError:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | _FLAGS, 0o600)
-                created = True
+                self._unsynced = True
             try:
                 for off, data in writes:
                     _pwrite_all(fd, data, off)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        if created:
+        self.sync()
+
+    def sync(self) -> None:
+        """Make every name created here durable (an fsync of the directory), if any is new."""
+        if self._unsynced:
             _fsync_dir(self.root)
+            self._unsynced = False
 
     def read(self, job_id: str, offset: int, size: int) -> bytes:
         """``size`` bytes from ``offset`` (the caller bounds them by the committed length).
@@ -168,14 +178,22 @@ class OutputFiles:
                 self.path(job_id).unlink()
 
     def sizes(self) -> dict[str, int]:
-        """Every entry here but a directory, by name, with its size: a link (which is never
-        written through) counts as a file of no bytes, so that it is replaced or removed."""
+        """Every entry here, by name, with its size: a link (which is never written
+        through) counts as a file of no bytes, so that it is replaced or removed.
+        Raises ``IsADirectoryError`` for a directory: nothing here may be one, and the
+        controller will not remove one on its own (what is in it is not its own)."""
         out: dict[str, int] = {}
         with os.scandir(self.root) as it:
             for entry in it:
                 if entry.is_file(follow_symlinks=False):
                     out[entry.name] = entry.stat(follow_symlinks=False).st_size
-                elif not entry.is_dir(follow_symlinks=False):
+                elif entry.is_dir(follow_symlinks=False):
+                    raise IsADirectoryError(
+                        errno.EISDIR,
+                        "a directory where only job output files belong; move it out",
+                        entry.path,
+                    )
+                else:
                     out[entry.name] = -1
         return out
 
@@ -192,7 +210,8 @@ class OutputFiles:
             finally:
                 os.close(fd)
         if repair.remove:
-            _fsync_dir(self.root)
+            self._unsynced = True
+        self.sync()
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

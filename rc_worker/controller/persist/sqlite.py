@@ -26,6 +26,8 @@ __all__ = ["DB_NAME", "OUTPUT_DIR", "SqliteBackend", "default_state_dir"]
 
 DB_NAME = "controller.db"
 OUTPUT_DIR = "output"
+MIGRATION_HEADROOM = 64 << 20
+"""Free space kept beyond the output itself when an older store's output moves into files."""
 
 log = logging.getLogger("rc_worker.controller")
 
@@ -118,18 +120,41 @@ class SqliteBackend(SqlBackend):
         rows, size = cur.fetchone()
         if not rows:
             return
+        # The files are written before the rows go, so the move needs as much free space
+        # as the output: said up front, rather than as a full disk halfway through.
+        st = os.statvfs(self.files.root)
+        free = st.f_bavail * st.f_frsize
+        if free < size + MIGRATION_HEADROOM:
+            raise StoreOpenError(
+                f"cannot upgrade the store in {self.description}: moving its {size} bytes of "
+                f"job output into {self.files.root} needs that much free space, and "
+                f"{free} bytes are free; free some space there, or run the earlier rc serve"
+            )
         log.info("moving %d bytes of job output out of the database into %s", size, self.files.root)
         lengths: dict[str, int] = {}
         cur.execute("SELECT job_id, off, data FROM output ORDER BY job_id, off")
-        while batch := cur.fetchmany(16):
-            pieces = [(str(j), int(o), bytes(d)) for j, o, d in batch]
-            self.files.write(pieces)
-            for job_id, off, data in pieces:
-                lengths[job_id] = extend(lengths.get(job_id, 0), [(off, len(data))])
+        try:
+            while batch := cur.fetchmany(16):
+                pieces = [(str(j), int(o), bytes(d)) for j, o, d in batch]
+                self.files.write(pieces)
+                for job_id, off, data in pieces:
+                    lengths[job_id] = extend(lengths.get(job_id, 0), [(off, len(data))])
+        except BaseException:
+            # The rows stay (the transaction rolls back); the copies would only take space
+            # an earlier rc serve, which never reads them, would not give back.
+            self.files.remove(lengths)
+            raise
         cur.executemany(
             "INSERT INTO output_files (job_id, length) VALUES (?, ?)", sorted(lengths.items())
         )
         cur.execute("DELETE FROM output")
+        log.warning(
+            "moved %d bytes of job output into %s; the database file keeps their space "
+            "until it is compacted: stop rc serve and run sqlite3 %s VACUUM",
+            size,
+            self.files.root,
+            self.state_dir / DB_NAME,
+        )
 
     def _reconcile_output(self) -> None:
         """Make the files agree with the committed lengths (after a crash, or a backup)."""
@@ -190,6 +215,14 @@ class SqliteBackend(SqlBackend):
         except OSError as e:
             raise self._read_failed(e) from e
         if len(data) < end - offset:
+            # Retention may have deleted the job (its length, then its file) since the length
+            # was read: what holds now is what counts.
+            with self._transaction(self._read_failed) as cur:
+                cur.execute("SELECT length FROM output_files WHERE job_id = ?", (job_id,))
+                row = cur.fetchone()
+            now = 0 if row is None else int(row[0])
+            if now < end:
+                return data[: max(now - offset, 0)]
             # Cut or removed under a running controller. Serving less than the committed
             # length would leave a follower waiting forever for bytes that never come.
             raise StoreWriteError(
