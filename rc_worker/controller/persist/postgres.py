@@ -49,6 +49,10 @@ def redact(url: str) -> str:
 
 
 class PostgresBackend(SqlBackend):
+    # Version 3 changes only SQLite's layout (its output moved into files). A PostgreSQL
+    # store stays at 2, so that a standby still running the previous release can take
+    # over from an upgraded controller (an old program refuses a newer schema).
+    schema_target = 2
     real = "DOUBLE PRECISION"
     blob = "BYTEA"
     ph = "%s"

@@ -3,8 +3,9 @@
 Version 1 is the first schema (kept as a fixture in tests/fixtures/); version 2
 adds the webhook cursors and an index on the job order; version 3 moves SQLite's
 job output out of the database into files (a step of that backend's own:
-``SqliteBackend._migrate_more``; PostgreSQL keeps output in rows, where a standby
-sees it). A fresh database gets
+``SqliteBackend._migrate_more``). PostgreSQL keeps output in rows, where a standby
+sees it, and its stores stay at version 2 (``PostgresBackend.schema_target``), so
+that a standby still on the previous release can open them. A fresh database gets
 the current version; an older one is migrated at start, one step at a time in
 one transaction; a newer one is refused. The SQL is written once with two
 placeholders for the types that differ between SQLite and PostgreSQL.
@@ -37,16 +38,18 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {1: _V1, 2: _V2, 3: ()}
 """``MIGRATIONS[n]`` takes a database at version ``n - 1`` (0: empty) to version ``n``."""
 
 
-def statements(from_version: int, *, real: str, blob: str) -> list[str]:
-    """The SQL that brings a database at ``from_version`` to :data:`SCHEMA_VERSION`."""
+def statements(
+    from_version: int, *, real: str, blob: str, target: int = SCHEMA_VERSION
+) -> list[str]:
+    """The SQL that brings a database at ``from_version`` to ``target``."""
     out: list[str] = []
-    for version in range(from_version + 1, SCHEMA_VERSION + 1):
+    for version in range(from_version + 1, target + 1):
         out += [s.format(real=real, blob=blob) for s in MIGRATIONS[version]]
     return out
 
 
-def too_new(found: int, where: str) -> str:
+def too_new(found: int, where: str, target: int = SCHEMA_VERSION) -> str:
     return (
-        f"{where} has schema version {found}, newer than this program's {SCHEMA_VERSION}; "
+        f"{where} has schema version {found}, newer than this program's {target}; "
         "run a newer rc, or point it at another store"
     )

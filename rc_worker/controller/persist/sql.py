@@ -24,6 +24,8 @@ class SqlBackend:
     blob = "BYTEA"
     ph = "%s"
     errors: tuple[type[BaseException], ...] = (Exception,)
+    schema_target = SCHEMA_VERSION
+    """The version this backend creates and migrates to (``schema.py``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -85,13 +87,14 @@ class SqlBackend:
             lambda e: StoreOpenError(f"cannot set up the store in {self.description}: {e}")
         ) as cur:
             found = self.schema_version()
-            if found > SCHEMA_VERSION:
-                raise StoreOpenError(too_new(found, self.description))
-            if found < SCHEMA_VERSION:
-                for sql in statements(found, real=self.real, blob=self.blob):
+            target = self.schema_target
+            if found > target:
+                raise StoreOpenError(too_new(found, self.description, target))
+            if found < target:
+                for sql in statements(found, real=self.real, blob=self.blob, target=target):
                     cur.execute(sql)
                 self._migrate_more(cur, found)
-                self._put_meta(cur, [("schema_version", str(SCHEMA_VERSION))])
+                self._put_meta(cur, [("schema_version", str(target))])
             return found
 
     def _migrate_more(self, cur: Any, found: int) -> None:
