@@ -202,11 +202,15 @@ class SqliteBackend(SqlBackend):
             updates,
         )
 
-    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+    def _length(self, job_id: str) -> int:
+        """The job's committed output length (0: none)."""
         with self._transaction(self._read_failed) as cur:
             cur.execute("SELECT length FROM output_files WHERE job_id = ?", (job_id,))
             row = cur.fetchone()
-        end = 0 if row is None else int(row[0])
+        return 0 if row is None else int(row[0])
+
+    def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
+        end = self._length(job_id)
         if limit is not None:
             end = min(end, offset + limit)
         try:
@@ -217,10 +221,7 @@ class SqliteBackend(SqlBackend):
         if len(data) < end - offset:
             # Retention may have deleted the job (its length, then its file) since the length
             # was read: what holds now is what counts.
-            with self._transaction(self._read_failed) as cur:
-                cur.execute("SELECT length FROM output_files WHERE job_id = ?", (job_id,))
-                row = cur.fetchone()
-            now = 0 if row is None else int(row[0])
+            now = self._length(job_id)
             if now < end:
                 return data[: max(now - offset, 0)]
             # Cut or removed under a running controller. Serving less than the committed
