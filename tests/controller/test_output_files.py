@@ -113,6 +113,18 @@ def test_after_a_repair_every_file_matches_its_length(
 # --- on a real state directory -----------------------------------------------------------------
 
 
+def finished(*jobs: tuple[str, float, bytes]) -> Batch:
+    """A commit of finished jobs ``(job_id, finished_at, output)``, each with its output."""
+    return Batch(
+        generation=1,
+        jobs=tuple(
+            JobRow(job_id, seq, "succeeded", at, f'{{"job_id": "{job_id}"}}')
+            for seq, (job_id, at, _) in enumerate(jobs, 1)
+        ),
+        output=tuple((job_id, 0, data) for job_id, _, data in jobs),
+    )
+
+
 def opened(state_dir: Path) -> SqliteBackend:
     backend = open_backend(state_dir=state_dir)
     assert isinstance(backend, SqliteBackend)
@@ -178,15 +190,7 @@ def test_a_short_file_is_served_as_it_is_and_said_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend = opened(tmp_path)
-    backend.write(
-        [
-            Batch(
-                generation=1,
-                jobs=(JobRow("j-1-t", 1, "succeeded", 1.0, '{"job_id": "j-1-t"}'),),
-                output=(("j-1-t", 0, b"0123456789"),),
-            )
-        ]
-    )
+    backend.write([finished(("j-1-t", 1.0, b"0123456789"))])
     backend.close()
     (tmp_path / OUTPUT_DIR / "j-1-t").write_bytes(b"0123")  # a backup copied too early
     with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
@@ -222,18 +226,7 @@ def test_a_hostile_job_id_stays_inside_the_output_directory(tmp_path: Path) -> N
 def test_retention_removes_the_files_of_the_jobs_it_deletes(tmp_path: Path) -> None:
     backend = opened(tmp_path)
     try:
-        backend.write(
-            [
-                Batch(
-                    generation=1,
-                    jobs=(
-                        JobRow("j-1-t", 1, "succeeded", 10.0, '{"job_id": "j-1-t"}'),
-                        JobRow("j-2-t", 2, "succeeded", 99.0, '{"job_id": "j-2-t"}'),
-                    ),
-                    output=(("j-1-t", 0, b"old"), ("j-2-t", 0, b"new")),
-                )
-            ]
-        )
+        backend.write([finished(("j-1-t", 10.0, b"old"), ("j-2-t", 99.0, b"new"))])
         assert backend.delete_finished_before(50.0, 10) == [("j-1-t", "succeeded")]
         assert sorted(p.name for p in (tmp_path / OUTPUT_DIR).iterdir()) == ["j-2-t"]
         assert backend.read_output("j-1-t", 0, None) == b""
@@ -296,15 +289,7 @@ def test_a_read_racing_retention_gets_nothing_not_an_error(
 ) -> None:
     backend = opened(tmp_path)
     try:
-        backend.write(
-            [
-                Batch(
-                    generation=1,
-                    jobs=(JobRow("j-1-t", 1, "succeeded", 10.0, '{"job_id": "j-1-t"}'),),
-                    output=(("j-1-t", 0, b"0123456789"),),
-                )
-            ]
-        )
+        backend.write([finished(("j-1-t", 10.0, b"0123456789"))])
         read = backend.files.read
 
         def retention_first(job_id: str, offset: int, size: int) -> bytes:
