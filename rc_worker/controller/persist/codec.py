@@ -44,6 +44,7 @@ class Batch:
     hosts: tuple[tuple[str, str], ...] = ()
     events: tuple[tuple[int, str, float, str], ...] = ()
     output: tuple[tuple[str, int, bytes], ...] = ()
+    """``(job_id, offset, data)`` pieces, in the order they were appended."""
     meta: tuple[tuple[str, str], ...] = ()
     deleted_hosts: tuple[str, ...] = ()
     """Hosts marked but no longer in the store (retired)."""
@@ -195,7 +196,9 @@ def batch_of(store: StoredState, marks: Marks, generation: int) -> Batch:
         ("event_seq", str(store.last_event_seq)),
         ("retired_hosts", _dumps(sorted(store.retired_hosts))),
     )
-    output = coalesce_output(marks.output)
+    # The pieces as the requests brought them: a backend that stores rows joins them
+    # (coalesce_output); one that writes files writes them as they are, without the copy.
+    output = tuple(marks.output)
     return Batch(generation, tuple(jobs), tuple(hosts), events, output, meta, tuple(deleted))
 
 

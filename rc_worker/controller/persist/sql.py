@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rc_worker.controller.persist import StoreOpenError, StoreWriteError
-from rc_worker.controller.persist.codec import Batch, Loaded
+from rc_worker.controller.persist.codec import Batch, Loaded, coalesce_output
 from rc_worker.controller.persist.schema import SCHEMA_VERSION, statements, too_new
 
 
@@ -174,13 +174,14 @@ class SqlBackend:
                 self._put_meta(cur, b.meta)
 
     def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> None:
-        """Store output rows ``(job_id, offset, data)`` within the open transaction."""
+        """Store output pieces ``(job_id, offset, data)`` within the open transaction: as
+        rows, the pieces that continue each other joined (``coalesce_output``)."""
         p = self.ph
         _many(
             cur,
             f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
             " ON CONFLICT (job_id, off) DO NOTHING",
-            rows,
+            coalesce_output(rows),
         )
 
     # Each job with how many bytes of output it has stored (its committed length).
