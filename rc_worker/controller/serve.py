@@ -243,7 +243,7 @@ class _KeepAliveTimer:
         if self.done:
             return
         self.scope = trio.CancelScope(deadline=deadline)
-        task_group._nursery.start_soon(self._run)
+        task_group.spawn(self._run)  # hypercorn TaskGroup.spawn: start_soon in its nursery
 
     async def stop(self) -> None:
         if self.scope is not None:

@@ -29,18 +29,15 @@ class FakeServer:
 
 
 class CountingGroup:
-    """hypercorn's TaskGroup as the timer sees it (``_nursery``), counting tasks spawned."""
+    """hypercorn's TaskGroup as the timer sees it (``spawn``), counting tasks spawned."""
 
     def __init__(self, nursery: trio.Nursery) -> None:
         self.spawned = 0
-        outer = self
+        self._nursery = nursery
 
-        class Counting:
-            def start_soon(self, fn: Any, *args: Any) -> None:
-                outer.spawned += 1
-                nursery.start_soon(fn, *args)
-
-        self._nursery = Counting()
+    def spawn(self, fn: Any, *args: Any) -> None:
+        self.spawned += 1
+        self._nursery.start_soon(fn, *args)
 
 
 def timer_for(server: FakeServer) -> _KeepAliveTimer:
@@ -94,4 +91,19 @@ async def test_server_shutdown_closes_an_idle_connection_at_once(
         await trio.sleep(1)
         server.terminated.set()
         await trio.sleep(0.001)
+        assert server.closed == 1
+
+
+async def test_the_timer_runs_in_hypercorns_own_task_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Through the TaskGroup hypercorn gives a connection (``spawn``), not a stand-in: a
+    hypercorn release that changed it fails here, not in production."""
+    from hypercorn.trio.task_group import TaskGroup
+
+    server = FakeServer()
+    async with TaskGroup() as group:
+        timer = timer_for(server)
+        await timer.restart(group, None)
+        await trio.sleep(TIMEOUT + 1)
         assert server.closed == 1
