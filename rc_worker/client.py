@@ -199,12 +199,16 @@ class ControllerClient:
             StartRequest(protocol.NO_SESSION, attempt, device, boot_id),
         )
 
-    async def output(self, job_id: str, attempt: int, offset: int, data: Content) -> int:
+    async def output(
+        self, job_id: str, attempt: int, offset: int, data: Content, length: int | None = None
+    ) -> int:
         """Append ``data`` at ``offset``; returns the controller's committed offset.
 
         ``data`` is bytes, or a function returning a stream of them, sent as
-        one streamed (chunked) request body: the bytes go out as they are
-        read, and the controller appends them as they arrive. Each try calls
+        one streamed request body: the bytes go out as they are read, and the
+        controller appends them as they arrive. With ``length`` the stream
+        must yield exactly that many bytes, declared as the body's
+        Content-Length; without it the body is chunked. Each try calls
         it afresh from the same ``offset`` (a retry resends what the
         controller may already hold; it ignores bytes below its committed
         offset). A ``409 gap`` is not an error here: its ``committed`` says
@@ -216,6 +220,7 @@ class ControllerClient:
                 f"/v1/jobs/{job_id}/output",
                 content=data,
                 params={"attempt": attempt, "offset": offset},
+                content_length=length,
             )
         except ControllerError as e:
             if e.status == 409 and e.code == "gap":
@@ -275,6 +280,7 @@ class ControllerClient:
         payload: Payload | None = None,
         *,
         content: Content | None = None,
+        content_length: int | None = None,
         params: Mapping[str, Any] | None = None,
         session: bool = True,
         read_timeout: float | None = None,
@@ -288,7 +294,14 @@ class ControllerClient:
             try:
                 try:
                     answer = await self._once(
-                        method, path, payload, content, params, session, read_timeout
+                        method,
+                        path,
+                        payload,
+                        content,
+                        content_length,
+                        params,
+                        session,
+                        read_timeout,
                     )
                 except (ControllerError, _Transient) as e:
                     self._note_answer(endpoint, retry_log, e.status)
@@ -382,6 +395,7 @@ class ControllerClient:
         path: str,
         payload: Payload | None,
         content: Content | None,
+        content_length: int | None,
         params: Mapping[str, Any] | None,
         session: bool,
         read_timeout: float | None,
@@ -396,6 +410,13 @@ class ControllerClient:
         query = dict(params or {})
         if content is not None and session:
             query["session"] = self.session
+        headers = self._headers
+        if content is not None:
+            headers = {**headers, "Content-Type": "application/octet-stream"}
+            if content_length is not None:
+                # Declared, the body goes out as it is, not chunked (httpx then
+                # drops its Transfer-Encoding: chunked).
+                headers["Content-Length"] = str(content_length)
         try:
             async with self._http.stream(
                 method,
@@ -403,11 +424,7 @@ class ControllerClient:
                 json=json_body,
                 content=content() if callable(content) else content,
                 params=query or None,
-                headers=(
-                    {**self._headers, "Content-Type": "application/octet-stream"}
-                    if content is not None
-                    else self._headers
-                ),
+                headers=headers,
                 timeout=(httpx.USE_CLIENT_DEFAULT if read_timeout is None else read_timeout),
             ) as response:
                 data = await _read_bounded(response)

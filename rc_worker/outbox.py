@@ -45,6 +45,13 @@ REQUEST_MAX = 16 << 20
 # fast fills few large requests instead of one per pipe read. The controller
 # appends as it reads, so followers see the bytes at once either way.
 STREAM_WINDOW_S = 1.0
+# A backlog at least this large is sent as one request of known length
+# (Content-Length) rather than a chunked stream: every byte is already on disk,
+# nothing is gained by leaving the body open, and each chunk of a chunked body
+# costs a copy of it in h11 (its size line, the bytes and CRLF joined into one
+# buffer), about a tenth of the worker's CPU per GiB. Smaller backlogs (a job
+# writing slowly) keep the streamed body, so followers see its bytes as they come.
+BULK_MIN = 4 << 20
 
 
 @attrs.define
@@ -454,6 +461,7 @@ class Outbox:
                 # An empty append asks where the controller is: after a
                 # restart the worker resumes there instead of resending from zero.
                 committed = await self._client.output(d.job_id, d.attempt, 0, b"")
+            bulk = True
             while True:
                 size = _spooled(d)
                 if committed < size and not d.job_dir.store.exists(d.job_dir.output):
@@ -471,9 +479,20 @@ class Outbox:
                             await d.spool.wait_changed()
                     return committed
                 if committed < size:
-                    answer = await self._client.output(
-                        d.job_id, d.attempt, committed, functools.partial(_stream, d, committed)
-                    )
+                    backlog = min(size - committed, REQUEST_MAX)
+                    try:
+                        answer = await self._client.output(
+                            d.job_id,
+                            d.attempt,
+                            committed,
+                            *_body(d, committed, backlog if bulk and backlog >= BULK_MIN else None),
+                        )
+                    except _ShortRead as e:
+                        # The spool gave back less than it holds (a truncated or
+                        # failing file): the streamed body copes with that, ending short.
+                        log.warning("job %s: %s; streaming its output instead", d.job_dir.key, e)
+                        bulk = False
+                        continue
                     if answer == committed:
                         # A controller that answers 200 without taking the
                         # bytes would otherwise be resent them in a tight loop.
@@ -500,6 +519,34 @@ class Outbox:
                 while not d.spool.closed:
                     await d.spool.wait_changed()
             return None
+
+
+class _ShortRead(Exception):
+    """A body of declared length could not be read whole."""
+
+
+def _body(
+    d: _Delivery, start: int, length: int | None
+) -> tuple[Callable[[], AsyncIterator[bytes]], int | None]:
+    """One request's body and its length: exactly ``length`` spooled bytes from
+    ``start``, or (``None``) a stream of what is spooled, as it comes."""
+    if length is None:
+        return functools.partial(_stream, d, start), None
+    return functools.partial(_exactly, d, start, length), length
+
+
+async def _exactly(d: _Delivery, start: int, length: int) -> AsyncIterator[bytes]:
+    """``length`` bytes already spooled from ``start``, CHUNK bytes at a time; raises
+    :class:`_ShortRead` (ending the request before its body is whole) rather than send
+    fewer bytes than the request declared."""
+    pos, end = start, start + length
+    while pos < end:
+        n = min(CHUNK, end - pos)
+        data = d.spool.read(pos, n) if d.spool is not None else d.job_dir.read_output(pos, n)
+        if len(data) != n:
+            raise _ShortRead(f"read {len(data)} of {n} bytes of output at offset {pos}")
+        pos += n
+        yield data
 
 
 def _spooled(d: _Delivery) -> int:

@@ -1,0 +1,68 @@
+"""An output body of declared length, over a real socket to the real HTTP server.
+
+The worker sends a backlog of output with a ``Content-Length`` (``outbox.BULK_MIN``);
+the in-process tests (``tests/test_output_bulk.py``) check when it does. Here the real
+server (hypercorn, h11) and the worker's real client: every byte is appended, and a body
+that breaks off before its declared end leaves at most a correct prefix, from which the
+next request resumes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import trio
+
+from rc_worker.client import ControllerClient
+from rc_worker.controller import Store, create_app
+from rc_worker.controller.serve import serve
+
+from .helpers import USER_TOKENS, WORKER_TOKEN, WORKER_TOKENS, FakeWorker
+
+MIB = 1 << 20
+
+
+class BrokeOff(Exception):
+    pass
+
+
+async def test_a_body_of_declared_length_is_appended_and_a_broken_one_leaves_a_prefix() -> None:
+    store = Store(instance="t")
+    app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
+    payload = random.Random(7).randbytes(3 * MIB + 12345)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            [url] = await nursery.start(serve, app, "127.0.0.1:0")
+            async with httpx.AsyncClient(base_url=url) as http:
+                w = FakeWorker(http)
+                await w.register()
+                job = store.submit(["x"])
+                [a] = await w.poll(wait_s=1)
+                await w.start(a)
+                client = ControllerClient(http, host=w.host, token=WORKER_TOKEN)
+                client.session = w.session
+                attempt = a["attempt"]
+
+                async def breaks_off() -> AsyncIterator[bytes]:
+                    yield payload[:MIB]
+                    raise BrokeOff
+
+                with pytest.raises(BrokeOff):
+                    await client.output(job, attempt, 0, breaks_off, length=len(payload))
+                held = store.committed(job)
+                assert held <= MIB
+                assert store.output(job) == payload[:held]
+
+                async def rest() -> AsyncIterator[bytes]:
+                    for i in range(held, len(payload), MIB):
+                        yield payload[i : i + MIB]
+
+                committed = await client.output(
+                    job, attempt, held, rest, length=len(payload) - held
+                )
+                assert committed == len(payload)
+                assert store.output(job) == payload
+            nursery.cancel_scope.cancel()
