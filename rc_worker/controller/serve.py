@@ -17,6 +17,8 @@ them with ``await nursery.start(...)``.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import inspect
 import logging
 import random
 import time
@@ -321,15 +323,52 @@ class _EofClosingTCPServer(hypercorn_tcp_server.TCPServer):
         cast(_KeepAliveTimer, self.idle_task).finish()
 
 
-def _install_eof_fix() -> None:
+HYPERCORN_SERIES = "0.18."
+"""The hypercorn releases the connection handler above was written and tested against: it
+overrides private methods (``_read_data``, ``_initiate_server_close``) and replaces the
+``idle_task`` and ``stream`` its constructor sets, none of which hypercorn promises to keep."""
+
+
+def hypercorn_mismatch(
+    version: str | None = None, run_module: Any = hypercorn_trio_run, tcp: Any = None
+) -> str | None:
+    """Why hypercorn is not the one :class:`_EofClosingTCPServer` fits, or None when it is.
+
+    A mismatch leaves hypercorn's own connection handling in place (with its CLOSE-WAIT
+    sockets, per-request timer tasks and 64 KiB reads): slower, but never a controller
+    whose every connection fails on a renamed private method after an upgrade.
+    """
+    tcp = hypercorn_tcp_server.TCPServer if tcp is None else tcp
+    if version is None:
+        try:
+            version = importlib.metadata.version("hypercorn")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(unknown version)"
+    if not version.startswith(HYPERCORN_SERIES):
+        return f"hypercorn {version} is not the {HYPERCORN_SERIES}x it was written for"
+    if getattr(run_module, "TCPServer", None) not in (tcp, _EofClosingTCPServer):
+        return "hypercorn.trio.run no longer builds its connections through TCPServer"
+    for name in ("_read_data", "_initiate_server_close"):
+        if not inspect.iscoroutinefunction(getattr(tcp, name, None)):
+            return f"hypercorn's TCPServer has no coroutine {name}"
+    params = list(inspect.signature(tcp.__init__).parameters)
+    if params != ["self", "app", "config", "context", "state", "stream"]:
+        return f"hypercorn's TCPServer takes ({', '.join(params[1:])}) now"
+    return None
+
+
+def _install_connection_fixes() -> str | None:
     # hypercorn.trio.run builds connections through its module-level name; replacing it
-    # there is the one seam it offers. Checked, so a hypercorn that changed shape is
-    # left alone rather than broken.
-    if getattr(hypercorn_trio_run, "TCPServer", None) is hypercorn_tcp_server.TCPServer:
+    # there is the one seam it offers. Checked first, so a hypercorn that changed shape
+    # is left alone rather than broken (``serve`` says so once).
+    problem = hypercorn_mismatch()
+    if problem is None:
         setattr(hypercorn_trio_run, "TCPServer", _EofClosingTCPServer)  # noqa: B010
+    return problem
 
 
-_install_eof_fix()
+CONNECTION_FIXES_OFF: Final = _install_connection_fixes()
+"""Why the connection handler above is not in use (None: it is)."""
 
 
 def hypercorn_config(listen: str) -> HypercornConfig:
@@ -359,6 +398,14 @@ async def serve(
     ``shutdown_trigger`` returns (then in-flight requests get a short grace).
     """
     ctl = _controller(app)
+    if CONNECTION_FIXES_OFF is not None:
+        log.warning(
+            "serving with hypercorn's own connection handling: %s; closed client "
+            "connections then linger until their keep-alive timeout (install hypercorn %sx "
+            "to get the fixes back)",
+            CONNECTION_FIXES_OFF,
+            HYPERCORN_SERIES,
+        )
     async with trio.open_nursery() as nursery:
         # Before housekeeping's first tick: a pause is measured from the first moment.
         nursery.start_soon(ctl.watch_loop)
