@@ -12,13 +12,23 @@ instead.
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
-from faults import Fault, FaultyTransport
-from test_delivery import Wrap, assert_delivered_once, spool_file, steady_store, wait_for
+from faults import TRANSIENT_FAULTS, Fault, FaultyTransport, fault_plans
+from hypothesis import HealthCheck, given, settings
+from test_delivery import (
+    JOB_OUTPUT,
+    Wrap,
+    assert_delivered_once,
+    run_one_job,
+    spool_file,
+    steady_store,
+    wait_for,
+)
 
 from rc_worker import client as client_module
 from rc_worker import outbox as outbox_module
@@ -126,3 +136,64 @@ async def test_a_short_read_of_the_spool_falls_back_to_a_streamed_body(
     later = framing[broken + 1 :]
     assert later, framing
     assert all(chunked == "chunked" for _, chunked in later), framing
+
+
+# -- faults on requests of declared length ------------------------------------------
+
+# JOB_OUTPUT in one write (printf's stdout is buffered to its exit): a backlog of 35 bytes
+# at once, over the BULK_MIN these tests set.
+ONE_WRITE = ["printf", JOB_OUTPUT.decode().replace("\n", "\\n")]
+
+
+@pytest.fixture
+def tiny_bulk(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Requests of declared length for any backlog of 8 bytes or more, read 8 bytes at a
+    time; returns the lengths of the bodies declared."""
+    monkeypatch.setattr(outbox_module, "CHUNK", 8)
+    monkeypatch.setattr(outbox_module, "BULK_MIN", 8)
+    declared: list[int] = []
+    real = outbox_module._exactly
+
+    def counting(d: object, start: int, length: int) -> object:
+        declared.append(length)
+        return real(d, start, length)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(outbox_module, "_exactly", counting)
+    return declared
+
+
+async def test_every_fault_on_a_request_of_declared_length_loses_and_doubles_nothing(
+    tmp_path: Path, tiny_bulk: list[int]
+) -> None:
+    """503, 503 with Retry-After, refused, timed out, and applied-but-answer-lost on the
+    output requests: each retry declares the length from the controller's offset."""
+    with trio.fail_after(30):
+        info, store, faults, config = await run_one_job(
+            tmp_path, {"output": TRANSIENT_FAULTS}, wait_for_faults=["output"], command=ONE_WRITE
+        )
+    assert_delivered_once(info, store, config)
+    met = [e.fault for e in faults.log if e.endpoint == "output" and e.fault is not Fault.OK]
+    assert met == list(TRANSIENT_FAULTS)
+    assert tiny_bulk
+    assert tiny_bulk[0] == len(JOB_OUTPUT)
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(plan=fault_plans())
+async def test_any_mix_of_faults_with_declared_lengths_loses_and_doubles_nothing(
+    tmp_path: Path, tiny_bulk: list[int], plan: dict[str, list[Fault]]
+) -> None:
+    tiny_bulk.clear()
+    with trio.fail_after(30):
+        info, store, _, config = await run_one_job(
+            Path(tempfile.mkdtemp(dir=tmp_path)),
+            plan,
+            wait_for_faults=[e for e in plan if e == "heartbeat"],
+            command=ONE_WRITE,
+        )
+    assert_delivered_once(info, store, config)
+    assert tiny_bulk
