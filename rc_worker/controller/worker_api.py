@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -233,6 +233,17 @@ async def _append_as_read(
             # take it for a transient failure, and resend the same body forever.
             await _drain(stream, received)
             raise
+        except ClientDisconnect:
+            # The worker broke its body off (a spool that read back short, a worker
+            # stopped mid-request): what came is appended, and its next request asks
+            # from there. Nobody is left to read the answer; not an error of the
+            # controller's, so no traceback.
+            log.info(
+                "job %s attempt %d: the worker broke off its output after %d bytes",
+                job_id,
+                attempt,
+                received,
+            )
     if committed is None:
         # An empty body asks where the controller is.
         committed = ctl.store.append_output(job_id, attempt, offset, b"")

@@ -9,6 +9,7 @@ next request resumes.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import AsyncIterator
 
@@ -29,7 +30,10 @@ class BrokeOff(Exception):
     pass
 
 
-async def test_a_body_of_declared_length_is_appended_and_a_broken_one_leaves_a_prefix() -> None:
+async def test_a_body_of_declared_length_is_appended_and_a_broken_one_leaves_a_prefix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
     store = Store(instance="t")
     app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
     payload = random.Random(7).randbytes(3 * MIB + 12345)
@@ -52,6 +56,14 @@ async def test_a_body_of_declared_length_is_appended_and_a_broken_one_leaves_a_p
 
                 with pytest.raises(BrokeOff):
                     await client.output(job, attempt, 0, breaks_off, length=len(payload))
+                # The controller notices the broken body in its own time: said in one line,
+                # not as its internal error with a traceback.
+                for _ in range(500):  # bounded: 5 s
+                    if any("broke off its output" in r.getMessage() for r in caplog.records):
+                        break
+                    await trio.sleep(0.01)
+                assert any("broke off its output" in r.getMessage() for r in caplog.records)
+                assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
                 held = store.committed(job)
                 assert held <= MIB
                 assert store.output(job) == payload[:held]
