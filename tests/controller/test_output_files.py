@@ -8,10 +8,15 @@ on disk as a killed process leaves them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import sqlite3
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -21,7 +26,13 @@ from rc_worker.controller.persist import StoreWriteError
 from rc_worker.controller.persist.codec import Batch, JobRow
 from rc_worker.controller.persist.opening import open_backend
 from rc_worker.controller.persist.output_files import extend, file_name, reconcile
-from rc_worker.controller.persist.sqlite import DB_NAME, OUTPUT_DIR, SqliteBackend
+from rc_worker.controller.persist.sqlite import (
+    DB_NAME,
+    MIGRATION_HEADROOM,
+    OUTPUT_DIR,
+    SqliteBackend,
+    space_for_files,
+)
 
 # --- pure -----------------------------------------------------------------------------------
 
@@ -372,7 +383,7 @@ def test_an_upgrade_without_room_for_the_output_says_so_and_keeps_the_rows(
     real_statvfs = os.statvfs
 
     class Full:
-        f_bavail, f_frsize = 1, 4096
+        f_bavail, f_frsize, f_bsize, f_files, f_favail = 1, 4096, 4096, 1000, 1000
 
     monkeypatch.setattr(sqlite_backend.os, "statvfs", lambda path: Full())
     with pytest.raises(StoreOpenError) as caught:
@@ -380,7 +391,7 @@ def test_an_upgrade_without_room_for_the_output_says_so_and_keeps_the_rows(
     message = str(caught.value)
     assert "\n" not in message
     assert "14 bytes of job output" in message
-    assert "4096 bytes are free" in message
+    assert "and 4096 bytes and 1000 files are" in message
     monkeypatch.setattr(sqlite_backend.os, "statvfs", real_statvfs)
     with sqlite3.connect(state / DB_NAME) as conn:  # untouched: still version 1, rows and all
         assert conn.execute("SELECT COUNT(*) FROM output").fetchone() == (2,)
@@ -390,5 +401,195 @@ def test_an_upgrade_without_room_for_the_output_says_so_and_keeps_the_rows(
     try:
         assert backend.read_output("j-1-v1", 0, None) == b"from schema 1\n"
         assert any("VACUUM" in r.getMessage() for r in caplog.records)
+    finally:
+        backend.close()
+
+
+# --- a review's findings: space, a failed upgrade, files gone under a running controller -----
+
+
+def _fs(free_blocks: int, *, files: int = 10_000, block: int = 4096) -> Any:
+    return SimpleNamespace(
+        f_bavail=free_blocks, f_frsize=block, f_bsize=block, f_files=files, f_favail=files
+    )
+
+
+def test_the_space_an_upgrade_needs_counts_whole_blocks_and_files() -> None:
+    # 20,000 outputs of 100 bytes: 2 MB of output, 82 MB of files on 4 KiB blocks.
+    need, free, files_free = space_for_files([100] * 20_000, _fs(1000))
+    assert need == 20_000 * 4096
+    assert free == 1000 * 4096
+    assert files_free == 10_000
+    assert space_for_files([0, 4096, 4097], _fs(1))[0] == 0 + 4096 + 8192
+    # No inode count (btrfs): no fixed limit of files.
+    assert space_for_files([1, 2], _fs(1, files=0))[2] == 2
+
+
+def test_an_upgrade_refuses_when_the_files_would_not_fit_though_the_bytes_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rc_worker.controller.persist import StoreOpenError
+    from rc_worker.controller.persist import sqlite as sqlite_backend
+
+    state = tmp_path / "state"
+    _store_of_schema_1(state)
+    with sqlite3.connect(state / DB_NAME) as conn:  # three more jobs' output: 4 files
+        conn.executemany(
+            "INSERT INTO output (job_id, off, data) VALUES (?, 0, ?)",
+            [(f"j-{i}-more", b"x" * 100) for i in range(3)],
+        )
+    headroom = MIGRATION_HEADROOM // 4096
+    # Room for the 314 bytes (and the headroom), not for the four whole blocks they take.
+    monkeypatch.setattr(sqlite_backend.os, "statvfs", lambda path: _fs(headroom + 1))
+    with pytest.raises(StoreOpenError) as caught:
+        opened(state)
+    assert f"needs {MIGRATION_HEADROOM + 4 * 4096} bytes and 4 files free" in str(caught.value)
+    # Blocks enough, files not:
+    monkeypatch.setattr(sqlite_backend.os, "statvfs", lambda path: _fs(headroom + 4, files=3))
+    with pytest.raises(StoreOpenError):
+        opened(state)
+    monkeypatch.setattr(sqlite_backend.os, "statvfs", lambda path: _fs(headroom + 4, files=4))
+    opened(state).close()
+
+
+def _upgrade_failing(
+    state: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from rc_worker.controller.persist import StoreOpenError
+
+    with (
+        caplog.at_level(logging.INFO, logger="rc_worker.controller"),
+        pytest.raises(StoreOpenError),
+    ):
+        opened(state)
+    assert not any("VACUUM" in r.getMessage() for r in caplog.records)  # nothing moved
+    assert list((state / OUTPUT_DIR).iterdir()) == []  # no copy left behind
+    with sqlite3.connect(state / DB_NAME) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM output").fetchone() == (2,)
+    monkeypatch.undo()
+    backend = opened(state)
+    try:
+        assert backend.read_output("j-1-v1", 0, None) == b"from schema 1\n"
+    finally:
+        backend.close()
+
+
+def test_an_upgrade_that_fails_midway_through_a_write_leaves_no_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from rc_worker.controller.persist import output_files
+
+    state = tmp_path / "state"
+    _store_of_schema_1(state)
+    real = output_files.OutputFiles.write
+
+    def full_after_writing(self: Any, pieces: Any, committed: Any) -> set[str]:
+        real(self, pieces, committed)  # the copies are there, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(output_files.OutputFiles, "write", full_after_writing)
+    _upgrade_failing(state, monkeypatch, caplog)
+
+
+def test_an_upgrade_whose_commit_fails_leaves_no_copies_and_says_nothing_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "state"
+    _store_of_schema_1(state)
+    real = SqliteBackend._put_meta
+
+    def full_at_the_end(self: Any, cur: Any, rows: Any) -> None:
+        if ("schema_version", "3") in list(rows):
+            raise sqlite3.OperationalError("database or disk is full")
+        real(self, cur, rows)
+
+    monkeypatch.setattr(SqliteBackend, "_put_meta", full_at_the_end)
+    _upgrade_failing(state, monkeypatch, caplog)
+
+
+def test_an_output_directory_holding_none_of_the_output_is_refused_not_emptied(
+    tmp_path: Path,
+) -> None:
+    from rc_worker.controller.persist import StoreOpenError
+
+    backend = opened(tmp_path)
+    backend.write([finished(("j-1-t", 1.0, b"0123456789"), ("j-2-t", 2.0, b"ab"))])
+    backend.close()
+    output = tmp_path / OUTPUT_DIR
+    shutil.move(output, tmp_path / "elsewhere")  # a file system not mounted, say
+    output.mkdir()
+    with pytest.raises(StoreOpenError) as caught:
+        opened(tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "12 bytes of output of 2 jobs" in message
+    assert "DELETE FROM output_files" in message
+    with sqlite3.connect(tmp_path / DB_NAME) as conn:  # the lengths are kept
+        assert conn.execute("SELECT SUM(length) FROM output_files").fetchone() == (12,)
+    output.rmdir()
+    shutil.move(tmp_path / "elsewhere", output)  # mounted again: all of it is served
+    backend = opened(tmp_path)
+    try:
+        assert backend.read_output("j-1-t", 0, None) == b"0123456789"
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("how", ["removed", "cut"])
+def test_output_of_a_job_whose_file_went_under_a_running_controller_is_not_stored_past_a_hole(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = opened(tmp_path)
+    path = tmp_path / OUTPUT_DIR / "j-1-t"
+    try:
+        backend.write(
+            [Batch(generation=1, output=(("j-1-t", 0, b"0123456789"), ("j-2-t", 0, b"a")))]
+        )
+        if how == "removed":
+            path.unlink()
+        else:
+            path.write_bytes(b"0123")
+        with caplog.at_level(logging.ERROR, logger="rc_worker.controller"):
+            for (off, data), (off2, data2) in (((10, b"abc"), (1, b"b")), ((13, b"d"), (2, b"c"))):
+                backend.write(
+                    [Batch(generation=2, output=(("j-1-t", off, data), ("j-2-t", off2, data2)))]
+                )
+        said = [r.getMessage() for r in caplog.records if "j-1-t" in r.getMessage()]
+        assert len(said) == 1  # once, not at every commit
+        assert str(path) in said[0]
+        # Never a file with a hole that reads back as zeros...
+        if how == "removed":
+            assert not path.exists()
+        else:
+            assert path.read_bytes() == b"0123"
+        # ...but a read that fails in one line, for this job only.
+        with pytest.raises(StoreWriteError):
+            backend.read_output("j-1-t", 0, None)
+        assert backend.read_output("j-2-t", 0, None) == b"abc"
+    finally:
+        backend.close()
+
+
+def test_retention_removes_its_files_before_another_commit_can_write(tmp_path: Path) -> None:
+    backend = opened(tmp_path)
+    held_elsewhere: list[bool] = []
+    real_remove = backend.files.remove
+
+    def remove(job_ids: Any) -> None:
+        # Would another thread's commit get in now?
+        got: list[bool] = []
+        t = threading.Thread(target=lambda: got.append(backend.lock.acquire(blocking=False)))
+        t.start()
+        t.join()
+        held_elsewhere.append(not got[0])
+        if got[0]:
+            backend.lock.release()
+        real_remove(job_ids)
+
+    backend.files.remove = remove  # type: ignore[method-assign]
+    try:
+        backend.write([finished(("j-1-t", 10.0, b"old"))])
+        assert backend.delete_finished_before(50.0, 10) == [("j-1-t", "succeeded")]
+        assert held_elsewhere == [True]
     finally:
         backend.close()

@@ -105,10 +105,10 @@ class OutputFiles:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        fresh = not root.is_dir()
         root.mkdir(mode=0o700, exist_ok=True)
-        if fresh:
-            _fsync_dir(root.parent)
+        # Its name in the state directory, synced at every open rather than only by the
+        # one that made it: that one may have died between the mkdir and the sync.
+        _fsync_dir(root.parent)
         self._unsynced = True
         """A file was created here since the directory was last fsynced. Kept across a
         write that failed after creating one: its retry finds the file there, and must
@@ -118,26 +118,44 @@ class OutputFiles:
     def path(self, job_id: str) -> Path:
         return self.root / file_name(job_id)
 
-    def write(self, pieces: Iterable[tuple[str, int, bytes]]) -> None:
+    def write(
+        self, pieces: Iterable[tuple[str, int, bytes]], committed: Mapping[str, int]
+    ) -> set[str]:
         """Write each ``(job_id, offset, data)`` at its offset and make it durable: the
-        files fsynced, and the directory too if a file is new. Raises ``OSError``."""
+        files fsynced, and the directory too if a file is new. Raises ``OSError``.
+
+        ``committed`` is each job's committed length (missing: 0). A job whose file is
+        gone or shorter than that (removed or cut by hand under a running controller) is
+        not written: its pieces would land past a hole that reads back as zeros, served
+        as output with no error. Returns those jobs; their lengths must not move, so a
+        read of them fails in one line (:meth:`SqliteBackend.read_output`), and only them.
+        """
         by_job: dict[str, list[tuple[int, bytes]]] = {}
         for job_id, off, data in pieces:
             by_job.setdefault(job_id, []).append((off, data))
+        broken: set[str] = set()
         for job_id, writes in by_job.items():
             path = self.path(job_id)
+            held = committed.get(job_id, 0)
             try:
                 fd = os.open(path, os.O_WRONLY | _FLAGS)
             except FileNotFoundError:
+                if held:
+                    broken.add(job_id)
+                    continue
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | _FLAGS, 0o600)
                 self._unsynced = True
             try:
+                if held and os.fstat(fd).st_size < held:
+                    broken.add(job_id)
+                    continue
                 for off, data in writes:
                     _pwrite_all(fd, data, off)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         self.sync()
+        return broken
 
     def sync(self) -> None:
         """Make every name created here durable (an fsync of the directory), if any is new."""
@@ -228,5 +246,10 @@ def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as e:
+        # Some file systems cannot sync a directory (EINVAL: some FUSE and network file
+        # systems): SQLite carries on there, and so does this. Any other error is one.
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
     finally:
         os.close(fd)

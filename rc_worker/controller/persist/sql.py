@@ -28,7 +28,8 @@ class SqlBackend:
     """The version this backend creates and migrates to (``schema.py``)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Re-entrant: retention holds it across a transaction and what follows its commit.
+        self.lock = threading.RLock()
 
     @contextmanager
     def _transaction(self, fail: Callable[[BaseException], Exception]) -> Iterator[Any]:
@@ -285,17 +286,21 @@ class SqlBackend:
         deleted at once, would stall the controller for as long as that takes.
         """
         p = self.ph
-        with self._transaction(self._write_failed) as cur:
-            cur.execute(
-                "SELECT job_id, state FROM jobs WHERE finished_at IS NOT NULL"
-                f" AND finished_at < {p} ORDER BY finished_at LIMIT {p}",
-                (wall_time, limit),
-            )
-            gone = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
-            ids = [(job_id,) for job_id, _ in gone]
-            self._delete_output(cur, ids)
-            _many(cur, f"DELETE FROM jobs WHERE job_id = {p}", ids)
-        self._output_deleted([job_id for job_id, _ in gone])
+        # The lock is held on past the commit, through the removal of what lives outside
+        # the database: a commit that wrote one of these ids again in between (an adopted
+        # attempt of a deleted job) would have its new output removed under it.
+        with self.lock:
+            with self._transaction(self._write_failed) as cur:
+                cur.execute(
+                    "SELECT job_id, state FROM jobs WHERE finished_at IS NOT NULL"
+                    f" AND finished_at < {p} ORDER BY finished_at LIMIT {p}",
+                    (wall_time, limit),
+                )
+                gone = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
+                ids = [(job_id,) for job_id, _ in gone]
+                self._delete_output(cur, ids)
+                _many(cur, f"DELETE FROM jobs WHERE job_id = {p}", ids)
+            self._output_deleted([job_id for job_id, _ in gone])
         return gone
 
     def _delete_output(self, cur: Any, ids: Sequence[tuple[str]]) -> None:

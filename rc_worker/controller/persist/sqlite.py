@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rc_worker.controller.persist import StoreOpenError, StoreWriteError
-from rc_worker.controller.persist.output_files import OutputFiles, extend, reconcile
+from rc_worker.controller.persist.output_files import OutputFiles, extend, file_name, reconcile
 from rc_worker.controller.persist.sql import SqlBackend
 from rc_worker.core.errors import ConfigError
 from rc_worker.statelock import StateDirLock, StateDirLocked
@@ -52,6 +52,12 @@ class SqliteBackend(SqlBackend):
         self.state_dir = state_dir
         self.description = f"state directory {state_dir}"
         self._lock: StateDirLock | None = None
+        self._broken: set[str] = set()
+        """Jobs whose output file was found gone or cut while serving (logged once)."""
+        self._copies: list[str] = []
+        """Jobs whose output an upgrade has started copying into files (removed if it fails)."""
+        self._moved = 0
+        """Bytes an upgrade moved out of the database (said once it is committed)."""
         try:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             if not os.access(state_dir, os.W_OK | os.X_OK):
@@ -103,7 +109,23 @@ class SqliteBackend(SqlBackend):
     )
 
     def migrate(self) -> int:
-        found = super().migrate()
+        self._copies, self._moved = [], 0
+        try:
+            found = super().migrate()
+        except BaseException:
+            # The rows stay (the transaction rolled back, wherever it failed: a write, the
+            # delete, the commit); the copies would only take space that an earlier rc serve,
+            # which never reads them, would not give back.
+            self.files.remove(self._copies)
+            raise
+        if self._moved:
+            log.warning(
+                "moved %d bytes of job output into %s; the database file keeps their space "
+                "until it is compacted: stop rc serve and run sqlite3 %s VACUUM",
+                self._moved,
+                self.files.root,
+                self.state_dir / DB_NAME,
+            )
         self._reconcile_output()
         return found
 
@@ -116,45 +138,37 @@ class SqliteBackend(SqlBackend):
         # Output stored in rows by an earlier version moves to files in this transaction:
         # written and fsynced first, so a crash before the commit leaves the rows (and
         # files that the next attempt writes again, at the same offsets).
-        cur.execute("SELECT COUNT(*), COALESCE(SUM(length(data)), 0) FROM output")
-        rows, size = cur.fetchone()
-        if not rows:
+        cur.execute("SELECT job_id, SUM(length(data)) FROM output GROUP BY job_id")
+        sizes = [int(n) for _, n in cur.fetchall()]
+        if not sizes:
             return
-        # The files are written before the rows go, so the move needs as much free space
-        # as the output: said up front, rather than as a full disk halfway through.
-        st = os.statvfs(self.files.root)
-        free = st.f_bavail * st.f_frsize
-        if free < size + MIGRATION_HEADROOM:
+        size = sum(sizes)
+        # The files are written before the rows go, so the move needs the space the files
+        # will take: said up front, rather than as a full disk halfway through.
+        need, free, files_free = space_for_files(sizes, os.statvfs(self.files.root))
+        if free < need + MIGRATION_HEADROOM or files_free < len(sizes):
             raise StoreOpenError(
                 f"cannot upgrade the store in {self.description}: moving its {size} bytes of "
-                f"job output into {self.files.root} needs that much free space, and "
-                f"{free} bytes are free; free some space there, or run the earlier rc serve"
+                f"job output into {self.files.root}, one file for each of {len(sizes)} jobs, "
+                f"needs {need + MIGRATION_HEADROOM} bytes and {len(sizes)} files free there, "
+                f"and {free} bytes and {files_free} files are; free some space there, or run "
+                "the earlier rc serve"
             )
         log.info("moving %d bytes of job output out of the database into %s", size, self.files.root)
         lengths: dict[str, int] = {}
         cur.execute("SELECT job_id, off, data FROM output ORDER BY job_id, off")
-        try:
-            while batch := cur.fetchmany(16):
-                pieces = [(str(j), int(o), bytes(d)) for j, o, d in batch]
-                self.files.write(pieces)
-                for job_id, off, data in pieces:
-                    lengths[job_id] = extend(lengths.get(job_id, 0), [(off, len(data))])
-        except BaseException:
-            # The rows stay (the transaction rolls back); the copies would only take space
-            # an earlier rc serve, which never reads them, would not give back.
-            self.files.remove(lengths)
-            raise
+        while batch := cur.fetchmany(16):
+            pieces = [(str(j), int(o), bytes(d)) for j, o, d in batch]
+            # Named before they are written: a write that fails midway leaves copies too.
+            self._copies.extend(job_id for job_id, _, _ in pieces if job_id not in lengths)
+            for job_id, off, data in pieces:
+                lengths[job_id] = extend(lengths.get(job_id, 0), [(off, len(data))])
+            self.files.write(pieces, {})
         cur.executemany(
             "INSERT INTO output_files (job_id, length) VALUES (?, ?)", sorted(lengths.items())
         )
         cur.execute("DELETE FROM output")
-        log.warning(
-            "moved %d bytes of job output into %s; the database file keeps their space "
-            "until it is compacted: stop rc serve and run sqlite3 %s VACUUM",
-            size,
-            self.files.root,
-            self.state_dir / DB_NAME,
-        )
+        self._moved = size  # said once the commit is done (migrate)
 
     def _reconcile_output(self) -> None:
         """Make the files agree with the committed lengths (after a crash, or a backup)."""
@@ -166,17 +180,34 @@ class SqliteBackend(SqlBackend):
         ) as cur:
             cur.execute("SELECT job_id, length FROM output_files")
             lengths = {str(j): int(n) for j, n in cur.fetchall()}
-            repair = reconcile(lengths, self.files.sizes())
+            sizes = self.files.sizes()
+            stored = [n for n in lengths.values() if n > 0]
+            if stored and not any(
+                file_name(job_id) in sizes for job_id, n in lengths.items() if n > 0
+            ):
+                # Every length would be cut to nothing, for good: far likelier a file system
+                # not mounted, or a database restored alone, than every file lost. Say so.
+                raise StoreOpenError(
+                    f"cannot open the store in {self.description}: its database holds "
+                    f"{sum(stored)} bytes of output of {len(stored)} jobs and {self.files.root} "
+                    "holds none of it (a file system not mounted there, or the database "
+                    f"restored without it?); restore {self.files.root}, or, to start without "
+                    f"that output, run: sqlite3 {self.state_dir / DB_NAME} "
+                    "'DELETE FROM output_files'"
+                )
+            repair = reconcile(lengths, sizes)
             self.files.repair(repair)
             for job_id, committed, found in repair.shortened:
                 log.warning(
-                    "job %s: its output file %s holds %d of the %d bytes stored; serving "
-                    "the %d there (restore the file from a backup to get the rest)",
+                    "job %s: its output file %s holds %d of the %d bytes stored; its length "
+                    "is now %d and the rest is gone for good (to get it back, stop rc serve "
+                    "and restore the database and %s together, from one backup)",
                     job_id,
                     self.files.path(job_id),
                     found,
                     committed,
                     found,
+                    self.files.root,
                 )
             cur.executemany(
                 "UPDATE output_files SET length = ? WHERE job_id = ?",
@@ -186,20 +217,35 @@ class SqliteBackend(SqlBackend):
     def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> None:
         if not rows:
             return
-        # The bytes are durable before the lengths that make them count are committed.
-        self.files.write(rows)
         spans: dict[str, list[tuple[int, int]]] = {}
         for job_id, off, data in rows:
             spans.setdefault(job_id, []).append((off, len(data)))
-        updates = []
-        for job_id, pieces in spans.items():
+        committed: dict[str, int] = {}
+        for job_id in spans:
             cur.execute("SELECT length FROM output_files WHERE job_id = ?", (job_id,))
             row = cur.fetchone()
-            updates.append((job_id, extend(0 if row is None else int(row[0]), pieces)))
+            committed[job_id] = 0 if row is None else int(row[0])
+        # The bytes are durable before the lengths that make them count are committed.
+        broken = self.files.write(rows, committed)
+        for job_id in sorted(broken - self._broken):
+            log.error(
+                "job %s: its output file %s is gone or shorter than the %d bytes committed "
+                "(removed or cut under a running controller); its further output is not "
+                "stored, and reading its output fails until the file is restored and "
+                "rc serve restarted",
+                job_id,
+                self.files.path(job_id),
+                committed[job_id],
+            )
+        self._broken |= broken
         cur.executemany(
             "INSERT INTO output_files (job_id, length) VALUES (?, ?)"
             " ON CONFLICT (job_id) DO UPDATE SET length = excluded.length",
-            updates,
+            [
+                (job_id, extend(committed[job_id], pieces))
+                for job_id, pieces in spans.items()
+                if job_id not in broken
+            ],
         )
 
     def _length(self, job_id: str) -> int:
@@ -228,8 +274,9 @@ class SqliteBackend(SqlBackend):
             # length would leave a follower waiting forever for bytes that never come.
             raise StoreWriteError(
                 f"reading {self.description} failed: the output file {self.files.path(job_id)} "
-                f"holds fewer than the {end} bytes stored for job {job_id}; restart rc serve "
-                "to serve what it holds (or restore the file)"
+                f"holds fewer than the {end} bytes stored for job {job_id}; restore the file "
+                "to serve it again, or restart rc serve to serve what it holds and give up "
+                "the rest"
             )
         return data
 
@@ -243,6 +290,17 @@ class SqliteBackend(SqlBackend):
         self.conn.close()
         if self._lock is not None:
             self._lock.release()
+
+
+def space_for_files(sizes: Sequence[int], st: os.statvfs_result) -> tuple[int, int, int]:
+    """What moving outputs of these ``sizes`` into files of a filesystem (``statvfs``)
+    needs, and what it has: ``(bytes needed, bytes free, files free)``. Each file takes
+    whole blocks, so many small outputs need far more than their sum. A filesystem that
+    reports no inode count (``f_files`` 0, as btrfs does) has no fixed limit of files."""
+    block = st.f_frsize or st.f_bsize or 4096
+    need = sum(-(-n // block) * block for n in sizes)
+    files_free = st.f_favail if st.f_files else len(sizes)
+    return need, st.f_bavail * st.f_frsize, files_free
 
 
 def _lock(state_dir: Path) -> StateDirLock:
