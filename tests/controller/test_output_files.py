@@ -593,3 +593,32 @@ def test_retention_removes_its_files_before_another_commit_can_write(tmp_path: P
         assert held_elsewhere == [True]
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EIO])
+def test_a_directory_that_cannot_be_fsynced_is_carried_on_past_only_when_unsupported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    import stat
+
+    from rc_worker.controller.persist import StoreOpenError, output_files
+
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    monkeypatch.setattr(output_files.os, "fsync", fsync)
+    if code == errno.EIO:  # a real error stays one, in one line
+        with pytest.raises(StoreOpenError) as caught:
+            opened(tmp_path)
+        assert "\n" not in str(caught.value)
+        return
+    backend = opened(tmp_path)  # EINVAL: the file system cannot sync a directory
+    try:
+        backend.write([finished(("j-1-t", 1.0, b"kept"))])
+        assert backend.read_output("j-1-t", 0, None) == b"kept"
+    finally:
+        backend.close()
