@@ -375,34 +375,16 @@ def _store_of_schema_1(state_dir: Path) -> None:
 def test_an_upgrade_without_room_for_the_output_says_so_and_keeps_the_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from rc_worker.controller.persist import StoreOpenError
     from rc_worker.controller.persist import sqlite as sqlite_backend
 
     state = tmp_path / "state"
     _store_of_schema_1(state)
-    real_statvfs = os.statvfs
-
-    class Full:
-        f_bavail, f_frsize, f_bsize, f_files, f_favail = 1, 4096, 4096, 1000, 1000
-
-    monkeypatch.setattr(sqlite_backend.os, "statvfs", lambda path: Full())
-    with pytest.raises(StoreOpenError) as caught:
-        opened(state)
-    message = str(caught.value)
-    assert "\n" not in message
+    monkeypatch.setattr(sqlite_backend.os, "statvfs", lambda path: _fs(1, files=1000))
+    message = _upgrade_failing(state, monkeypatch, caplog)
     assert "14 bytes of job output" in message
     assert "and 4096 bytes and 1000 files are" in message
-    monkeypatch.setattr(sqlite_backend.os, "statvfs", real_statvfs)
-    with sqlite3.connect(state / DB_NAME) as conn:  # untouched: still version 1, rows and all
-        assert conn.execute("SELECT COUNT(*) FROM output").fetchone() == (2,)
-    assert list((state / OUTPUT_DIR).iterdir()) == []
-    with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
-        backend = opened(state)
-    try:
-        assert backend.read_output("j-1-v1", 0, None) == b"from schema 1\n"
-        assert any("VACUUM" in r.getMessage() for r in caplog.records)
-    finally:
-        backend.close()
+    # The upgrade done once there is room: said once, with what to run to compact.
+    assert any("VACUUM" in r.getMessage() for r in caplog.records)
 
 
 # --- a review's findings: space, a failed upgrade, files gone under a running controller -----
@@ -454,24 +436,30 @@ def test_an_upgrade_refuses_when_the_files_would_not_fit_though_the_bytes_would(
 
 def _upgrade_failing(
     state: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+) -> str:
+    """Opening ``state`` (a store of schema 1) fails as ``monkeypatch`` arranged: the
+    store is left as it was, no copy behind, nothing said moved; then, undone, the
+    upgrade goes through. Returns the refusal."""
     from rc_worker.controller.persist import StoreOpenError
 
     with (
         caplog.at_level(logging.INFO, logger="rc_worker.controller"),
-        pytest.raises(StoreOpenError),
+        pytest.raises(StoreOpenError) as caught,
     ):
         opened(state)
+    assert "\n" not in str(caught.value)
     assert not any("VACUUM" in r.getMessage() for r in caplog.records)  # nothing moved
     assert list((state / OUTPUT_DIR).iterdir()) == []  # no copy left behind
-    with sqlite3.connect(state / DB_NAME) as conn:
+    with sqlite3.connect(state / DB_NAME) as conn:  # untouched: still version 1, rows and all
         assert conn.execute("SELECT COUNT(*) FROM output").fetchone() == (2,)
     monkeypatch.undo()
-    backend = opened(state)
+    with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
+        backend = opened(state)
     try:
         assert backend.read_output("j-1-v1", 0, None) == b"from schema 1\n"
     finally:
         backend.close()
+    return str(caught.value)
 
 
 def test_an_upgrade_that_fails_midway_through_a_write_leaves_no_copies(
