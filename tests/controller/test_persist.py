@@ -699,3 +699,40 @@ async def test_retired_hosts_stay_counted_across_a_restart(store_place: StorePla
             metrics = (await user.get("/metrics")).text
             assert 'rc_controller_hosts{state="retired"} 1.0' in metrics
         reopened.backend.close()
+
+
+async def test_output_whose_file_went_under_a_running_controller_is_refused_then_resent(
+    tmp_path: Path,
+) -> None:
+    """SQLite: a job's output file removed under a running controller. The next output
+    for it is never written past the hole: the commit fails, the worker gets 503 (and so
+    keeps its spool), and once the file is back its retry lands; every byte once."""
+    from rc_worker.controller.persist.sqlite import OUTPUT_DIR
+
+    place = StorePlace("sqlite", state_dir=tmp_path / "state")
+    with trio.fail_after(GUARD):
+        opened = open_controller(place.open())
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            job = await submit(user, "x")
+            [a] = await w.poll(wait_s=1)
+            await w.start(a)
+            assert (await w.output(a, 0, b"0123456789")).json() == {"committed": 10}
+            path = place.state_dir / OUTPUT_DIR / job  # type: ignore[operator]
+            saved = path.read_bytes()
+            path.unlink()
+            r = await w.output(a, 10, b"abc")
+            assert r.status_code == 503
+            assert r.json()["error"] == "store_unavailable"
+            assert str(path) in r.json()["message"]
+            assert not path.exists()  # nothing written past the hole
+            path.write_bytes(saved)  # restored
+            await opened.durability.flush()  # what Durability.run does every second
+            r = await w.output(a, 10, b"abc")  # the worker's retry
+            assert r.json() == {"committed": 13}
+            await w.finish(a, "succeeded", exit_code=0, output_bytes=13)
+            await opened.durability.flush()
+            r = await user.get(f"/v1/jobs/{job}/output")
+            assert r.content == b"0123456789abc"
+        opened.backend.close()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["OutputFiles", "Repair", "extend", "file_name", "reconcile"]
+__all__ = ["OutputFileLost", "OutputFiles", "Repair", "extend", "file_name", "reconcile"]
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Never through a link: the directory is the controller's, and what it opens there is its own.
@@ -100,6 +100,22 @@ def reconcile(lengths: Mapping[str, int], sizes: Mapping[str, int]) -> Repair:
     return Repair(remove, tuple(truncate), tuple(shortened))
 
 
+class OutputFileLost(OSError):
+    """A job's output file is gone, or shorter than its committed length, while the
+    controller runs: nothing more is written to it until it is restored, or until a
+    restart counts what it holds (and the worker resends the rest)."""
+
+    def __init__(self, job_id: str, path: Path, committed: int, found: int | None) -> None:
+        what = "is gone" if found is None else f"holds {found} bytes"
+        super().__init__(
+            errno.EIO,
+            f"the output file of job {job_id} {what}, though {committed} bytes of it are "
+            "committed (removed or cut under a running controller?); restore it, or restart "
+            "rc serve to count what it holds (the worker resends the rest)",
+            str(path),
+        )
+
+
 class OutputFiles:
     """The ``output/`` directory of a state directory."""
 
@@ -118,22 +134,19 @@ class OutputFiles:
     def path(self, job_id: str) -> Path:
         return self.root / file_name(job_id)
 
-    def write(
-        self, pieces: Iterable[tuple[str, int, bytes]], committed: Mapping[str, int]
-    ) -> set[str]:
+    def write(self, pieces: Iterable[tuple[str, int, bytes]], committed: Mapping[str, int]) -> None:
         """Write each ``(job_id, offset, data)`` at its offset and make it durable: the
         files fsynced, and the directory too if a file is new. Raises ``OSError``.
 
         ``committed`` is each job's committed length (missing: 0). A job whose file is
-        gone or shorter than that (removed or cut by hand under a running controller) is
-        not written: its pieces would land past a hole that reads back as zeros, served
-        as output with no error. Returns those jobs; their lengths must not move, so a
-        read of them fails in one line (:meth:`SqliteBackend.read_output`), and only them.
+        gone or shorter than that (removed or cut under a running controller) raises
+        :class:`OutputFileLost`: its pieces would land past a hole that reads back as
+        zeros, served as output with no error. The commit fails instead, and with it the
+        requests waiting on it (503): the worker keeps its spool and resends.
         """
         by_job: dict[str, list[tuple[int, bytes]]] = {}
         for job_id, off, data in pieces:
             by_job.setdefault(job_id, []).append((off, data))
-        broken: set[str] = set()
         for job_id, writes in by_job.items():
             path = self.path(job_id)
             held = committed.get(job_id, 0)
@@ -141,21 +154,19 @@ class OutputFiles:
                 fd = os.open(path, os.O_WRONLY | _FLAGS)
             except FileNotFoundError:
                 if held:
-                    broken.add(job_id)
-                    continue
+                    raise OutputFileLost(job_id, path, held, None) from None
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | _FLAGS, 0o600)
                 self._unsynced = True
             try:
-                if held and os.fstat(fd).st_size < held:
-                    broken.add(job_id)
-                    continue
+                found = os.fstat(fd).st_size if held else 0
+                if found < held:
+                    raise OutputFileLost(job_id, path, held, found)
                 for off, data in writes:
                     _pwrite_all(fd, data, off)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         self.sync()
-        return broken
 
     def sync(self) -> None:
         """Make every name created here durable (an fsync of the directory), if any is new."""

@@ -52,8 +52,6 @@ class SqliteBackend(SqlBackend):
         self.state_dir = state_dir
         self.description = f"state directory {state_dir}"
         self._lock: StateDirLock | None = None
-        self._broken: set[str] = set()
-        """Jobs whose output file was found gone or cut while serving (logged once)."""
         self._copies: list[str] = []
         """Jobs whose output an upgrade has started copying into files (removed if it fails)."""
         self._moved = 0
@@ -182,11 +180,12 @@ class SqliteBackend(SqlBackend):
             lengths = {str(j): int(n) for j, n in cur.fetchall()}
             sizes = self.files.sizes()
             stored = [n for n in lengths.values() if n > 0]
-            if stored and not any(
+            if len(stored) > 1 and not any(
                 file_name(job_id) in sizes for job_id, n in lengths.items() if n > 0
             ):
                 # Every length would be cut to nothing, for good: far likelier a file system
                 # not mounted, or a database restored alone, than every file lost. Say so.
+                # (One job's file gone is cut and warned about, as any shorter file.)
                 raise StoreOpenError(
                     f"cannot open the store in {self.description}: its database holds "
                     f"{sum(stored)} bytes of output of {len(stored)} jobs and {self.files.root} "
@@ -226,26 +225,11 @@ class SqliteBackend(SqlBackend):
             row = cur.fetchone()
             committed[job_id] = 0 if row is None else int(row[0])
         # The bytes are durable before the lengths that make them count are committed.
-        broken = self.files.write(rows, committed)
-        for job_id in sorted(broken - self._broken):
-            log.error(
-                "job %s: its output file %s is gone or shorter than the %d bytes committed "
-                "(removed or cut under a running controller); its further output is not "
-                "stored, and reading its output fails until the file is restored and "
-                "rc serve restarted",
-                job_id,
-                self.files.path(job_id),
-                committed[job_id],
-            )
-        self._broken |= broken
+        self.files.write(rows, committed)
         cur.executemany(
             "INSERT INTO output_files (job_id, length) VALUES (?, ?)"
             " ON CONFLICT (job_id) DO UPDATE SET length = excluded.length",
-            [
-                (job_id, extend(committed[job_id], pieces))
-                for job_id, pieces in spans.items()
-                if job_id not in broken
-            ],
+            [(job_id, extend(committed[job_id], pieces)) for job_id, pieces in spans.items()],
         )
 
     def _length(self, job_id: str) -> int:
