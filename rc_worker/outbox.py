@@ -489,10 +489,27 @@ class Outbox:
                         )
                     except _ShortRead as e:
                         # The spool gave back less than it holds (a truncated or
-                        # failing file): the streamed body copes with that, ending short.
+                        # failing file): a streamed body sends what can be read, and
+                        # one that can read nothing more ends the delivery (below).
                         log.warning("job %s: %s; streaming its output instead", d.job_dir.key, e)
                         bulk = False
                         continue
+                    if answer == committed and not _read(d, committed, 1):
+                        # The spool cannot give back what it says it holds (its file cut,
+                        # a failing disk): those bytes cannot be sent, to this controller
+                        # or any. Resending nothing for ever would keep the job from its
+                        # finish; as for a vanished file, say so once and let it go.
+                        log.error(
+                            "job %s: its spooled output cannot be read past offset %d "
+                            "(%d bytes were spooled); the rest cannot be sent",
+                            d.job_dir.key,
+                            committed,
+                            size,
+                        )
+                        if d.spool is not None:
+                            while not d.spool.closed:
+                                await d.spool.wait_changed()
+                        return committed
                     if answer == committed:
                         # A controller that answers 200 without taking the
                         # bytes would otherwise be resent them in a tight loop.
@@ -542,11 +559,17 @@ async def _exactly(d: _Delivery, start: int, length: int) -> AsyncIterator[bytes
     pos, end = start, start + length
     while pos < end:
         n = min(CHUNK, end - pos)
-        data = d.spool.read(pos, n) if d.spool is not None else d.job_dir.read_output(pos, n)
+        data = _read(d, pos, n)
         if len(data) != n:
             raise _ShortRead(f"read {len(data)} of {n} bytes of output at offset {pos}")
         pos += n
         yield data
+
+
+def _read(d: _Delivery, pos: int, n: int) -> bytes:
+    # The spool's own read: past what the disk took it holds the marker of a disk
+    # error in memory (a full disk costs the output, not its marker).
+    return d.spool.read(pos, n) if d.spool is not None else d.job_dir.read_output(pos, n)
 
 
 def _spooled(d: _Delivery) -> int:
@@ -575,9 +598,7 @@ async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
             with trio.move_on_at(until):
                 await spool.wait_changed()
             continue
-        # The spool's own read: past what the disk took it holds the marker
-        # of a disk error in memory (a full disk costs the output, not its marker).
-        data = d.spool.read(pos, n) if d.spool is not None else d.job_dir.read_output(pos, n)
+        data = _read(d, pos, n)
         if not data:
             return
         pos += len(data)

@@ -15,6 +15,7 @@ crash whatever is left under ``jobs/`` is exactly the work not yet reported.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -210,13 +211,14 @@ class OutputSpool:
         self.truncated += lost
         self._marked = True
         marker = DISK_ERROR_MARKER.format(why=why).encode()
-        # What did reach the file stays; the marker follows it, from memory if need be.
+        # What did reach the file stays; the marker follows it, from memory for what of
+        # it the disk would not take (a full disk takes part of a write, then refuses).
         self.size = self._on_disk
-        try:
-            self._file.write(memoryview(marker))
-            self._on_disk += len(marker)
-        except OSError:
-            self._tail = marker
+        written = 0
+        with contextlib.suppress(OSError):
+            written = self._file.write(memoryview(marker)) or 0
+        self._on_disk += written
+        self._tail = marker[written:]
         self.size += len(marker)
         log.error(
             "job %s: spooling stopped, the disk refused its output (%s); the job runs on, "

@@ -197,3 +197,31 @@ async def test_any_mix_of_faults_with_declared_lengths_loses_and_doubles_nothing
         )
     assert_delivered_once(info, store, config)
     assert tiny_bulk
+
+
+async def test_a_spool_that_reads_back_short_for_good_ends_the_delivery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past some offset the spool gives back nothing, for good (its file cut under the
+    worker): resending an empty body would loop for ever and the finish never go. The
+    delivery says so once, and the job's finish goes with the output it could send."""
+    cut = 100_000
+    real_read = OutputSpool.read
+
+    def read(self: OutputSpool, offset: int, limit: int) -> bytes:
+        return real_read(self, offset, min(limit, cut - offset)) if offset < cut else b""
+
+    monkeypatch.setattr(OutputSpool, "read", read)
+    store = steady_store()
+    job_id = store.submit(["head", "-c", "200000", "/dev/zero"])
+    wrap = Recording()
+    caplog.set_level(logging.WARNING, logger="rc_worker.outbox")
+    with trio.fail_after(30):
+        async with local_system(make_config(tmp_path), store=store, transport_wrapper=wrap) as s:
+            info = await s.wait_job(job_id)
+    assert info.state == "succeeded"
+    assert store.committed(job_id) == cut
+    said = [r.getMessage() for r in caplog.records if "cannot be read past" in r.getMessage()]
+    assert len(said) == 1
+    assert f"offset {cut}" in said[0]
+    assert len(wrap.t.exchanges("output")) < 20  # no loop of empty bodies

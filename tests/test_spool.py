@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from rc_worker.spool import (
     TRUNCATION_MARKER,
@@ -74,3 +78,45 @@ def test_job_dirs_lists_attempt_directories_in_order(tmp_path: Path) -> None:
     assert [d.key for d in job_dirs(root)] == ["j-1.1", "j-2.1"]
     JobDir(root, "j-1.1").remove()
     assert [d.key for d in job_dirs(root)] == ["j-2.1"]
+
+
+class _FillingDisk:
+    """The spool's file on a disk with ``room`` bytes left: a write takes what fits and
+    the next is refused (ENOSPC), as a full disk does; then ``later`` bytes come free (a
+    log rotated elsewhere), so part of the next write, the marker's, lands."""
+
+    def __init__(self, real: Any, room: int, later: int) -> None:
+        self.real, self.room, self.later = real, room, later
+
+    def write(self, data: memoryview) -> int:
+        if self.room == 0:
+            self.room, self.later = self.later, 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = self.real.write(data[: self.room])
+        self.room -= n
+        return int(n)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@pytest.mark.parametrize(("room", "later"), [(0, 0), (5, 0), (100, 0), (50, 7), (0, 20)])
+async def test_what_the_full_disk_did_not_take_is_read_back_from_memory(
+    tmp_path: Path, room: int, later: int
+) -> None:
+    """Whatever part of the output, then of the disk error's marker, the disk took, the
+    spool reads back exactly what it says it holds: the file, then the rest from memory."""
+    jd = JobDir(ensure_state_dir(tmp_path), "j-1.1")
+    jd.create()
+    spool = OutputSpool(jd, cap=1 << 20)
+    spool._file = _FillingDisk(spool._file, room, later)  # type: ignore[assignment]
+    await spool(b"x" * 100)
+    await spool(b"never written")
+    spool.close()
+    data = spool.read(0, 1 << 20)
+    assert len(data) == spool.size
+    assert data.startswith(b"x" * room)
+    assert b"ENOSPC" in data
+    on_disk = jd.output.read_bytes()
+    assert len(on_disk) == room + later
+    assert data.startswith(on_disk)

@@ -231,7 +231,9 @@ async def _append_as_read(
             # Read the rest before answering (a gap, a stale attempt): a client
             # still sending its body would otherwise meet a closed connection,
             # take it for a transient failure, and resend the same body forever.
-            await _drain(stream, received)
+            # (One that hangs up meanwhile needs no answer, nor a traceback.)
+            with contextlib.suppress(ClientDisconnect):
+                await _drain(stream, received)
             raise
         except ClientDisconnect:
             # The worker broke its body off (a spool that read back short, a worker

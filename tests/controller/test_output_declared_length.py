@@ -20,6 +20,7 @@ import trio
 from rc_worker.client import ControllerClient
 from rc_worker.controller import Store, create_app
 from rc_worker.controller.serve import serve
+from rc_worker.core.errors import ControllerError
 
 from .helpers import USER_TOKENS, WORKER_TOKEN, WORKER_TOKENS, FakeWorker
 
@@ -65,6 +66,15 @@ async def test_a_body_of_declared_length_is_appended_and_a_broken_one_leaves_a_p
                 assert any("broke off its output" in r.getMessage() for r in caplog.records)
                 assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
                 held = store.committed(job)
+                # One that breaks off beyond what the controller holds (a gap): it stops
+                # storing, reads the rest to answer 409, and meets the hang-up there.
+                said = len(caplog.records)
+                with pytest.raises((BrokeOff, ControllerError)):
+                    await client.output(job, attempt, held + 5, breaks_off, length=len(payload))
+                for _ in range(100):  # bounded: the controller's side ends in its own time
+                    await trio.sleep(0.01)
+                assert [r for r in caplog.records[said:] if r.levelno >= logging.ERROR] == []
+                assert store.committed(job) == held
                 assert held <= MIB
                 assert store.output(job) == payload[:held]
 
