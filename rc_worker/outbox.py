@@ -569,7 +569,15 @@ async def _exactly(d: _Delivery, start: int, length: int) -> AsyncIterator[bytes
 def _read(d: _Delivery, pos: int, n: int) -> bytes:
     # The spool's own read: past what the disk took it holds the marker of a disk
     # error in memory (a full disk costs the output, not its marker).
-    return d.spool.read(pos, n) if d.spool is not None else d.job_dir.read_output(pos, n)
+    try:
+        return d.spool.read(pos, n) if d.spool is not None else d.job_dir.read_output(pos, n)
+    except OSError as e:
+        # A failing disk: read as nothing there, which ends this job's shipping with
+        # one error (_ship_output), rather than the worker with a traceback.
+        log.warning(
+            "job %s: reading its spooled output at offset %d failed: %s", d.job_dir.key, pos, e
+        )
+        return b""
 
 
 def _spooled(d: _Delivery) -> int:

@@ -11,6 +11,7 @@ instead.
 
 from __future__ import annotations
 
+import errno
 import logging
 import tempfile
 from pathlib import Path
@@ -199,17 +200,23 @@ async def test_any_mix_of_faults_with_declared_lengths_loses_and_doubles_nothing
     assert tiny_bulk
 
 
+@pytest.mark.parametrize("how", ["short", "EIO"])
 async def test_a_spool_that_reads_back_short_for_good_ends_the_delivery(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     """Past some offset the spool gives back nothing, for good (its file cut under the
-    worker): resending an empty body would loop for ever and the finish never go. The
+    worker), or fails to read (a failing disk): resending an empty body would loop for
+    ever and the finish never go, and an exception would take the worker down. The
     delivery says so once, and the job's finish goes with the output it could send."""
     cut = 100_000
     real_read = OutputSpool.read
 
     def read(self: OutputSpool, offset: int, limit: int) -> bytes:
-        return real_read(self, offset, min(limit, cut - offset)) if offset < cut else b""
+        if offset < cut:
+            return real_read(self, offset, min(limit, cut - offset))
+        if how == "EIO":
+            raise OSError(errno.EIO, "Input/output error")
+        return b""
 
     monkeypatch.setattr(OutputSpool, "read", read)
     store = steady_store()
