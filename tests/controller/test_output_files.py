@@ -632,3 +632,21 @@ def test_a_directory_that_cannot_be_fsynced_is_carried_on_past_only_when_unsuppo
         assert backend.read_output("j-1-t", 0, None) == b"kept"
     finally:
         backend.close()
+
+
+def test_a_transaction_inside_another_is_refused_not_nested(tmp_path: Path) -> None:
+    """The lock is re-entrant (retention holds it past its commit): a nested transaction
+    would BEGIN inside the open one, and its rollback would undo both."""
+    backend = opened(tmp_path)
+    try:
+        with backend._transaction(backend._write_failed) as cur:
+            cur.execute("SELECT 1")
+            with pytest.raises(RuntimeError, match="inside another"):
+                backend.read_output("j-1-t", 0, None)  # opens a transaction of its own
+        with pytest.raises(RuntimeError), backend._transaction(backend._write_failed):
+            backend.read_output("j-1-t", 0, None)
+        # Neither left a transaction open: the store still works.
+        backend.write([finished(("j-1-t", 1.0, b"after"))])
+        assert backend.read_output("j-1-t", 0, None) == b"after"
+    finally:
+        backend.close()

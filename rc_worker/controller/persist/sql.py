@@ -30,12 +30,18 @@ class SqlBackend:
     def __init__(self) -> None:
         # Re-entrant: retention holds it across a transaction and what follows its commit.
         self.lock = threading.RLock()
+        self._in_transaction = False
 
     @contextmanager
     def _transaction(self, fail: Callable[[BaseException], Exception]) -> Iterator[Any]:
         """One transaction under :attr:`lock`, yielding its cursor. A driver error rolls
         it back and is raised as ``fail(error)``; the store's own errors pass through."""
         with self.lock:
+            if self._in_transaction:
+                # The lock is re-entrant (retention holds it past its commit): a nested
+                # transaction would BEGIN inside this one, and its rollback undo both.
+                raise RuntimeError("a store transaction was opened inside another")
+            self._in_transaction = True
             try:
                 # Inside the try: connecting again (after the server went away) can fail too.
                 cur = self._cursor()
@@ -48,6 +54,13 @@ class SqlBackend:
             except self.errors as e:
                 self._rollback()
                 raise fail(e) from e
+            except BaseException:
+                # Anything else (a bug, a cancellation) still ends the transaction: left
+                # open, the next BEGIN on this connection would fail.
+                self._rollback()
+                raise
+            finally:
+                self._in_transaction = False
 
     def _write_failed(self, e: BaseException) -> Exception:
         return StoreWriteError(f"writing to {self.description} failed: {e}")
