@@ -434,6 +434,10 @@ class ControllerClient:
                 # Nobody listens there (a controller that died): another may be active.
                 failover=isinstance(e, httpx.ConnectError),
             ) from e
+        except httpx.DecodingError as e:
+            # A body its Content-Encoding does not decode (a broken proxy, say): not an
+            # answer, so retried like a broken connection rather than raised at the caller.
+            raise _Transient(f"undecodable answer: {e}") from e
         return _decode(response, data)
 
     async def _reregister(self, generation: int) -> None:

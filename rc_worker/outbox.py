@@ -193,6 +193,16 @@ class Outbox:
         delivery = self._deliveries[key]
         delivery.report = dict(report)
         try:
+            await self._write_finish(key, delivery, report)
+        finally:
+            # Sent from memory by this process: the disk's copy is for the next one. A
+            # directory that vanished meanwhile must not leave it an empty finish to send.
+            # Set however the write ended, cancelled included: the report is in memory,
+            # and a delivery waiting for it for ever would hold its device and a drain.
+            delivery.finish_ready.set()
+
+    async def _write_finish(self, key: str, delivery: _Delivery, report: Mapping[str, Any]) -> None:
+        try:
             await self.committer.write(delivery.job_dir.finish, report)
         except OSError as e:
             # A directory that vanished is made again, journal and all: held in
@@ -209,9 +219,6 @@ class Outbox:
                     key,
                     e,
                 )
-        # Sent from memory by this process: the disk's copy is for the next one. A
-        # directory that vanished meanwhile must not leave it an empty finish to send.
-        delivery.finish_ready.set()
 
     async def write_held(self, delivery: _Delivery) -> bool:
         """Write a finish held in memory only (the disk refused it, or its directory
@@ -259,7 +266,7 @@ class Outbox:
                 del self._in_memory[path]  # on disk now: the next start sends it
             else:
                 # Delivered while it was being written: the file must not send it twice.
-                await self.committer.run_blocking(functools.partial(self._store.unlink, path))
+                await self._remove_delivered_fault(path)
 
     def held_in_memory(self) -> list[str]:
         """What is owed and held in memory only: lost if the worker stops now."""
@@ -411,10 +418,23 @@ class Outbox:
             except ControllerError as e:
                 log.error("fault report %s was refused for good: %s", path.name, e)
             self._in_memory.pop(path, None)
-            await self.committer.run_blocking(functools.partial(self._store.unlink, path))
+            await self._remove_delivered_fault(path)
         finally:
             self._pending_faults.remove(path)
             self._on_change()
+
+    async def _remove_delivered_fault(self, path: Path) -> None:
+        try:
+            await self.committer.run_blocking(functools.partial(self._store.unlink, path))
+        except OSError as e:
+            # A file system gone read-only (ext4 does so on errors, just when faults
+            # come): the controller has the fault; the next start sends it again, and
+            # the controller takes a fault id once.
+            log.error(
+                "cannot remove delivered fault %s (%s); it is sent again at the next start",
+                path.name,
+                e,
+            )
 
     async def _deliver_job(self, d: _Delivery) -> None:
         # Every line this delivery logs (client retries included) names the job.
@@ -425,7 +445,21 @@ class Outbox:
             report = (
                 d.report if d.report is not None else read_json(d.job_dir.finish, self._store) or {}
             )
-            if committed is not None and committed < int(report.get("output_bytes", 0)):
+            written = report.get("output_bytes")
+            if written is not None and (not isinstance(written, int) or isinstance(written, bool)):
+                # A report damaged on disk (recovery checks the fields that say whose it
+                # is): the controller would refuse it, and the outcome in it would be lost.
+                # The spool says how much was written, as for a finish recovery rebuilds.
+                log.warning(
+                    "job %s: its finish on disk had output_bytes %.40r; sending %d, the "
+                    "size of its spooled output",
+                    d.job_dir.key,
+                    written,
+                    _spooled(d),
+                )
+                report = {**report, "output_bytes": _spooled(d)}
+                written = report["output_bytes"]
+            if committed is not None and committed < (written or 0):
                 log.error(
                     "job %s: finish sent with output only committed to %d", d.job_id, committed
                 )
@@ -462,9 +496,10 @@ class Outbox:
                 # restart the worker resumes there instead of resending from zero.
                 committed = await self._client.output(d.job_id, d.attempt, 0, b"")
             bulk = True
+            furthest = committed  # the most the controller has said it holds
             while True:
                 size = _spooled(d)
-                if committed < size and not d.job_dir.store.exists(d.job_dir.output):
+                if committed < size and not _output_exists(d):
                     # Its directory vanished (an operator's rm, a lost mount): what is
                     # not yet shipped cannot be read back. Without this, an empty body
                     # every retry, for ever; the finish still goes.
@@ -523,8 +558,33 @@ class Outbox:
                             delay,
                         )
                         await trio.sleep(delay)
-                    else:
+                    elif answer < committed:
+                        # The controller holds less than it said before: restored from a
+                        # backup (resend from there), or two controllers answering in turn.
+                        # Never a tight loop: the backoff grows while it keeps going back.
+                        delay = stalled.next_delay()
+                        log.warning(
+                            "job %s: the controller went back from offset %d to %d; "
+                            "resending from there in %.1fs",
+                            d.job_dir.key,
+                            committed,
+                            answer,
+                            delay,
+                        )
+                        await trio.sleep(delay)
+                    elif answer > furthest:
                         stalled.attempts = 0
+                    if answer > _spooled(d):
+                        # Not an honest answer: the bytes between were never sent. Trusted
+                        # (there is nothing else to go by), but never silently.
+                        log.error(
+                            "job %s: the controller says it holds %d bytes of output, more "
+                            "than the %d spooled",
+                            d.job_dir.key,
+                            answer,
+                            _spooled(d),
+                        )
+                    furthest = max(furthest, answer)
                     committed = answer
                 elif d.spool is not None and not d.spool.closed:
                     await d.spool.wait_changed()
@@ -581,7 +641,21 @@ def _read(d: _Delivery, pos: int, n: int) -> bytes:
 
 
 def _spooled(d: _Delivery) -> int:
-    return d.spool.size if d.spool is not None else d.job_dir.output_size()
+    if d.spool is not None:
+        return d.spool.size
+    try:
+        return d.job_dir.output_size()
+    except OSError as e:  # a failing disk: nothing can be read there either
+        log.warning("job %s: cannot stat its spooled output: %s", d.job_dir.key, e)
+        return 0
+
+
+def _output_exists(d: _Delivery) -> bool:
+    try:
+        return d.job_dir.store.exists(d.job_dir.output)
+    except OSError as e:  # EIO, EACCES: as good as gone for sending
+        log.warning("job %s: cannot stat its spooled output: %s", d.job_dir.key, e)
+        return False
 
 
 async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
@@ -595,7 +669,7 @@ async def _stream(d: _Delivery, start: int) -> AsyncIterator[bytes]:
     end = start + REQUEST_MAX
     pos = start
     until = trio.current_time() + STREAM_WINDOW_S
-    if not d.job_dir.store.exists(d.job_dir.output):
+    if not _output_exists(d):
         return
     while pos < end:
         n = min(CHUNK, _spooled(d) - pos, end - pos)

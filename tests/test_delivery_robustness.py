@@ -1,0 +1,203 @@
+"""What a worker's delivery survives without going down (from a review of the outbox).
+
+A damaged report left on disk, a file system gone read-only, an answer that does not
+decode, a controller whose committed offset goes back and forth, a finish whose write is
+cancelled: each once took the worker down, looped, or held a device for ever.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from faults import Fault
+from test_delivery import JOB, JOB_OUTPUT, Wrap, finished_events, left_on_disk, steady_store
+
+from rc_worker import client as client_module
+from rc_worker.core.config import DeviceConfig
+from rc_worker.outbox import Outbox, _Delivery
+from rc_worker.spool import JobDir, ensure_state_dir
+from rc_worker.statestore import LinuxStore
+from rc_worker.testing import local_system, make_config
+
+
+@pytest.fixture(autouse=True)
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "RETRY_BASE_S", 0.005)
+    monkeypatch.setattr(client_module, "RETRY_CAP_S", 0.05)
+
+
+@pytest.mark.parametrize("damaged", [None, "lots", [1]])
+async def test_a_finish_on_disk_with_a_damaged_output_count_is_still_delivered(
+    tmp_path: Path, damaged: object
+) -> None:
+    store = steady_store()
+    config = make_config(tmp_path)
+    job_id = store.submit(["sh", "-c", "echo done; exit 4"])
+    first = Wrap()
+    with trio.fail_after(40):
+        async with local_system(config, store=store, transport_wrapper=first) as system:
+            first.t.outage("finish", Fault.REFUSED)
+            await first.t.wait_until(lambda: len(first.t.exchanges("finish")) >= 2)
+            await system.crash()
+        finish = JobDir(Path(config.state_dir), f"{job_id}.1").finish
+        report = json.loads(finish.read_text())
+        report["output_bytes"] = damaged
+        finish.write_text(json.dumps(report))
+        async with local_system(config, store=store) as system:  # not down at its start
+            info = await system.wait_job(job_id)
+    assert info.state == "failed"
+    assert info.exit_code == 4
+    assert store.output(job_id) == b"done\n"
+
+
+async def test_a_delivered_fault_that_cannot_be_removed_does_not_take_the_worker_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    hook = tmp_path / "release.sh"
+    hook.write_text("#!/bin/sh\nexit 3\n")
+    hook.chmod(0o755)
+    device = DeviceConfig(name="gpu0", on_release=str(hook), release_linger=0.0)
+    config = make_config(tmp_path, devices=(device,))
+    real_unlink = LinuxStore.unlink
+
+    def unlink(self: LinuxStore, path: Path) -> None:
+        if path.parent.name == "faults":
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        real_unlink(self, path)
+
+    monkeypatch.setattr(LinuxStore, "unlink", unlink)
+    store = steady_store()
+    job_id = store.submit(JOB)
+    caplog.set_level(logging.ERROR, logger="rc_worker.outbox")
+    with trio.fail_after(40):
+        async with local_system(config, store=store) as system:
+            await system.wait_job(job_id)
+            await system.wait_until(lambda: system.device("gpu0").state == "quarantined")
+            for _ in range(200):  # bounded: until the delivered fault's removal was tried
+                if any("cannot remove delivered fault" in r.getMessage() for r in caplog.records):
+                    break
+                await trio.sleep(0.01)
+    assert any("cannot remove delivered fault" in r.getMessage() for r in caplog.records)
+    assert store.device("test-host", "gpu0").state == "quarantined"
+
+
+class Undecodable(httpx.AsyncBaseTransport):
+    """Lets every request through, but answers the first output request (applied at the
+    controller) with a body its Content-Encoding does not decode."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner, self.garbled = inner, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path.endswith("/output") and not self.garbled:
+            self.garbled += 1
+            await response.aread()
+            return httpx.Response(
+                200, headers={"Content-Encoding": "gzip"}, content=b"not gzip", request=request
+            )
+        return response
+
+
+async def test_an_answer_that_does_not_decode_is_retried_not_raised(tmp_path: Path) -> None:
+    store = steady_store()
+    config = make_config(tmp_path)
+    job_id = store.submit(JOB)
+    made: list[Undecodable] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        made.append(Undecodable(inner))
+        return made[0]
+
+    with trio.fail_after(40):
+        async with local_system(config, store=store, transport_wrapper=wrap) as system:
+            info = await system.wait_job(job_id)
+    assert made[0].garbled == 1
+    assert info.state == "succeeded"
+    assert store.output(job_id) == JOB_OUTPUT
+    assert len(finished_events(store, job_id)) == 1
+    assert left_on_disk(config) == []
+
+
+class Flapping:
+    """A controller (two behind a balancer, say) that holds at most 100 bytes and answers
+    every other output request with 0."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def output(
+        self, job_id: str, attempt: int, offset: int, data: Any, length: int | None = None
+    ) -> int:
+        self.calls += 1
+        sent = 0
+        if callable(data):
+            async for piece in data():
+                sent += len(piece)
+        await trio.lowlevel.checkpoint()
+        return 0 if self.calls % 2 == 0 else min(offset + sent, 100)
+
+
+async def test_a_controller_whose_offset_goes_back_and_forth_is_not_sent_a_flood(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "RETRY_BASE_S", 0.01)
+    jd = JobDir(ensure_state_dir(tmp_path), "j-1.1")
+    jd.create()
+    jd.output.write_bytes(b"x" * 250)
+    client = Flapping()
+    outbox = Outbox(tmp_path, client)  # type: ignore[arg-type]
+    with trio.move_on_after(1.0):
+        await outbox._ship_output(_Delivery(jd, "j-1", 1))
+    # A tight loop made tens of thousands of requests a second; with a backoff that grows
+    # while the offset keeps going back, a few dozen.
+    assert 3 <= client.calls < 200
+
+
+async def test_a_finish_whose_write_is_cancelled_still_lets_its_delivery_go(
+    tmp_path: Path,
+) -> None:
+    class Stuck:
+        store = LinuxStore()
+
+        async def write(self, *args: Any, **kwargs: Any) -> None:
+            await trio.sleep_forever()
+
+    jd = JobDir(ensure_state_dir(tmp_path), "j-1.1")
+    jd.create()
+    outbox = Outbox(tmp_path, object(), committer=Stuck())  # type: ignore[arg-type]
+    delivery = _Delivery(jd, "j-1", 1, device="gpu0")
+    outbox._deliveries[jd.key] = delivery
+    with trio.move_on_after(0.05):
+        await outbox.finish(jd.key, {"outcome": "succeeded"})
+    assert delivery.finish_ready.is_set()
+    assert delivery.report == {"outcome": "succeeded"}
+
+
+async def test_a_spool_that_cannot_be_stat_ed_ends_its_shipping_not_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_exists = LinuxStore.exists
+
+    def exists(self: LinuxStore, path: Path) -> bool:
+        if path.name == "output":
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_exists(self, path)
+
+    monkeypatch.setattr(LinuxStore, "exists", exists)
+    store = steady_store()
+    config = make_config(tmp_path)
+    job_id = store.submit(JOB)
+    caplog.set_level(logging.WARNING, logger="rc_worker.outbox")
+    with trio.fail_after(40):
+        async with local_system(config, store=store) as system:
+            info = await system.wait_job(job_id)
+    assert info.state == "succeeded"  # the finish went
+    assert any("cannot stat its spooled output" in r.getMessage() for r in caplog.records)
