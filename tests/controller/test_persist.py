@@ -736,3 +736,23 @@ async def test_output_whose_file_went_under_a_running_controller_is_refused_then
             r = await user.get(f"/v1/jobs/{job}/output")
             assert r.content == b"0123456789abc"
         opened.backend.close()
+
+
+def test_a_commit_written_again_with_more_output_keeps_every_byte(
+    store_place: StorePlace,
+) -> None:
+    """A commit that reached the database but whose COMMIT answer was lost (the
+    connection dropped) counts as failed and is written again, by then with more output
+    joined to the same row (a row at the same offset): every byte counts. PostgreSQL
+    kept the shorter row, losing output the worker had been told was committed."""
+    backend = store_place.open()
+    try:
+        backend.write([Batch(generation=1, output=(("j-1-t", 0, b"a" * 100),))])
+        again = (("j-1-t", 0, b"a" * 100), ("j-1-t", 100, b"b" * 200))
+        backend.write([Batch(generation=2, output=again)])
+        assert backend.read_output("j-1-t", 0, None) == b"a" * 100 + b"b" * 200
+        # And a shorter row at an offset already stored changes nothing.
+        backend.write([Batch(generation=3, output=(("j-1-t", 0, b"a" * 50),))])
+        assert backend.read_output("j-1-t", 0, None) == b"a" * 100 + b"b" * 200
+    finally:
+        backend.close()

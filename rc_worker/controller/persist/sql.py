@@ -191,10 +191,16 @@ class SqlBackend:
         """Store output pieces ``(job_id, offset, data)`` within the open transaction: as
         rows, the pieces that continue each other joined (``coalesce_output``)."""
         p = self.ph
+        # A row at an offset already stored is the same bytes or more of them: a commit
+        # that reached the database but whose COMMIT answer was lost is written again,
+        # and by then more output may have joined that row. Keeping the stored row
+        # (DO NOTHING) dropped the bytes that joined it, though the worker had been
+        # told they were committed; the longer one replaces it.
         _many(
             cur,
             f"INSERT INTO output (job_id, off, data) VALUES ({p}, {p}, {p})"
-            " ON CONFLICT (job_id, off) DO NOTHING",
+            " ON CONFLICT (job_id, off) DO UPDATE SET data = excluded.data"
+            " WHERE length(excluded.data) > length(output.data)",
             coalesce_output(rows),
         )
 
