@@ -132,6 +132,7 @@ class Durability:
             self.failed = None
             self._failed_commit = None
             self.written = generation
+            self.store.journal.stored()
             # Committed output leaves memory: reads below it go to the backend.
             stored: dict[str, int] = {}
             for job_id, off, data in batch.output:

@@ -35,6 +35,9 @@ class Journal:
         self.enabled = False
         self.generation = 0
         self._marks = Marks()
+        self._in_flight: set[str] = set()
+        """Jobs of the commit being written: not stored yet either, until :meth:`stored`
+        (a commit that fails puts them back)."""
 
     def enable(self) -> None:
         """A persistence layer reads the marks from now on (off by default: ``--memory``)."""
@@ -61,13 +64,17 @@ class Journal:
             self.generation += 1
 
     def marked_jobs(self) -> set[str]:
-        """Ids of the jobs marked since the last :meth:`take` (not stored yet)."""
-        return self._marks.jobs
+        """Ids of the jobs not stored yet: marked since the last :meth:`take`, and those of
+        the commit being written. Without the latter, a job could leave memory while its
+        commit is in flight; if that commit then failed, the retry could not find it, and
+        its end would never be stored."""
+        return self._marks.jobs | self._in_flight
 
     def put_back(self, marks: Marks) -> None:
         """Marks taken for a commit that failed: merged into the current ones, in order, so
         the next commit writes them (re-read from the records) with whatever came since."""
         current, self._marks = self._marks, marks
+        self._in_flight = set()
         self._marks.jobs |= current.jobs
         self._marks.hosts |= current.hosts
         self._marks.events += current.events
@@ -76,4 +83,9 @@ class Journal:
     def take(self) -> tuple[Marks, int]:
         """The marks so far and the generation they cover; starts a fresh set."""
         marks, self._marks = self._marks, Marks()
+        self._in_flight = set(marks.jobs)
         return marks, self.generation
+
+    def stored(self) -> None:
+        """The commit of the last :meth:`take` is written: its jobs are stored."""
+        self._in_flight = set()

@@ -4,6 +4,7 @@ request whose change it held, without one retry per request."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -103,3 +104,35 @@ async def test_a_failed_commit_fails_each_request_it_held_once() -> None:
         await d.flush()
     assert d.failed is None
     assert not d.dirty()
+
+
+async def test_a_job_whose_commit_is_in_flight_stays_in_memory_until_it_is_stored() -> None:
+    """A finished job whose end is in the commit being written must not leave memory
+    meanwhile: if that commit fails, the retry re-reads the job's record from memory, and
+    an evicted one would never have its end stored (a cancelled job queued again after a
+    restart). Found by a review with keep_finished=1."""
+    store = Store(StoreConfig())
+    backend = GatedBackend()
+    backend.failing = True
+    d = Durability(store, backend, keep_finished=0)  # type: ignore[arg-type]
+    job = store.submit(["true"])
+    store.cancel(job)  # finished: its end is in the next commit
+
+    async def failing_flush() -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await d.flush()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(failing_flush)
+            await writing(backend, 1)  # in flight, held at the gate
+            # Anything may evict meanwhile (a request's end, a job read back).
+            store.evict_finished(0, d.busy)
+            assert store.in_memory(job)
+            backend.gate.release()  # ...and the commit fails
+    backend.failing = False
+    backend.gate.release()
+    with trio.fail_after(30):
+        await d.flush()  # the retry
+    assert backend.writes[-1] == [job]  # its end is stored
+    assert not store.in_memory(job)  # stored: now it may leave (keep_finished=0)
