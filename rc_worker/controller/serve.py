@@ -17,6 +17,7 @@ them with ``await nursery.start(...)``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import inspect
 import logging
@@ -103,8 +104,11 @@ async def retention_pass(app: Starlette, retention_s: float) -> list[str]:
         # on in between instead of waiting for the whole deletion.
         while True:
             try:
+                # Not a job a request is reading (its output would end short).
                 gone = await trio.to_thread.run_sync(
-                    d.backend.delete_finished_before, cutoff, RETENTION_BATCH
+                    functools.partial(
+                        d.backend.delete_finished_before, cutoff, RETENTION_BATCH, keep=set(d.busy)
+                    )
                 )
             except Exception as e:
                 log.warning("retention: could not delete old jobs: %s", e)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 
 import attrs
@@ -83,8 +83,10 @@ class Breakable:
     ) -> list[tuple[str, int]]:
         return self.inner.read_finished(state, after, limit, newest_first)
 
-    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
-        return self.inner.delete_finished_before(wall_time, limit)
+    def delete_finished_before(
+        self, wall_time: float, limit: int, keep: Collection[str] = ()
+    ) -> list[tuple[str, str]]:
+        return self.inner.delete_finished_before(wall_time, limit, keep)
 
     def webhook_cursors(self) -> dict[str, int]:
         return self.inner.webhook_cursors()

@@ -405,6 +405,27 @@ async def test_retention_deletes_old_finished_jobs_and_their_output(
         reopened.backend.close()
 
 
+async def test_retention_leaves_a_job_a_request_is_reading(store_place: StorePlace) -> None:
+    """A job whose output a request is streaming is not deleted under it (its output
+    would end short, and a raw HTTP client could not tell): the next pass takes it."""
+    from rc_worker.controller.serve import retention_pass
+
+    with trio.fail_after(GUARD):
+        opened = open_controller(store_place.open())
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register()
+            first = await submit(user, "echo", "first")
+            await w.run_one(b"first output\n")
+            second = await submit(user, "echo", "second")
+            await w.run_one(b"second output\n")
+            opened.durability.busy[first] += 1  # as DurableMiddleware pins it for a request
+            assert await retention_pass(opened.app, 0.0) == [second]
+            del opened.durability.busy[first]  # the request ended
+            assert await retention_pass(opened.app, 0.0) == [first]
+        opened.backend.close()
+
+
 async def test_retention_deletes_in_batches_oldest_first(
     store_place: StorePlace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -418,8 +439,8 @@ async def test_retention_deletes_in_batches_oldest_first(
         calls: list[int] = []
         delete = backend.inner.delete_finished_before
 
-        def counted(wall_time: float, limit: int) -> list[tuple[str, str]]:
-            gone = delete(wall_time, limit)
+        def counted(wall_time: float, limit: int, keep: Any = ()) -> list[tuple[str, str]]:
+            gone = delete(wall_time, limit, keep)
             calls.append(len(gone))
             return gone
 

@@ -22,7 +22,7 @@ the number of jobs ever run. Backends are synchronous and called from a thread
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from rc_worker.controller.persist.codec import Batch, JobRow, Loaded
@@ -59,9 +59,13 @@ class Backend(Protocol):
     ) -> list[tuple[str, int]]:
         """Stored finished jobs by ``seq`` after the cursor ``after``, with output lengths."""
 
-    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+    def delete_finished_before(
+        self, wall_time: float, limit: int, keep: Collection[str] = ()
+    ) -> list[tuple[str, str]]:
         """Retention: delete at most ``limit`` of the jobs that finished before ``wall_time``
-        (the oldest first) in one transaction; their ids and states."""
+        (the oldest first) in one transaction, but none of ``keep`` (jobs a request is
+        reading: deleted under a reader, its output would end short with no error); their
+        ids and states."""
 
     def read_events(self, after: int, limit: int) -> list[tuple[int, str, float, str]]:
         """Stored events with ``seq > after`` (older than the store keeps in memory)."""
@@ -121,11 +125,13 @@ class MemoryBackend:
             rows = [r for r in rows if (r.seq < after if newest_first else r.seq > after)]
         return [(r.data, len(self._output.get(r.job_id, b""))) for r in rows[:limit]]
 
-    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+    def delete_finished_before(
+        self, wall_time: float, limit: int, keep: Collection[str] = ()
+    ) -> list[tuple[str, str]]:
         old = sorted(
             (r.finished_at, r.job_id, r.state)
             for r in self._jobs.values()
-            if r.finished_at is not None and r.finished_at < wall_time
+            if r.finished_at is not None and r.finished_at < wall_time and r.job_id not in keep
         )
         gone = [(job_id, state) for _, job_id, state in old[:limit]]
         for job_id, _ in gone:

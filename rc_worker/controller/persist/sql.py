@@ -9,7 +9,7 @@ batches and the webhook cursors never share a transaction by accident.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -296,7 +296,9 @@ class SqlBackend:
                 (url, seq),
             )
 
-    def delete_finished_before(self, wall_time: float, limit: int) -> list[tuple[str, str]]:
+    def delete_finished_before(
+        self, wall_time: float, limit: int, keep: Collection[str] = ()
+    ) -> list[tuple[str, str]]:
         """Retention: drop at most ``limit`` finished jobs (and their output) that ended
         before ``wall_time``, the oldest first; returns each one's id and state.
 
@@ -313,9 +315,10 @@ class SqlBackend:
                 cur.execute(
                     "SELECT job_id, state FROM jobs WHERE finished_at IS NOT NULL"
                     f" AND finished_at < {p} ORDER BY finished_at LIMIT {p}",
-                    (wall_time, limit),
+                    (wall_time, limit + len(keep)),  # room for the kept ones among them
                 )
-                gone = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
+                rows = [(str(r[0]), str(r[1])) for r in cur.fetchall()]
+                gone = [row for row in rows if row[0] not in keep][:limit]
                 ids = [(job_id,) for job_id, _ in gone]
                 self._delete_output(cur, ids)
                 _many(cur, f"DELETE FROM jobs WHERE job_id = {p}", ids)
