@@ -322,6 +322,20 @@ async def test_the_spool_keeps_a_prefix_up_to_the_cap_then_one_marker(
 # -- durable reports across restarts ------------------------------------------------
 
 
+async def leave_finish_on_disk(config: Config, store: Store, job_id: str) -> Path:
+    """Run the job with its finish refused, then kill the worker: its finish is left on
+    disk (returned), and the controller still has the job running."""
+    first = Wrap()
+    async with local_system(config, store=store, transport_wrapper=first) as system:
+        first.t.outage("finish", Fault.REFUSED)
+        await first.t.wait_until(lambda: len(first.t.exchanges("finish")) >= 3)
+        finish = JobDir(Path(config.state_dir), f"{job_id}.1").finish
+        assert finish.exists()
+        await system.crash()
+    assert store.job(job_id).state == "running"
+    return finish
+
+
 async def test_a_finish_on_disk_survives_a_restart_and_keeps_its_outcome(tmp_path: Path) -> None:
     """The finish is written before its first try; a worker that dies while it
     cannot be delivered leaves it on disk, and the next worker delivers it: the
@@ -329,14 +343,8 @@ async def test_a_finish_on_disk_survives_a_restart_and_keeps_its_outcome(tmp_pat
     store = steady_store()
     config = make_config(tmp_path)
     job_id = store.submit(["sh", "-c", "echo done; exit 4"])
-    first = Wrap()
     with trio.fail_after(40):
-        async with local_system(config, store=store, transport_wrapper=first) as system:
-            first.t.outage("finish", Fault.REFUSED)
-            await first.t.wait_until(lambda: len(first.t.exchanges("finish")) >= 3)
-            assert JobDir(Path(config.state_dir), f"{job_id}.1").finish.exists()
-            await system.crash()
-        assert store.job(job_id).state == "running"
+        await leave_finish_on_disk(config, store, job_id)
         async with local_system(config, store=store) as system:
             info = await system.wait_job(job_id)
             assert system.device("gpu0").state == "free"

@@ -16,8 +16,14 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from faults import Fault
-from test_delivery import JOB, JOB_OUTPUT, Wrap, finished_events, left_on_disk, steady_store
+from test_delivery import (
+    JOB,
+    JOB_OUTPUT,
+    finished_events,
+    leave_finish_on_disk,
+    left_on_disk,
+    steady_store,
+)
 
 from rc_worker import client as client_module
 from rc_worker.core.config import DeviceConfig
@@ -40,13 +46,8 @@ async def test_a_finish_on_disk_with_a_damaged_output_count_is_still_delivered(
     store = steady_store()
     config = make_config(tmp_path)
     job_id = store.submit(["sh", "-c", "echo done; exit 4"])
-    first = Wrap()
     with trio.fail_after(40):
-        async with local_system(config, store=store, transport_wrapper=first) as system:
-            first.t.outage("finish", Fault.REFUSED)
-            await first.t.wait_until(lambda: len(first.t.exchanges("finish")) >= 2)
-            await system.crash()
-        finish = JobDir(Path(config.state_dir), f"{job_id}.1").finish
+        finish = await leave_finish_on_disk(config, store, job_id)
         report = json.loads(finish.read_text())
         report["output_bytes"] = damaged
         finish.write_text(json.dumps(report))
