@@ -130,6 +130,10 @@ class GpuHealthCoordinator:
         like any escapee; anything left quarantines the device."""
         dev = self._devices[device]
         uuids, _ = self._labels()
+        unknown = self.monitor.uuid_unknown(device, uuids)
+        if unknown is not None:
+            dev.set_health_hold({CHECK_RESIDENT: unknown}, ())
+            return
         try:
             apps = await self._resident(device, uuids)
             if any([await self._of_job(a.pid, job_id) for a in apps]):

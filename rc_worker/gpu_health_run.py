@@ -135,6 +135,11 @@ class GpuHealthMonitor:
             d.name: d.mig_uuid for d in config.devices if d.mig_uuid is not None
         }
         self.ecc_labels: dict[int, dict[str, str]] = {}
+        self._listed: dict[int, tuple[str, str | None]] = {}
+        """Each GPU's UUID and PCI bus id as the health query last listed them, by index:
+        what the resident and Xid checks go by when the probe has not said (no ``uuid``
+        or ``pci_bus_id`` label yet). Without them a GPU's processes would be ignored and
+        its kernel errors dropped: the checks would pass without having looked."""
         self._seen = False
         """nvidia-smi was seen here and that is recorded: the checks stay on."""
 
@@ -249,6 +254,7 @@ class GpuHealthMonitor:
             return
         totals = {"corrected_volatile": 0, "uncorrected_volatile": 0}
         for row in reading.rows.values():
+            self._listed[row.index] = (row.uuid, row.bus_id)
             totals["corrected_volatile"] += row.ecc_corrected or 0
             totals["uncorrected_volatile"] += row.ecc_uncorrected or 0
         for kind, value in totals.items():
@@ -312,6 +318,11 @@ class GpuHealthMonitor:
         if apps is None:
             return
         for t in targets:
+            unknown = self.uuid_unknown(t.device, expected_uuid)
+            if unknown is not None:
+                # Which processes are this GPU's is not known: not "none are".
+                verdicts[t.device].held[CHECK_RESIDENT] = unknown
+                continue
             fault = decide_resident(self.resident_on(t.device, apps, expected_uuid))
             verdicts[t.device].passed.add(CHECK_RESIDENT)
             if fault is not None:
@@ -327,8 +338,21 @@ class GpuHealthMonitor:
         its parent: more cautious, never less.
         """
         t = self.targets[device]
-        uuids = {u for u in (expected_uuid.get(t.parent), t.mig_uuid) if u}
+        uuids = {u for u in (self._gpu_uuid(t, expected_uuid), t.mig_uuid) if u}
         return apps_on(apps, uuids)
+
+    def uuid_unknown(self, device: str, expected_uuid: Mapping[str, str]) -> str | None:
+        """Why ``device``'s processes cannot be told yet (its GPU's UUID is not known), or
+        None: then "no process listed under it" means none, not "none looked at"."""
+        t = self.targets[device]
+        if self._gpu_uuid(t, expected_uuid) is not None:
+            return None
+        return f"the UUID of GPU {t.index} is not known yet (no uuid label, no health query)"
+
+    def _gpu_uuid(self, t: GpuTarget, expected_uuid: Mapping[str, str]) -> str | None:
+        """The physical GPU's UUID: the probe's label, else the health query's listing."""
+        listed = self._listed.get(t.index)
+        return expected_uuid.get(t.parent) or (listed[0] if listed else None)
 
     async def list_apps(self) -> list[ComputeApp]:
         """The compute apps now (for the after-job sweep); raises ``CheckFailed``."""
@@ -350,7 +374,8 @@ class GpuHealthMonitor:
         # so one for another device must not be dropped by a one-device check.
         by_bus: dict[str, list[GpuTarget]] = {}
         for t in self.targets.values():
-            key = bus_key(bus_ids.get(t.parent, ""))
+            listed = self._listed.get(t.index)
+            key = bus_key(bus_ids.get(t.parent) or (listed[1] if listed else None) or "")
             if key is not None:
                 by_bus.setdefault(key, []).append(t)
         ignored = frozenset(self._settings.ignored_xids)

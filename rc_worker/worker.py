@@ -351,7 +351,19 @@ class Worker(Polling):
         """Idle devices every ``gpu_health.interval``; labels follow what it found."""
         while True:
             if health.monitor.enabled():
-                await health.check_idle()
+                try:
+                    await health.check_idle()
+                except Exception as e:
+                    # Output no check foresaw must not take the worker, and every device's
+                    # jobs, down with it: the check before each job still stands (and fails
+                    # closed), and this one runs again at the next interval.
+                    log.error(
+                        "the idle GPU health check failed (%s: %s); trying again in %.0fs",
+                        type(e).__name__,
+                        e,
+                        self.config.gpu_health.interval,
+                        exc_info=log.isEnabledFor(logging.DEBUG),
+                    )
                 self._rebuild_labels()
                 await self._send_labels(client)  # only when they changed
             await trio.sleep(self.config.gpu_health.interval)

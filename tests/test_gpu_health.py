@@ -401,3 +401,30 @@ def test_health_label_ranks_faulted_over_held_over_ok() -> None:
     assert health_label(False, False) == "ok"
     assert health_label(True, False) == "held"
     assert health_label(True, True) == "faulted"
+
+
+# -- error cells are not "not supported" (from a review) -----------------------------------
+
+HEADER = (
+    "index, uuid, pci.bus_id, ecc.errors.corrected.volatile.total, "
+    "ecc.errors.uncorrected.volatile.total"
+)
+
+
+@pytest.mark.parametrize("cell", ["[GPU requires reset]", "[Unknown Error]", "ERR!"])
+def test_an_error_cell_is_an_unreadable_reading_never_a_healthy_one(cell: str) -> None:
+    text = f"{HEADER}\n0, GPU-a, 00000000:18:00.0, 0, {cell}\n"
+    with pytest.raises(HealthReadError):
+        parse_health_query(text)
+
+
+def test_a_not_supported_cell_is_none() -> None:
+    for cell in ("[N/A]", "N/A", "[Not Supported]"):
+        row = parse_health_query(f"{HEADER}\n0, GPU-a, 00000000:18:00.0, 0, {cell}\n").rows[0]
+        assert row.ecc_uncorrected is None
+        assert row.ecc_corrected == 0
+
+
+def test_a_field_past_the_csv_limit_is_an_unreadable_reading_not_an_exception() -> None:
+    with pytest.raises(HealthReadError):
+        parse_health_query(f'{HEADER}\n0, GPU-a, "{"x" * 200_000}", 0, 0\n')

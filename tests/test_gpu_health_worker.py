@@ -8,6 +8,7 @@ for the kernel log. Real processes, real clock; every wait is bounded.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -679,3 +680,70 @@ async def test_an_xid_for_another_gpu_read_by_a_job_gate_is_not_lost(
             fault = await wait_fault(system, "gpu1", "gpu_xid")
             assert "48, An uncorrectable double bit error" in fault.detail
             assert faults(system, "gpu0") == []
+
+
+# -- fail closed when the probe has not said (from a review) ------------------------------
+
+
+def _monitor(tmp_path: Path, gpus: Gpus) -> Any:
+    from rc_worker.gpu_health_run import GpuHealthMonitor
+    from rc_worker.host import LinuxHost
+    from rc_worker.metrics import WorkerMetrics
+
+    return GpuHealthMonitor(
+        config(tmp_path), host=LinuxHost(), environ=environ(tmp_path, gpus), metrics=WorkerMetrics()
+    )
+
+
+async def test_resident_processes_are_found_without_a_uuid_label(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """No ``uuid`` label (the first probe failed): the GPU's processes were ignored, and
+    the resident check passed. Now it is held until the GPU's UUID is known, and then the
+    health query's listing says which processes are its."""
+    gpus.set("apps", [{"gpu_uuid": UUID0, "pid": 99, "process_name": "train", "used_memory": 7000}])
+    monitor = _monitor(tmp_path, gpus)
+    with trio.fail_after(30):
+        first = await monitor.check(["gpu0"], expected_uuid={}, bus_ids={}, memory=False)
+        assert "resident" in first["gpu0"].held
+        assert "resident" not in first["gpu0"].passed
+        assert first["gpu0"].faults == []
+        then = await monitor.check(["gpu0"], expected_uuid={}, bus_ids={})
+    assert [f.kind for f in then["gpu0"].faults] == ["gpu_resident_process"]
+    assert "pid 99" in then["gpu0"].faults[0].reason
+
+
+async def test_an_xid_is_mapped_without_a_pci_bus_id_label(tmp_path: Path, gpus: Gpus) -> None:
+    """No ``pci_bus_id`` label: the Xid line was read, logged, and dropped for good. The
+    health query's listing maps it now."""
+    monitor = _monitor(tmp_path, gpus)
+    kernel(tmp_path, "[ 6.2] NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.")
+    with trio.fail_after(30):
+        verdicts = await monitor.check(["gpu0", "gpu1"], expected_uuid={}, bus_ids={})
+    assert [f.kind for f in verdicts["gpu1"].faults] == ["gpu_xid"]
+    assert verdicts["gpu0"].faults == []
+
+
+async def test_an_idle_check_that_raises_does_not_take_the_worker_down(
+    tmp_path: Path, gpus: Gpus, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from rc_worker.gpu_health_coord import GpuHealthCoordinator
+
+    real = GpuHealthCoordinator.check_idle
+    raised: list[int] = []
+
+    async def once(self: GpuHealthCoordinator) -> None:
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("output no check foresaw")
+        await real(self)
+
+    monkeypatch.setattr(GpuHealthCoordinator, "check_idle", once)
+    caplog.set_level(logging.ERROR, logger="rc_worker.worker")
+    with trio.fail_after(60):
+        async with local_system(config(tmp_path), environ=environ(tmp_path, gpus)) as system:
+            await system.wait_until(lambda: bool(raised))
+            job = system.submit(["true"])
+            info = await system.wait_job(job)  # the worker is still there
+    assert info.state == "succeeded"
+    assert any("idle GPU health check failed" in r.getMessage() for r in caplog.records)

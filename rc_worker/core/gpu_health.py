@@ -171,6 +171,13 @@ def _csv_table(text: str, required: Sequence[str], what: str) -> list[dict[str, 
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise HealthReadError(f"{what}: no output (expected a header line)")
+    try:
+        return _csv_rows(lines, required, what)
+    except csv.Error as e:  # a field past csv's size limit, a stray NUL: not a listing
+        raise HealthReadError(f"{what}: {e}") from None
+
+
+def _csv_rows(lines: list[str], required: Sequence[str], what: str) -> list[dict[str, str]]:
     header = next(csv.reader([lines[0]], skipinitialspace=True))
     names: list[str] = []
     units: dict[str, str] = {}
@@ -201,13 +208,27 @@ def _csv_table(text: str, required: Sequence[str], what: str) -> list[dict[str, 
     return rows
 
 
+# What nvidia-smi prints for a field this GPU does not have (no remapper before Ampere, no
+# ECC on GeForce). Every other bracketed cell is an error (``[GPU requires reset]``,
+# ``[Unknown Error]``, ``[Insufficient Permissions]``) and so is ``ERR!``: read as "not
+# supported", a GPU that needs a reset would pass its memory checks.
+_ABSENT = frozenset({"", "N/A", "[N/A]", "NOT SUPPORTED", "[NOT SUPPORTED]"})
+
+
 def _na(cell: str) -> bool:
+    """The field is not supported on this GPU (an error cell is not this: see _ABSENT)."""
+    return cell.strip().upper() in _ABSENT
+
+
+def _not_an_id(cell: str) -> bool:
+    """An error or absent cell where a GPU's index or UUID should be: the GPU is lost."""
     c = cell.strip()
-    return not c or (c.startswith("[") and c.endswith("]")) or c.upper() in ("N/A", "ERR!")
+    return _na(c) or (c.startswith("[") and c.endswith("]")) or c.upper() == "ERR!"
 
 
 def _count(cell: str) -> int | None:
-    """A counter cell: an int, or None for "not supported here" (``[N/A]``)."""
+    """A counter cell: an int, or None for "not supported here" (``[N/A]``); an error cell
+    (``[GPU requires reset]``) raises, so the GPU is held, never passed."""
     if _na(cell):
         return None
     if _UINT_RE.fullmatch(cell.strip()):
@@ -272,7 +293,7 @@ def parse_health_query(text: str) -> HealthReading:
     for row in table:
         if "_line" in row:
             raise HealthReadError(f"health query: a short row {row['_line'][:120]!r}")
-        if not _UINT_RE.fullmatch(row["index"]) or _na(row["uuid"]):
+        if not _UINT_RE.fullmatch(row["index"]) or _not_an_id(row["uuid"]):
             lost.append(", ".join(row.values()))
             continue
         try:
