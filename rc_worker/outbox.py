@@ -450,15 +450,15 @@ class Outbox:
                 # A report damaged on disk (recovery checks the fields that say whose it
                 # is): the controller would refuse it, and the outcome in it would be lost.
                 # The spool says how much was written, as for a finish recovery rebuilds.
+                damaged, written = written, _spooled(d)
                 log.warning(
                     "job %s: its finish on disk had output_bytes %.40r; sending %d, the "
                     "size of its spooled output",
                     d.job_dir.key,
+                    damaged,
                     written,
-                    _spooled(d),
                 )
-                report = {**report, "output_bytes": _spooled(d)}
-                written = report["output_bytes"]
+                report = {**report, "output_bytes": written}
             if committed is not None and committed < (written or 0):
                 log.error(
                     "job %s: finish sent with output only committed to %d", d.job_id, committed
@@ -509,9 +509,7 @@ class Outbox:
                         d.job_dir.output,
                         size - committed,
                     )
-                    if d.spool is not None:
-                        while not d.spool.closed:
-                            await d.spool.wait_changed()
+                    await _until_closed(d)
                     return committed
                 if committed < size:
                     backlog = min(size - committed, REQUEST_MAX)
@@ -541,9 +539,7 @@ class Outbox:
                             committed,
                             size,
                         )
-                        if d.spool is not None:
-                            while not d.spool.closed:
-                                await d.spool.wait_changed()
+                        await _until_closed(d)
                         return committed
                     if answer == committed:
                         # A controller that answers 200 without taking the
@@ -574,7 +570,7 @@ class Outbox:
                         await trio.sleep(delay)
                     elif answer > furthest:
                         stalled.attempts = 0
-                    if answer > _spooled(d):
+                    if answer > (spooled := _spooled(d)):
                         # Not an honest answer: the bytes between were never sent. Trusted
                         # (there is nothing else to go by), but never silently.
                         log.error(
@@ -582,7 +578,7 @@ class Outbox:
                             "than the %d spooled",
                             d.job_dir.key,
                             answer,
-                            _spooled(d),
+                            spooled,
                         )
                     furthest = max(furthest, answer)
                     committed = answer
@@ -592,9 +588,7 @@ class Outbox:
                     return committed
         except ControllerError as e:
             log.error("job %s: output was refused for good: %s", d.job_dir.key, e)
-            if d.spool is not None:
-                while not d.spool.closed:
-                    await d.spool.wait_changed()
+            await _until_closed(d)
             return None
 
 
@@ -638,6 +632,14 @@ def _read(d: _Delivery, pos: int, n: int) -> bytes:
             "job %s: reading its spooled output at offset %d failed: %s", d.job_dir.key, pos, e
         )
         return b""
+
+
+async def _until_closed(d: _Delivery) -> None:
+    """Until the job is done writing: a delivery that gave up on its output still sends
+    the finish, and only once the job has one."""
+    if d.spool is not None:
+        while not d.spool.closed:
+            await d.spool.wait_changed()
 
 
 def _spooled(d: _Delivery) -> int:
