@@ -231,9 +231,15 @@ async def _append_as_read(
             # Read the rest before answering (a gap, a stale attempt): a client
             # still sending its body would otherwise meet a closed connection,
             # take it for a transient failure, and resend the same body forever.
-            # (One that hangs up meanwhile needs no answer, nor a traceback.)
-            with contextlib.suppress(ClientDisconnect):
+            try:
                 await _drain(stream, received)
+            except ClientDisconnect:
+                # Gone meanwhile: it needs no answer, nor a traceback.
+                log.info(
+                    "job %s attempt %d: the worker hung up while its refused output was read",
+                    job_id,
+                    attempt,
+                )
             raise
         except ClientDisconnect:
             # The worker broke its body off (a spool that read back short, a worker

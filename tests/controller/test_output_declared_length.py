@@ -71,8 +71,12 @@ async def test_a_body_of_declared_length_is_appended_and_a_broken_one_leaves_a_p
                 said = len(caplog.records)
                 with pytest.raises((BrokeOff, ControllerError)):
                     await client.output(job, attempt, held + 5, breaks_off, length=len(payload))
-                for _ in range(100):  # bounded: the controller's side ends in its own time
+                gone = "hung up while its refused output was read"
+                for _ in range(500):  # bounded: the controller's side ends in its own time
+                    if any(gone in r.getMessage() for r in caplog.records[said:]):
+                        break
                     await trio.sleep(0.01)
+                assert any(gone in r.getMessage() for r in caplog.records[said:])
                 assert [r for r in caplog.records[said:] if r.levelno >= logging.ERROR] == []
                 assert store.committed(job) == held
                 assert held <= MIB
