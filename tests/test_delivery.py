@@ -114,6 +114,16 @@ async def wait_for(system: LocalSystem, predicate: object) -> None:
     await system.wait_until(predicate)
 
 
+def failing_release_hook(tmp_path: Path) -> Config:
+    """One device, gpu0, whose release hook fails after every job: each job ends in a
+    fault report (``hook_failed``) to deliver."""
+    hook = tmp_path / "release.sh"
+    hook.write_text("#!/bin/sh\necho 'the GPU would not reset' >&2\nexit 3\n")
+    hook.chmod(0o755)
+    device = DeviceConfig(name="gpu0", on_release=str(hook), release_linger=0.0)
+    return make_config(tmp_path, devices=(device,))
+
+
 def ticking_probe(config: Config) -> None:
     """Labels are sent only when they change: a drop-in whose answer changes at
     every pass gives each probe pass (a reprobe) a ``PUT labels`` to fault."""
@@ -208,11 +218,7 @@ async def test_any_mix_of_faults_loses_and_doubles_nothing(
 
 async def test_fault_reports_survive_faults_and_quarantine_once(tmp_path: Path) -> None:
     """The fault endpoint: a failed release hook's report, through every fault."""
-    hook = tmp_path / "release.sh"
-    hook.write_text("#!/bin/sh\necho 'the GPU would not reset' >&2\nexit 3\n")
-    hook.chmod(0o755)
-    device = DeviceConfig(name="gpu0", on_release=str(hook), release_linger=0.0)
-    config = make_config(tmp_path, devices=(device,))
+    config = failing_release_hook(tmp_path)
     store = steady_store()
     job_id = store.submit(JOB)
     wrap = Wrap({"fault": TRANSIENT_FAULTS})
@@ -357,11 +363,7 @@ async def test_a_finish_on_disk_survives_a_restart_and_keeps_its_outcome(tmp_pat
 
 
 async def test_a_fault_report_on_disk_survives_a_restart(tmp_path: Path) -> None:
-    hook = tmp_path / "release.sh"
-    hook.write_text("#!/bin/sh\nexit 3\n")
-    hook.chmod(0o755)
-    device = DeviceConfig(name="gpu0", on_release=str(hook), release_linger=0.0)
-    config = make_config(tmp_path, devices=(device,))
+    config = failing_release_hook(tmp_path)
     store = steady_store()
     job_id = store.submit(JOB)
     first = Wrap()
@@ -563,11 +565,7 @@ async def test_a_heartbeat_stale_from_before_a_re_register_does_not_lose_a_clear
 async def test_a_fault_still_on_disk_at_start_keeps_its_device_quarantined(
     tmp_path: Path,
 ) -> None:
-    hook = tmp_path / "release.sh"
-    hook.write_text("#!/bin/sh\nexit 3\n")
-    hook.chmod(0o755)
-    device = DeviceConfig(name="gpu0", on_release=str(hook), release_linger=0.0)
-    config = make_config(tmp_path, devices=(device,))
+    config = failing_release_hook(tmp_path)
     store = steady_store()
     first = Wrap()
     with trio.fail_after(40):

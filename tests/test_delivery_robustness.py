@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import random
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import trio
 from test_delivery import (
     JOB,
     JOB_OUTPUT,
+    failing_release_hook,
     finished_events,
     leave_finish_on_disk,
     left_on_disk,
@@ -26,7 +28,6 @@ from test_delivery import (
 )
 
 from rc_worker import client as client_module
-from rc_worker.core.config import DeviceConfig
 from rc_worker.outbox import Outbox, _Delivery
 from rc_worker.spool import JobDir, ensure_state_dir
 from rc_worker.statestore import LinuxStore
@@ -61,11 +62,7 @@ async def test_a_finish_on_disk_with_a_damaged_output_count_is_still_delivered(
 async def test_a_delivered_fault_that_cannot_be_removed_does_not_take_the_worker_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    hook = tmp_path / "release.sh"
-    hook.write_text("#!/bin/sh\nexit 3\n")
-    hook.chmod(0o755)
-    device = DeviceConfig(name="gpu0", on_release=str(hook), release_linger=0.0)
-    config = make_config(tmp_path, devices=(device,))
+    config = failing_release_hook(tmp_path)
     real_unlink = LinuxStore.unlink
 
     def unlink(self: LinuxStore, path: Path) -> None:
@@ -127,17 +124,23 @@ async def test_an_answer_that_does_not_decode_is_retried_not_raised(tmp_path: Pa
     assert left_on_disk(config) == []
 
 
+class Enough(Exception):
+    pass
+
+
 class Flapping:
     """A controller (two behind a balancer, say) that holds at most 100 bytes and answers
-    every other output request with 0."""
+    every other output request with 0; it ends the test after ``limit`` requests."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, limit: int) -> None:
+        self.calls, self.limit = 0, limit
 
     async def output(
         self, job_id: str, attempt: int, offset: int, data: Any, length: int | None = None
     ) -> int:
         self.calls += 1
+        if self.calls > self.limit:
+            raise Enough
         sent = 0
         if callable(data):
             async for piece in data():
@@ -146,20 +149,37 @@ class Flapping:
         return 0 if self.calls % 2 == 0 else min(offset + sent, 100)
 
 
-async def test_a_controller_whose_offset_goes_back_and_forth_is_not_sent_a_flood(
+class Ceilings(random.Random):
+    """Backoff's randomness, recorded: each delay asked for is its ceiling, noted."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.asked: list[float] = []
+
+    def uniform(self, a: float, b: float) -> float:
+        self.asked.append(b)
+        return b
+
+
+async def test_a_controller_whose_offset_goes_back_and_forth_is_backed_off_not_flooded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "RETRY_BASE_S", 0.01)
+    """Every time the offset goes back the worker waits, and the wait grows while it keeps
+    going back (reset only past the furthest offset seen). Before, each step forward reset
+    the backoff and a step back was resent at once: tens of thousands a second."""
+    monkeypatch.setattr(client_module, "RETRY_BASE_S", 0.001)
+    monkeypatch.setattr(client_module, "RETRY_CAP_S", 0.008)
     jd = JobDir(ensure_state_dir(tmp_path), "j-1.1")
     jd.create()
     jd.output.write_bytes(b"x" * 250)
-    client = Flapping()
-    outbox = Outbox(tmp_path, client)  # type: ignore[arg-type]
-    with trio.move_on_after(1.0):
+    client, rng = Flapping(limit=20), Ceilings()
+    outbox = Outbox(tmp_path, client, rng=rng)  # type: ignore[arg-type]
+    with trio.fail_after(30), pytest.raises(Enough):
         await outbox._ship_output(_Delivery(jd, "j-1", 1))
-    # A tight loop made tens of thousands of requests a second; with a backoff that grows
-    # while the offset keeps going back, a few dozen.
-    assert 3 <= client.calls < 200
+    # Ten answers of 0 (going back), each waited for, the waits doubling to the cap.
+    assert len(rng.asked) >= 9
+    assert rng.asked == sorted(rng.asked)
+    assert rng.asked[-1] == 0.008
 
 
 async def test_a_finish_whose_write_is_cancelled_still_lets_its_delivery_go(
