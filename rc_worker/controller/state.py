@@ -71,7 +71,9 @@ class StoreConfig:
     max_poll_wait_s: float = 60.0
     report_timeout_s: float = 60.0
     """An unstarted assignment, or a job carried over a registration in ``recovery``, that the
-    host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``)."""
+    host's heartbeats do not mention for this long is resolved (requeued, or finished ``lost``).
+    A carried-over job waits at least the host's own loss time, and only while the host has
+    a session (see ``StoreState._job_deadline``)."""
     heartbeat_rate: float = 0.0
     """Heartbeats per second the controller aims at across the fleet (0: no target). With
     many hosts each is told a longer interval, ``max(heartbeat_interval_s, hosts / rate)``,
@@ -320,9 +322,21 @@ class StoreState:
         cur = job.current
         if job.job_id not in self._live or cur is None:
             return None
-        if cur.status == "assigned" or (cur.status == "running" and cur.adopted):
+        if cur.status == "assigned":
             return cur.last_heard + self.config.report_timeout_s
-        return None
+        if cur.status != "running" or not cur.adopted:
+            return None
+        h = self._hosts.get(cur.host)
+        if h is None or h.session is None:
+            # The host is not talking to us (a controller restart's recovery grace, a
+            # partition): its heartbeats cannot mention the job, so silence proves nothing
+            # of it. The host's own rule decides: lost (and the job with it), or back,
+            # when registering arms this again.
+            return None
+        # A live worker mentions the job in every heartbeat; at a long interval (a large
+        # fleet's --heartbeat-rate) a report timeout shorter than the host's own loss
+        # rule would end the job of a worker that is still supervising it.
+        return cur.last_heard + max(self.config.report_timeout_s, self._lost_after(h))
 
     def _token(self) -> str:
         """Eight hex digits nobody can guess (or, seeded, the same in every replay)."""
@@ -417,7 +431,10 @@ class StoreState:
             cur = job.current
             if job.job_id not in self._live or cur is None:
                 continue
-            if now < cur.last_heard + self.config.report_timeout_s:
+            deadline = self._job_deadline(job)
+            if deadline is None:
+                continue
+            if now < deadline:
                 self._arm_job(job)
                 continue
             if cur.status == "assigned":

@@ -186,6 +186,34 @@ async def test_a_host_absent_past_the_recovery_grace_is_lost(store_place: StoreP
         third.backend.close()
 
 
+async def test_an_adopted_job_waits_out_the_recovery_grace(store_place: StorePlace) -> None:
+    # A job the same live worker carried over a registration is stored as adopted. After a
+    # controller restart its host has the recovery grace to come back; the job must not be
+    # ended lost report_timeout_s (60 s) in, while nobody could have mentioned it.
+    with trio.fail_after(GUARD):
+        first = open_controller(store_place.open())
+        async with clients(first.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register(instance_id="w1")
+            running = await submit(user, "sleep", "1")
+            [a] = await w.poll()
+            assert (await w.start(a)).status_code == 200
+            await w.register(instance_id="w1")  # the same process again: adopted
+            await first.durability.flush()
+        second = open_controller(store_place.open(), grace=300.0)
+        first.backend.close()
+        store, now = second.store, trio.current_time()
+        store.tick(now + 61.0)
+        store.tick(now + 250.0)
+        assert store.job(running).state == "running"
+        async with clients(second.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register(instance_id="w1")
+            assert (await w.finish(a)).status_code == 200
+            assert (await job(user, running))["state"] == "succeeded"
+        second.backend.close()
+
+
 async def test_a_failing_store_answers_503_and_recovers(store_place: StorePlace) -> None:
     with trio.fail_after(GUARD):
         backend = Breakable(store_place.open())

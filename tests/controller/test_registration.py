@@ -100,18 +100,44 @@ def test_require_manual_clear_still_frees_on_a_proven_reboot() -> None:
 
 
 def test_adopted_job_not_finished_in_time_is_lost() -> None:
-    store = Store(StoreConfig(report_timeout_s=60, heartbeat_interval_s=1000), instance="t")
+    store = Store(StoreConfig(report_timeout_s=60, heartbeat_interval_s=10), instance="t")
     session = register(store)
     job = store.submit(["x"])
     a = assign(store, session)
     start(store, session, a)
-    store.register(
+    session = store.register(
         "box1", _request([Recovery("gpu0", job, 1, "boot-1", "gone")], boot="boot-1"), now=10
-    )
+    ).session
+    # The host beats on, never mentioning the job: only the job's report timeout ends it.
+    heartbeat(store, session, now=35)
+    heartbeat(store, session, now=65)
     store.tick(69)
     assert store.job(job).state == "running"
     store.tick(70)
     assert store.job(job).state == "lost"
+
+
+def test_an_adopted_job_of_a_live_worker_at_a_long_heartbeat_interval_is_not_lost() -> None:
+    # A fleet's --heartbeat-rate can tell a host to beat every 100 s: a job the same live
+    # process carried over a registration is mentioned in each beat, so it lives as long
+    # as its host does, not report_timeout_s (60 s) after a beat.
+    store = Store(StoreConfig(report_timeout_s=60, heartbeat_interval_s=100), instance="t")
+    session = register(store, instance="w1")
+    store.submit(["x"])
+    a = assign(store, session)
+    start(store, session, a)
+    session = register(store, instance="w1", now=10)  # same process, after unknown_session
+    mention = {"gpu0": DeviceReport("running", job_id=a.job_id, attempt=a.attempt)}
+    heartbeat(store, session, now=100, devices=mention)
+    store.tick(170)
+    assert store.job(a.job_id).state == "running"
+    heartbeat(store, session, now=200, devices=mention)
+    store.tick(399)
+    assert store.job(a.job_id).state == "running"
+    # Silent for three intervals: the host is lost, and the job with it.
+    store.tick(500)
+    assert store.device("box1", "gpu0").host_state == "lost"
+    assert store.job(a.job_id).state == "lost"
 
 
 def test_host_lost_then_back_after_reboot() -> None:
