@@ -78,9 +78,22 @@ def adopt_attempt(
     *,
     started_at: float | None = None,
 ) -> Job | None:
-    """Record a running attempt the controller never saw; None if the job is known."""
-    if store.known_job(job_id) is not None or attempt < 1:
+    """Record a running attempt the controller never saw; None if it knows it already.
+
+    A job the controller knows whose record stops short of the attempt (its highest
+    attempt is lower: the store came back from an older copy, queued or offered
+    elsewhere) takes the worker's attempt as its current one. Left queued, it would be
+    offered again under the very number the worker is running, and that worker's output
+    and finish would pass for the new attempt's.
+    """
+    if attempt < 1:
         return None
+    known = store.known_job(job_id)
+    if known is not None:
+        if known.terminal or attempt <= known.attempt:
+            return None  # the same attempt, or a stale one (the heartbeat cancels it)
+        store.adopt_newer_attempt(known, d, attempt, now)
+        return known
     spec = JobSpec(command=ADOPTED_COMMAND)
     job = Job(
         job_id,

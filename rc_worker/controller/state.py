@@ -698,6 +698,36 @@ class StoreState:
         if self._raise_fault(d, fault):
             self._emit("fault_adopted", host=d.host, device=d.name, fault_id=fault.fault_id)
 
+    def adopt_newer_attempt(self, job: Job, d: Device, number: int, now: float) -> None:
+        """A worker runs attempt ``number`` of ``job``, above any attempt recorded here."""
+        self.journal.job(job.job_id)
+        self._touch_job(job)
+        cur = job.current
+        if cur is not None:
+            cur.status = "requeued"
+            cur.note = f"superseded: {d.host}/{d.name} runs attempt {number}"
+            self._release(job, cur)
+        elif job.state == "queued":
+            self._queue.remove((job.seq, job.job_id))
+            self._queued_since.pop(job.job_id, None)
+        for n in range(job.attempt + 1, number):
+            job.attempts.append(Attempt(n, d.host, d.name, "requeued", now, note="not recorded"))
+        job.attempts.append(Attempt(number, d.host, d.name, "running", now, adopted=True))
+        job.state = "running"
+        if job.started_at is None:
+            job.started_at = self._wall()
+        self._live[job.job_id] = job
+        d.occupy(job, self._wall())
+        self._arm_job(job)
+        self._emit(
+            "job_adopted",
+            job_id=job.job_id,
+            attempt=number,
+            host=d.host,
+            device=d.name,
+            adopted_attempt=number,
+        )
+
     def adopt_job(self, job: Job, d: Device) -> None:
         self._jobs[job.job_id] = job
         self._live[job.job_id] = job

@@ -21,7 +21,7 @@ from rc_worker.controller.context import (
     query_int,
     register_job_ids,
 )
-from rc_worker.controller.errors import ApiError, Conflict, TooLarge
+from rc_worker.controller.errors import ApiError, Conflict, StaleAttempt, TooLarge
 from rc_worker.controller.messages import Assignment, CancelOrder
 from rc_worker.controller.state import host_topic
 from rc_worker.core.model import PROTOCOL_VERSION
@@ -165,11 +165,25 @@ def _check_session_host(ctl: Controller, p: Principal, session: str) -> None:
     ctl.check_host(p, ctl.store.session_host(session))
 
 
-def _check_optional_session(ctl: Controller, p: Principal, request: Request) -> None:
-    # Output and stdin are addressed by attempt; a session, when sent, must still be live.
+def _check_attempt_sender(
+    ctl: Controller, p: Principal, request: Request, job_id: str, attempt: int
+) -> None:
+    """Output and stdin are addressed by attempt. The token must act for the attempt's
+    host, and a session, when sent, must be live and of that same host: with a
+    fleet-wide token, a worker still running an attempt the controller has offered
+    elsewhere under the same number would otherwise write into (or drain the stdin of)
+    the new attempt."""
     session = request.query_params.get("session")
+    session_host = None
     if session is not None:
-        _check_session_host(ctl, p, session)
+        session_host = ctl.store.session_host(session)
+        ctl.check_host(p, session_host)
+    host = ctl.store.attempt_host(job_id, attempt)
+    ctl.check_host(p, host)
+    if session_host is not None and session_host != host:
+        raise StaleAttempt(
+            f"attempt {attempt} of job {job_id} runs on host {host}, not on {session_host}"
+        )
 
 
 async def start(request: Request) -> Response:
@@ -189,8 +203,7 @@ async def output(request: Request) -> Response:
     attempt = query_int(request, "attempt")
     offset = query_int(request, "offset")
     ctl.tick()
-    _check_optional_session(ctl, p, request)
-    ctl.check_host(p, ctl.store.attempt_host(job_id, attempt))
+    _check_attempt_sender(ctl, p, request, job_id, attempt)
     committed = await _append_as_read(ctl, request, job_id, attempt, offset)
     return JSONResponse(unstructure(OutputReply(committed)))
 
@@ -317,8 +330,7 @@ async def stdin(request: Request) -> Response:
     job_id = request.path_params["job_id"]
     attempt = query_int(request, "attempt")
     ctl.tick()
-    _check_optional_session(ctl, p, request)
-    ctl.check_host(p, ctl.store.attempt_host(job_id, attempt))
+    _check_attempt_sender(ctl, p, request, job_id, attempt)
     if not ctl.store.job(job_id).spec.stdin:
         raise Conflict(f"job {job_id} was not submitted with stdin", code="no_stdin")
     return StreamingResponse(

@@ -127,3 +127,72 @@ async def test_a_version_mismatch_is_one_line_at_register(
     [line] = [r.getMessage() for r in caplog.records if "protocol" in r.getMessage()]
     assert "protocol 1" in line
     assert "speaks 2" in line
+
+
+async def test_a_job_the_store_has_as_queued_takes_the_attempt_a_worker_runs(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # The store came back from a copy taken before the job was offered: it says queued,
+    # while box1 runs its attempt 1. Offered again, it would go out as attempt 1 a second
+    # time, and the two processes' output and finishes would pass for each other's.
+    job_id = store.submit(["train"])
+    w1 = FakeWorker(client)
+    await register_with(w1, {"gpu0": claims(running={"job_id": job_id, "attempt": 1})})
+    job = store.job(job_id)
+    assert (job.state, job.attempt, job.host, job.device) == ("running", 1, "box1", "gpu0")
+    assert store.device("box1", "gpu0").state == "busy"
+    w2 = FakeWorker(client, "box2")
+    await w2.register()
+    assert await w2.poll(["gpu0"]) == []
+    a = {"job_id": job_id, "attempt": 1, "device": "gpu0"}
+    assert (await w1.output(a, 0, b"ok")).json() == {"committed": 2}
+    assert (await w1.finish(a, "succeeded", output_bytes=2)).status_code == 200
+    assert store.job(job_id).state == "succeeded"
+
+
+async def test_an_offer_older_than_the_attempt_a_worker_runs_is_superseded(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    job_id = store.submit(["train"])
+    w2 = FakeWorker(client, "box2")
+    await w2.register()
+    [old] = await w2.poll(["gpu0"])  # the restored store's offer: attempt 1 on box2
+    w1 = FakeWorker(client)
+    await w1.register()
+    r = await w1.heartbeat({"gpu0": {"state": "running", "job_id": job_id, "attempt": 2}})
+    assert r.json()["cancel"] == []
+    job = store.job(job_id)
+    assert (job.state, job.attempt, job.host) == ("running", 2, "box1")
+    assert job.attempts[0].status == "requeued"
+    assert store.device("box2", "gpu0").state == "free"
+    r = await w2.start(old)
+    assert (r.status_code, r.json()["error"]) == (409, "stale_attempt")
+    # Each attempt number stays with one process: the next offer would be attempt 3.
+    assert {e.data["attempt"] for e in store.events() if e.type == "job_adopted"} == {2}
+
+
+async def test_output_under_another_hosts_session_is_refused_as_stale(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # Tokens here act for any host; the session says which host is sending.
+    job_id = store.submit(["train"])
+    w2 = FakeWorker(client, "box2")
+    await w2.register()
+    [a] = await w2.poll(["gpu0"])
+    w1 = FakeWorker(client)
+    await w1.register()
+    r = await client.post(
+        f"/v1/jobs/{job_id}/output",
+        params={"attempt": a["attempt"], "offset": 0, "session": w1.session},
+        content=b"not yours",
+        headers={**w1.headers, "Content-Type": "application/octet-stream"},
+    )
+    assert (r.status_code, r.json()["error"]) == (409, "stale_attempt")
+    assert store.output(job_id) == b""
+    r = await client.post(
+        f"/v1/jobs/{job_id}/output",
+        params={"attempt": a["attempt"], "offset": 0, "session": w2.session},
+        content=b"mine",
+        headers={**w2.headers, "Content-Type": "application/octet-stream"},
+    )
+    assert r.json() == {"committed": 4}
