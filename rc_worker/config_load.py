@@ -115,7 +115,7 @@ def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
 
 def parse_file(file: Path, *, read_token: bool = True) -> Config:
     try:
-        text = read_regular_file(file, MAX_CONFIG_BYTES).decode("utf-8")
+        raw = read_regular_file(file, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ConfigError(
             f"{file}:1:1: (file): no such file; create it, or name another config file "
@@ -128,6 +128,15 @@ def parse_file(file: Path, *, read_token: bool = True) -> Config:
     except OSError as e:
         raise ConfigError(
             f"{file}:1:1: (file): cannot read it ({e}); fix its permissions or encoding"
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(
+            f"{file}:{line}:{column}: (file): byte 0x{raw[e.start]:02x} is not UTF-8 text; "
+            "save the config as UTF-8"
         ) from None
     # Relative paths in the file mean "next to this file", wherever the
     # worker was started from: the directory, absolute and without symlinks.

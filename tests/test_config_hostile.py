@@ -114,6 +114,16 @@ def test_a_fifo_as_config_is_refused_at_once(tmp_path: Path) -> None:
         load_config(fifo, environ={})
 
 
+def test_a_config_that_is_not_utf8_names_the_byte_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "worker.yaml"
+    path.write_bytes(b"devices: [gpu0]\nlabels: {room: caf\xe9}\n")  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError) as e:
+        load_config(path, environ={})
+    assert str(e.value) == (
+        f"{path}:2:19: (file): byte 0xe9 is not UTF-8 text; save the config as UTF-8"
+    )
+
+
 @pytest.mark.parametrize("source", ["/dev/zero", "fifo", "big"])
 def test_token_file_is_bounded(tmp_path: Path, source: str) -> None:
     import os
