@@ -20,6 +20,9 @@ def bind_problem(listen: str) -> str | None:
     host, _, port = listen.rpartition(":")
     host = host.strip("[]")
     try:
+        if not 0 <= int(port) <= 65535:
+            # getaddrinfo takes 99999 and hands back its value modulo 65536.
+            raise ValueError("the port must be 0 to 65535")
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         family, kind, proto, _, address = infos[0]
         with socket.socket(family, kind, proto) as probe:

@@ -62,8 +62,10 @@ def serve_settings(
             2,
         )
     host, sep, port = args.listen.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise CliError(f"rc serve: --listen {args.listen!r} is not HOST:PORT", 2)
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise CliError(
+            f"rc serve: --listen {args.listen!r} is not HOST:PORT (a port of 0 to 65535)", 2
+        )
     return worker, users
 
 

@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from .rc_procs import RC, USER, WORKER, rc_serve
@@ -84,4 +85,25 @@ async def test_an_address_in_use_is_one_line_and_status_1(tmp_path: Path) -> Non
         f"rc: rc serve: cannot listen on {listen} (Address already in use); stop what holds it,"
         " or choose another --listen\n"
     )
+    assert not state.exists()
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "127.0.0.1:http", ":8080"])
+async def test_a_listen_address_that_is_not_one_is_one_line_and_status_2(
+    tmp_path: Path, listen: str
+) -> None:
+    state = tmp_path / "state"
+    with trio.fail_after(GUARD):
+        done = await trio.run_process(
+            [
+                *(RC, "serve", "--listen", listen),
+                *("--user-token", USER, "--worker-token", WORKER, "--state-dir", str(state)),
+            ],
+            check=False,
+            capture_stdout=True,
+            capture_stderr=True,
+        )
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert err == (f"rc: rc serve: --listen {listen!r} is not HOST:PORT (a port of 0 to 65535)\n")
     assert not state.exists()
