@@ -198,9 +198,15 @@ async def _serve_until_signalled(
         async with trio.open_nursery() as nursery:
 
             async def on_signals() -> None:
-                async for _ in signals:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
                     if stop.is_set():
+                        say(f"rc: {name} again: stopping now")
                         nursery.cancel_scope.cancel()  # a second signal: stop now
+                    else:
+                        # An operator (or systemd's journal) sees why it went, and that
+                        # requests in flight are being finished, not hung.
+                        say(f"rc: {name}: finishing the requests in flight, then stopping")
                     stop.set()
 
             async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
@@ -219,7 +225,12 @@ async def _serve_until_signalled(
 
             nursery.start_soon(on_signals)
             binds = await nursery.start(serve_then_stop)
-            print(f"rc: controller listening on {', '.join(binds)}", file=sys.stderr, flush=True)
+            say(f"rc: controller listening on {', '.join(binds)}")
     if failed:
         raise failed[0]
+    say("rc: controller stopped")
     return 0
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

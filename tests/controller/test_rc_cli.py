@@ -265,6 +265,15 @@ async def test_rc_serve_exits_on_sigterm(tmp_path: Path) -> None:
             await wait_listening(proc)
             proc.send_signal(signal.SIGTERM)
             assert await proc.wait() == 0
+            assert proc.stderr is not None
+            said = b""
+            while chunk := await proc.stderr.receive_some():
+                said += chunk
+        # Why it went, and that it went: one line each, after the listening line.
+        assert said.decode().splitlines() == [
+            "rc: SIGTERM: finishing the requests in flight, then stopping",
+            "rc: controller stopped",
+        ]
         assert (tmp_path / "rc" / "controller.db").is_file()
         assert (tmp_path / "rc").stat().st_mode & 0o777 == 0o700
     finally:
