@@ -7,7 +7,9 @@ tested without a controller and never changes what it reads.
   own ``unknown`` and ``retired`` where it keeps them);
 - ``devices``: devices per state: ``free``, ``busy``, ``held`` (free, but its
   idle behaviour keeps work off it: ``hold`` or ``drain``), ``quarantined``,
-  ``absent``; and per idle behaviour (the seed's ``CountWorkers``);
+  ``absent``, ``lost`` and ``unknown`` (free, but its host has no session: lost,
+  or not yet registered again after a controller restart); and per idle
+  behaviour (the seed's ``CountWorkers``);
 - ``free_by_class``: free devices per value of a label (``product`` by default:
   "how many free H100s"), for capacity planning;
 - ``running``: the seed's ``Running()``: every attempt assigned or running,
@@ -24,7 +26,13 @@ from typing import Any
 
 from rc_worker.controller.messages import DeviceInfo, JobInfo
 
-DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
+DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent", "lost", "unknown")
+"""A device's states as the pool counts them, ``GET /v1/devices`` shows them and ``?state=``
+takes them. ``lost`` and ``unknown`` came last: appended, so every earlier key and series
+keeps its place."""
+SESSIONLESS_HOST_STATES = ("lost", "unknown")
+"""Host states with no worker session: nothing is offered to their devices until the worker
+registers (again)."""
 HOST_STATES = ("unknown", "up", "draining", "lost", "retired")
 IDLE_BEHAVIORS = ("run", "hold", "drain")
 DEFAULT_CLASS_LABEL = "product"
@@ -34,9 +42,16 @@ RECENT_S = 300.0
 def view_state(state: str, idle_behavior: str, host_state: str) -> str:
     """A device's state as the pool sees it (and ``GET /v1/devices`` shows it), from its
     record's: ``held`` is free but kept from work by its idle behaviour; a free device of a
-    host whose worker deregistered is ``absent`` (nothing runs there until it registers)."""
+    host whose worker deregistered is ``absent`` (nothing runs there until it registers); a
+    free device of a host with no session is its host's state, ``lost`` or ``unknown``."""
     if state == "free" and host_state == "left":
         return "absent"
+    # The record says free (a lost host's ``interrupted`` fault cleared by an operator, or
+    # a restarted controller's recovery grace), but only a registered worker polls for work:
+    # counting these free would offer capacity that is not there. Ahead of ``held`` as for
+    # ``left``: the host's absence is why no work goes there, whatever the idle behaviour.
+    if state == "free" and host_state in SESSIONLESS_HOST_STATES:
+        return host_state
     if state == "free" and idle_behavior != "run":
         return "held"
     return state

@@ -252,7 +252,8 @@ class Device:
 
     def view_state(self, host: Host) -> str:
         """The state ``GET /v1/devices`` shows: the pool's (``held``, ``absent`` for a
-        deregistered host's), not the record's own."""
+        deregistered host's, ``lost`` / ``unknown`` for a sessionless host's), not the
+        record's own."""
         return view_state(self.state, self.idle_behavior, host.view_state())
 
     def info(self, host: Host) -> DeviceInfo:

@@ -20,13 +20,13 @@ from rc_worker.controller.messages import (
     JobInfo,
     SheetInfo,
 )
-from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, RECENT_S, pool_view
+from rc_worker.controller.pool import DEFAULT_CLASS_LABEL, DEVICE_STATES, RECENT_S, pool_view
 from rc_worker.controller.state_persist import StoredState
 from rc_worker.core.selectors import SelectorError, parse_selector
 
-DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
-"""A device's states as ``GET /v1/devices`` shows them and ``?state=`` takes them (the
-pool's: ``held`` is free but kept from work by its idle behaviour)."""
+# ``DEVICE_STATES`` (re-exported by ``store``) is the pool's own tuple: one list, so a state
+# the pool shows is one ``?state=`` takes.
+__all__ = ["DEVICE_STATES", "DevicesSide"]
 
 
 class DevicesSide(StoredState):

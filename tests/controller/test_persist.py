@@ -731,6 +731,35 @@ async def test_a_long_streamed_body_is_committed_as_it_is_read(
         opened.backend.close()
 
 
+async def test_an_unknown_hosts_free_devices_are_not_free_capacity(
+    store_place: StorePlace,
+) -> None:
+    """In a restarted controller's recovery grace, a host is ``unknown`` until its worker
+    registers again: it has no session, so its free devices can take no work and the pool
+    counts them as ``unknown``, not free; once registered, they are free again."""
+    with trio.fail_after(GUARD):
+        first = open_controller(store_place.open())
+        async with clients(first.app) as (bare, _):
+            await FakeWorker(
+                bare, labels={"host": {}, "devices": {"gpu0": {"product": "H100"}}}
+            ).register()
+        reopened = open_controller(store_place.open(), grace=120.0)
+        first.backend.close()
+        async with clients(reopened.app) as (bare, user):
+            pool = (await user.get("/v1/pool")).json()
+            assert pool["hosts"]["unknown"] == 1
+            assert (pool["devices"]["free"], pool["devices"].get("unknown")) == (0, 1)
+            assert pool["free_by_class"] == {}
+            assert (await devices(user))["box1/gpu0"]["state"] == "unknown"
+            await FakeWorker(
+                bare, labels={"host": {}, "devices": {"gpu0": {"product": "H100"}}}
+            ).register()
+            pool = (await user.get("/v1/pool")).json()
+            assert (pool["devices"]["free"], pool["devices"].get("unknown")) == (1, 0)
+            assert pool["free_by_class"] == {"H100": 1}
+        reopened.backend.close()
+
+
 async def test_retired_hosts_stay_counted_across_a_restart(store_place: StorePlace) -> None:
     with trio.fail_after(GUARD):
         opened = open_controller(store_place.open())

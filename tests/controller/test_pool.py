@@ -85,7 +85,15 @@ def test_counts_held_devices_draining_hosts_and_free_classes() -> None:
     ]
     view = pool_view(devices, [], now=0.0)
     assert view["hosts"] == {"unknown": 0, "up": 1, "draining": 1, "lost": 1, "retired": 0}
-    assert view["devices"] == {"free": 2, "busy": 1, "held": 2, "quarantined": 1, "absent": 1}
+    assert view["devices"] == {
+        "free": 2,
+        "busy": 1,
+        "held": 2,
+        "quarantined": 1,
+        "absent": 1,
+        "lost": 0,
+        "unknown": 0,
+    }
     assert view["idle_behavior"] == {"run": 3, "hold": 1, "drain": 2}
     assert view["free_by_class"] == {"A100": 1, "H100": 1}
 
@@ -113,6 +121,7 @@ DEVICES = st.builds(
     state=st.sampled_from(["free", "busy", "quarantined", "absent"]),
     idle=st.sampled_from(["run", "hold", "drain"]),
     product=st.sampled_from(["H100", "A100", None]),
+    host_state=st.sampled_from(["up", "lost", "unknown", "left"]),
 )
 
 
@@ -125,6 +134,9 @@ def test_every_device_is_counted_once_and_free_ones_by_class(devices: list[Devic
     assert sum(view["hosts"].values()) == len(host_states(devices))
     held = [d for d in devices if device_state(d) == "held"]
     assert all(d.state == "free" and d.idle_behavior != "run" for d in held)
+    # Free means work can go there: a live host's device, taking work.
+    free = [d for d in devices if device_state(d) == "free"]
+    assert all(d.host_state == "up" and d.idle_behavior == "run" for d in free)
 
 
 # -- the store: drain, resume, retire ------------------------------------------------
@@ -343,3 +355,64 @@ def test_devices_show_the_pools_states_held_absent_and_draining() -> None:
     store.deregister("box1", session, now=0)
     assert {(d.state, d.host_state) for d in store.devices()} == {("absent", "left")}
     assert [d.name for d in store.devices_page(state="absent")[0]] == ["gpu0", "gpu1", "gpu2"]
+
+
+def test_free_devices_of_lost_and_unknown_hosts_are_not_counted_free() -> None:
+    """A device the record calls free on a host with no session (lost, or ``unknown`` in a
+    restarted controller's recovery grace) can take no work: the pool counts it under its
+    host's state, so neither ``free`` nor ``free_by_class`` offers capacity that is not
+    there. Busy and quarantined devices there keep saying so."""
+    devices = [
+        dev("a", "gpu0"),
+        dev("c", "gpu0", host_state="lost"),
+        dev("c", "gpu1", idle="hold", host_state="lost"),
+        dev("c", "gpu2", state="quarantined", host_state="lost"),
+        dev("u", "gpu0", host_state="unknown"),
+        dev("u", "gpu1", state="busy", host_state="unknown"),
+    ]
+    assert [device_state(d) for d in devices] == [
+        "free",
+        "lost",
+        "lost",
+        "quarantined",
+        "unknown",
+        "busy",
+    ]
+    view = pool_view(devices, [], now=0.0)
+    assert view["devices"] == {
+        "free": 1,
+        "busy": 1,
+        "held": 0,
+        "quarantined": 1,
+        "absent": 0,
+        "lost": 2,
+        "unknown": 1,
+    }
+    assert view["free_by_class"] == {"H100": 1}
+
+
+async def test_a_lost_hosts_cleared_devices_are_not_free_in_the_pool_devices_and_metrics(
+    client: httpx.AsyncClient, user: httpx.AsyncClient, store: Store
+) -> None:
+    w = FakeWorker(client, labels={"host": {}, "devices": {"gpu0": {"product": "H100"}}})
+    with trio.fail_after(10):
+        await w.register()
+        store.tick(1e9)  # far past any missed-heartbeat limit: the host is lost
+        assert store.device("box1", "gpu0").state == "quarantined"  # ``interrupted``
+        # An operator clears the fault while the host is still down: the record's device is
+        # free again, but nothing can run there until its worker registers.
+        assert len(store.clear("box1", "gpu0")) == 1
+        assert store.device("box1", "gpu0").host_state == "lost"
+        pool = (await user.get("/v1/pool")).json()
+        assert (pool["devices"]["free"], pool["devices"].get("lost")) == (0, 1)
+        assert pool["free_by_class"] == {}
+        lost = (await user.get("/v1/devices", params={"state": "lost"})).json()["devices"]
+        free = (await user.get("/v1/devices", params={"state": "free"})).json()["devices"]
+        text = (await client.get("/metrics")).text
+    assert [(d["address"], d["state"], d["host_state"]) for d in lost] == [
+        ("box1/gpu0", "lost", "lost")
+    ]
+    assert free == []
+    assert 'rc_controller_devices{idle_behavior="run",state="free"} 0.0' in text
+    assert 'rc_controller_devices{idle_behavior="run",state="lost"} 1.0' in text
+    assert 'rc_controller_free_devices{class="H100"}' not in text

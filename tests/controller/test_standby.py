@@ -107,6 +107,40 @@ def test_a_leader_whose_session_ended_leads_again_when_nobody_else_did(db: str) 
         backend.close()
 
 
+def test_a_reconnect_whose_epoch_check_failed_is_never_written_through(db: str) -> None:
+    """The old leader's session ends; a standby leads (epoch 2) and its session ends too,
+    letting the lock go. The old leader reconnects and takes the lock, but reading the epoch
+    fails with a statement error (here: ``meta`` renamed away for a moment), not a broken
+    connection. That connection must not be kept: the next write would go through it with
+    no epoch check, a controller that lost leadership overwriting its successor's state."""
+    first, second = PostgresBackend(db), PostgresBackend(db)
+    stale = Batch(generation=1, hosts=(("stale", "{}"),))
+    try:
+        first.migrate()
+        assert first.try_lead()
+        assert first.leader_epoch == 1
+        terminate_leader(db)
+        assert second.try_lead()
+        assert second.leader_epoch == 2
+        terminate_leader(db)  # the standby's session ends too: nobody holds the lock
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute("ALTER TABLE meta RENAME TO meta_away")
+            with pytest.raises(StoreWriteError):
+                first.write([stale])  # on the old session, found ended
+            with pytest.raises(StoreWriteError, match="meta"):
+                first.write([stale])  # reconnected and locked; the epoch cannot be read
+            admin.execute("ALTER TABLE meta_away RENAME TO meta")
+            with pytest.raises(StoreWriteError, match="another controller led meanwhile"):
+                first.write([stale])
+            assert not first.check_lead()
+            assert admin.execute("SELECT name FROM hosts").fetchall() == []
+            epoch = admin.execute("SELECT value FROM meta WHERE key = 'leader_epoch'").fetchone()
+            assert epoch == ("2",)
+    finally:
+        first.close()
+        second.close()
+
+
 # --- two rc serve processes -------------------------------------------------------------------
 
 

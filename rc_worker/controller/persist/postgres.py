@@ -13,7 +13,9 @@ bumps a ``leader_epoch`` kept in the ``meta`` table. A connection that breaks
 loses the lock with it, so every reconnect of the active takes the lock again
 and checks the epoch is still its own: if another controller led in between
 (or leads now), :class:`LeadershipLost` is raised, nothing more is written on
-this connection, and ``rc serve`` stops. Writes go through the lock-holding
+this connection, and ``rc serve`` stops. A new connection is kept only once
+that check has passed; one whose check failed part-way is closed, so no write
+goes through a session whose epoch was never compared. Writes go through the lock-holding
 session, so a controller that lost the lock can no longer store anything, and
 so can no longer answer ``200`` for anything that changes state.
 """
@@ -81,10 +83,19 @@ class PostgresBackend(SqlBackend):
         if self.conn is not None and self.conn.broken and not self.conn.closed:
             self.conn.close()
         if self.conn is None or self.conn.closed:
-            self.conn = psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT_S)
+            conn = psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT_S)
             if self.leader_epoch is not None:
                 # The old session, and the lock with it, is gone.
-                self._lead_again(self.conn)
+                try:
+                    self._lead_again(conn)
+                except BaseException:
+                    # Kept only once the check passed: a check cut short by a statement
+                    # error leaves a live session, maybe holding the lock, whose epoch was
+                    # never compared; kept, the next call would write through it unchecked.
+                    # Closed, the lock goes with it and the next call checks afresh.
+                    conn.close()
+                    raise
+            self.conn = conn
         return self.conn
 
     # --- leading ----------------------------------------------------------------------------
