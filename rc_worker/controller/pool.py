@@ -7,8 +7,8 @@ tested without a controller and never changes what it reads.
   own ``unknown`` and ``retired`` where it keeps them);
 - ``devices``: devices per state: ``free``, ``busy``, ``held`` (free, but its
   idle behaviour keeps work off it: ``hold`` or ``drain``), ``quarantined``,
-  ``absent``, ``lost`` and ``unknown`` (free, but its host has no session: lost,
-  or not yet registered again after a controller restart); and per idle
+  ``absent`` (free, but no worker polls for it: its host deregistered, is lost,
+  or has not registered again after a controller restart); and per idle
   behaviour (the seed's ``CountWorkers``);
 - ``free_by_class``: free devices per value of a label (``product`` by default:
   "how many free H100s"), for capacity planning;
@@ -26,11 +26,11 @@ from typing import Any
 
 from rc_worker.controller.messages import DeviceInfo, JobInfo
 
-DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent", "lost", "unknown")
+DEVICE_STATES = ("free", "busy", "held", "quarantined", "absent")
 """A device's states as the pool counts them, ``GET /v1/devices`` shows them and ``?state=``
-takes them. ``lost`` and ``unknown`` came last: appended, so every earlier key and series
-keeps its place."""
-SESSIONLESS_HOST_STATES = ("lost", "unknown")
+takes them (the vocabulary issue 14 pinned; ``host_state`` beside it says why a device is
+``absent``)."""
+SESSIONLESS_HOST_STATES = ("left", "lost", "unknown")
 """Host states with no worker session: nothing is offered to their devices until the worker
 registers (again)."""
 HOST_STATES = ("unknown", "up", "draining", "lost", "retired")
@@ -42,16 +42,14 @@ RECENT_S = 300.0
 def view_state(state: str, idle_behavior: str, host_state: str) -> str:
     """A device's state as the pool sees it (and ``GET /v1/devices`` shows it), from its
     record's: ``held`` is free but kept from work by its idle behaviour; a free device of a
-    host whose worker deregistered is ``absent`` (nothing runs there until it registers); a
-    free device of a host with no session is its host's state, ``lost`` or ``unknown``."""
-    if state == "free" and host_state == "left":
-        return "absent"
-    # The record says free (a lost host's ``interrupted`` fault cleared by an operator, or
-    # a restarted controller's recovery grace), but only a registered worker polls for work:
-    # counting these free would offer capacity that is not there. Ahead of ``held`` as for
-    # ``left``: the host's absence is why no work goes there, whatever the idle behaviour.
+    host with no worker session (deregistered, lost, or not yet registered again after a
+    controller restart) is ``absent``: nothing runs there until it registers."""
+    # The record says free (a lost host's ``interrupted`` fault cleared by an operator, a
+    # restarted controller's recovery grace), but only a registered worker polls for work:
+    # counting these free would offer capacity that is not there. Ahead of ``held``: the
+    # host's absence is why no work goes there, whatever the idle behaviour.
     if state == "free" and host_state in SESSIONLESS_HOST_STATES:
-        return host_state
+        return "absent"
     if state == "free" and idle_behavior != "run":
         return "held"
     return state

@@ -307,9 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("devices", parents=[common], help="list devices (every one by default)")
     p.add_argument(
         "--state",
-        help="only devices in this state (free, busy, held, quarantined, absent, lost,"
-        " unknown; held: free but kept from work by its idle behaviour; lost, unknown: free"
-        " but on a host in that state)",
+        help="only devices in this state (free, busy, held, quarantined, absent; held: free"
+        " but kept from work by its idle behaviour; absent: no worker polls for it)",
     )
     p.add_argument("--host", help="only the devices of this host")
     p.add_argument("--select", metavar="SELECTOR", help="only devices this label selector matches")

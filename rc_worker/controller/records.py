@@ -252,7 +252,7 @@ class Device:
 
     def view_state(self, host: Host) -> str:
         """The state ``GET /v1/devices`` shows: the pool's (``held``, ``absent`` for a
-        deregistered host's, ``lost`` / ``unknown`` for a sessionless host's), not the
+        free device of a host with no session: deregistered, lost or unknown), not the
         record's own."""
         return view_state(self.state, self.idle_behavior, host.view_state())
 

@@ -736,7 +736,7 @@ async def test_an_unknown_hosts_free_devices_are_not_free_capacity(
 ) -> None:
     """In a restarted controller's recovery grace, a host is ``unknown`` until its worker
     registers again: it has no session, so its free devices can take no work and the pool
-    counts them as ``unknown``, not free; once registered, they are free again."""
+    counts them ``absent``, not free; once registered, they are free again."""
     with trio.fail_after(GUARD):
         first = open_controller(store_place.open())
         async with clients(first.app) as (bare, _):
@@ -748,14 +748,15 @@ async def test_an_unknown_hosts_free_devices_are_not_free_capacity(
         async with clients(reopened.app) as (bare, user):
             pool = (await user.get("/v1/pool")).json()
             assert pool["hosts"]["unknown"] == 1
-            assert (pool["devices"]["free"], pool["devices"].get("unknown")) == (0, 1)
+            assert (pool["devices"]["free"], pool["devices"]["absent"]) == (0, 1)
             assert pool["free_by_class"] == {}
-            assert (await devices(user))["box1/gpu0"]["state"] == "unknown"
+            gpu0 = (await devices(user))["box1/gpu0"]
+            assert (gpu0["state"], gpu0["host_state"]) == ("absent", "unknown")
             await FakeWorker(
                 bare, labels={"host": {}, "devices": {"gpu0": {"product": "H100"}}}
             ).register()
             pool = (await user.get("/v1/pool")).json()
-            assert (pool["devices"]["free"], pool["devices"].get("unknown")) == (1, 0)
+            assert (pool["devices"]["free"], pool["devices"]["absent"]) == (1, 0)
             assert pool["free_by_class"] == {"H100": 1}
         reopened.backend.close()
 

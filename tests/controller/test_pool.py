@@ -85,15 +85,7 @@ def test_counts_held_devices_draining_hosts_and_free_classes() -> None:
     ]
     view = pool_view(devices, [], now=0.0)
     assert view["hosts"] == {"unknown": 0, "up": 1, "draining": 1, "lost": 1, "retired": 0}
-    assert view["devices"] == {
-        "free": 2,
-        "busy": 1,
-        "held": 2,
-        "quarantined": 1,
-        "absent": 1,
-        "lost": 0,
-        "unknown": 0,
-    }
+    assert view["devices"] == {"free": 2, "busy": 1, "held": 2, "quarantined": 1, "absent": 1}
     assert view["idle_behavior"] == {"run": 3, "hold": 1, "drain": 2}
     assert view["free_by_class"] == {"A100": 1, "H100": 1}
 
@@ -359,9 +351,9 @@ def test_devices_show_the_pools_states_held_absent_and_draining() -> None:
 
 def test_free_devices_of_lost_and_unknown_hosts_are_not_counted_free() -> None:
     """A device the record calls free on a host with no session (lost, or ``unknown`` in a
-    restarted controller's recovery grace) can take no work: the pool counts it under its
-    host's state, so neither ``free`` nor ``free_by_class`` offers capacity that is not
-    there. Busy and quarantined devices there keep saying so."""
+    restarted controller's recovery grace) can take no work: the pool counts it ``absent``,
+    as a deregistered host's, so neither ``free`` nor ``free_by_class`` offers capacity that
+    is not there. Busy and quarantined devices there keep saying so."""
     devices = [
         dev("a", "gpu0"),
         dev("c", "gpu0", host_state="lost"),
@@ -372,22 +364,14 @@ def test_free_devices_of_lost_and_unknown_hosts_are_not_counted_free() -> None:
     ]
     assert [device_state(d) for d in devices] == [
         "free",
-        "lost",
-        "lost",
+        "absent",
+        "absent",
         "quarantined",
-        "unknown",
+        "absent",
         "busy",
     ]
     view = pool_view(devices, [], now=0.0)
-    assert view["devices"] == {
-        "free": 1,
-        "busy": 1,
-        "held": 0,
-        "quarantined": 1,
-        "absent": 0,
-        "lost": 2,
-        "unknown": 1,
-    }
+    assert view["devices"] == {"free": 1, "busy": 1, "held": 0, "quarantined": 1, "absent": 3}
     assert view["free_by_class"] == {"H100": 1}
 
 
@@ -404,15 +388,15 @@ async def test_a_lost_hosts_cleared_devices_are_not_free_in_the_pool_devices_and
         assert len(store.clear("box1", "gpu0")) == 1
         assert store.device("box1", "gpu0").host_state == "lost"
         pool = (await user.get("/v1/pool")).json()
-        assert (pool["devices"]["free"], pool["devices"].get("lost")) == (0, 1)
+        assert (pool["devices"]["free"], pool["devices"]["absent"]) == (0, 1)
         assert pool["free_by_class"] == {}
-        lost = (await user.get("/v1/devices", params={"state": "lost"})).json()["devices"]
+        lost = (await user.get("/v1/devices", params={"state": "absent"})).json()["devices"]
         free = (await user.get("/v1/devices", params={"state": "free"})).json()["devices"]
         text = (await client.get("/metrics")).text
     assert [(d["address"], d["state"], d["host_state"]) for d in lost] == [
-        ("box1/gpu0", "lost", "lost")
+        ("box1/gpu0", "absent", "lost")
     ]
     assert free == []
     assert 'rc_controller_devices{idle_behavior="run",state="free"} 0.0' in text
-    assert 'rc_controller_devices{idle_behavior="run",state="lost"} 1.0' in text
+    assert 'rc_controller_devices{idle_behavior="run",state="absent"} 1.0' in text
     assert 'rc_controller_free_devices{class="H100"}' not in text
