@@ -10,7 +10,8 @@ supervisors:
   and PCI-count checks run for every GPU device;
 - a fault of a physical GPU quarantines every MIG slice of it, each slice's
   fault naming the parent's (``parent_fault``), so clearing the parent at
-  the controller clears them;
+  the controller clears them; a memory fault read through a slice is the
+  physical GPU's and goes the same way (``core/mig_share.py``);
 - a host-level fault (the PCI count) is raised on every GPU device under one
   fault id with ``scope: host``, cleared once with ``rc clear HOST``.
 """
@@ -30,6 +31,7 @@ from rc_worker.core.gpu_health import (
     decide_resident,
     health_label,
 )
+from rc_worker.core.mig_share import GpuFaultPlan, gpu_fault_plan
 from rc_worker.core.model import DeviceState
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
 from rc_worker.sweep import EXEC_SETTLE, JOB_ID_VAR, sweep_job_survivors
@@ -235,18 +237,30 @@ class GpuHealthCoordinator:
             for fault in v.faults:
                 if not fault.host_level:
                     self._raise(name, fault)
+            for fault in v.gpu_faults:
+                self._raise_gpu(name, fault)
         if host_faults:
             self._raise_host(host_faults[0])
 
     def _raise(self, device: str, fault: Fault, *, job_id: str | None = None) -> None:
-        fault_id = self._devices[device].raise_health_fault(fault, job_id=job_id)
+        self._raise_plan(GpuFaultPlan(device, tuple(self.slices.get(device, ()))), fault, job_id)
+
+    def _raise_gpu(self, device: str, fault: Fault) -> None:
+        """A fault of ``device``'s physical GPU: on the GPU's device and all its slices."""
+        parent = self.monitor.targets[device].parent
+        plan = gpu_fault_plan(parent, self.slices.get(parent, ()), self._devices)
+        if plan is not None:
+            self._raise_plan(plan, fault, None)
+
+    def _raise_plan(self, plan: GpuFaultPlan, fault: Fault, job_id: str | None) -> None:
+        fault_id = self._devices[plan.holder].raise_health_fault(fault, job_id=job_id)
         if fault_id is None:
             return
-        for name in self.slices.get(device, ()):
+        for name in plan.children:
             self._devices[name].raise_health_fault(
                 Fault(
                     fault.kind,
-                    f"parent {device}: {fault.reason}",
+                    f"parent {plan.holder}: {fault.reason}",
                     fault.severity,
                     fault.action,
                 ),

@@ -92,9 +92,13 @@ class DeviceVerdict:
     """One device's checks: faults to raise, and checks that could not run (check -> why).
 
     ``passed`` lists the checks that ran and read, so their holds lift.
+    ``gpu_faults`` are the physical GPU's (its memory), read through this device:
+    they are raised on the GPU's device and every slice of it, not on this
+    device alone (``core/mig_share.py``).
     """
 
     faults: list[Fault] = attrs.Factory(list)
+    gpu_faults: list[Fault] = attrs.Factory(list)
     held: dict[str, str] = attrs.Factory(dict)
     passed: set[str] = attrs.Factory(set)
 
@@ -269,7 +273,9 @@ class GpuHealthMonitor:
                 continue
             row = reading.rows[t.index]
             faults, self._memory[t.index] = decide_memory(self._memory.get(t.index), row)
-            v.faults.extend(faults)
+            # The counters are the card's: growth read through one slice was also
+            # consumed for its siblings (the baseline is per GPU), so it must reach them.
+            v.gpu_faults.extend(faults)
             self.ecc_labels[t.index] = {
                 "ecc_uncorrected_volatile": _label(row.ecc_uncorrected),
                 "ecc_corrected_volatile": _label(row.ecc_corrected),

@@ -517,6 +517,35 @@ async def test_a_parent_fault_quarantines_every_slice_and_its_clear_clears_them(
             assert (await system.wait_job(job)).state == "succeeded"
 
 
+async def test_ecc_growth_read_through_a_slice_quarantines_the_gpu_and_every_slice(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """The ECC counters are the card's: growth first read by one slice's gate (before an
+    assignment) quarantined that slice alone, and the growth, then the baseline, was
+    gone for its siblings and the GPU's device."""
+    gpus.gpu(0)["migs"] = [{"index": 1, "uuid": MIG1, "profile": "3g.40gb"}]
+    gpus.write()
+    # One idle pass (the baseline), then none: the slice's gate is the first to read.
+    cfg = config(tmp_path, *mig_devices(), interval=3600.0)
+    with trio.fail_after(60):
+        async with local_system(cfg, environ=environ(tmp_path, gpus)) as system:
+            await system.wait_until(lambda: labels(system, "gpu0-mig2").get("gpu_health") == "ok")
+            gpus.gpu(0)["fields"]["ecc.errors.uncorrected.volatile.total"] = "2"
+            gpus.write()
+            job = system.submit(["true"], device="test-host/gpu0-mig2")
+            child = await wait_fault(system, "gpu0-mig2", "gpu_memory")
+            assert child.parent_fault is not None
+            parent = await wait_fault(system, "gpu0", "gpu_memory")
+            assert "grew by 2 to 2" in parent.detail
+            assert child.parent_fault == parent.fault_id
+            sibling = await wait_fault(system, "gpu0-mig1", "gpu_memory")
+            assert sibling.parent_fault == parent.fault_id
+            # The refused job waits; clearing the GPU clears its slices, and it runs.
+            await rc_json(system, "clear", "test-host/gpu0")
+            assert (await system.wait_job(job)).state == "succeeded"
+            assert all(faults(system, n) == [] for n in ("gpu0", "gpu0-mig1", "gpu0-mig2"))
+
+
 async def test_a_resident_process_on_a_slice_quarantines_the_slice(
     tmp_path: Path, gpus: Gpus
 ) -> None:
