@@ -28,10 +28,9 @@ from rc_worker.core.gpu_health import (
     CHECK_RESIDENT,
     ComputeApp,
     Fault,
-    decide_resident,
     health_label,
 )
-from rc_worker.core.mig_share import GpuFaultPlan, gpu_fault_plan
+from rc_worker.core.mig_share import GpuFaultPlan, RunningJob, gpu_fault_plan
 from rc_worker.core.model import DeviceState
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
 from rc_worker.sweep import EXEC_SETTLE, JOB_ID_VAR, sweep_job_survivors
@@ -118,7 +117,9 @@ class GpuHealthCoordinator:
             await self._after_job(device, job_id, grace)
             return None
         uuids, buses = self._labels()
-        verdicts = await self.monitor.check([device], expected_uuid=uuids, bus_ids=buses)
+        verdicts = await self.monitor.check(
+            [device], expected_uuid=uuids, bus_ids=buses, jobs=self.running_jobs()
+        )
         self._apply(verdicts)
         dev = self._devices[device]
         if dev.lease.faults:
@@ -147,7 +148,7 @@ class GpuHealthCoordinator:
             return
         self.monitor.metrics.gpu_health_checks.labels(CHECK_RESIDENT, "ok").inc()
         dev.set_health_hold({}, (CHECK_RESIDENT,))
-        fault = decide_resident(apps)
+        fault = self.monitor.residents(device, apps, uuids, self.running_jobs()).fault()
         if fault is not None:
             self._raise(device, fault, job_id=job_id)
 
@@ -210,8 +211,15 @@ class GpuHealthCoordinator:
         )
         idle = [d for d in targets if self._idle(d)]
         if idle:
+            # Taken before the listing: a sibling's job that ends during it is still
+            # known by its process group (its processes are listed).
             resident = await self.monitor.check(
-                idle, expected_uuid=uuids, bus_ids=buses, memory=False, xids=False
+                idle,
+                expected_uuid=uuids,
+                bus_ids=buses,
+                memory=False,
+                xids=False,
+                jobs=self.running_jobs(),
             )
             for name, v in resident.items():
                 if not self._idle(name):
@@ -222,6 +230,15 @@ class GpuHealthCoordinator:
                 verdicts[name].passed.update(v.passed)
         self._apply(verdicts)
         self.sync_slice_labels()
+
+    def running_jobs(self) -> dict[str, RunningJob]:
+        """The jobs running now, by device, with what tells their processes: a
+        sibling slice's listed under the GPU's UUID are not an idle slice's leftovers."""
+        out: dict[str, RunningJob] = {}
+        for name, dev in self._devices.items():
+            if dev.lease.job is not None:
+                out[name] = RunningJob(name, dev.lease.job[0], dev.job_pid)
+        return out
 
     def _idle(self, device: str) -> bool:
         dev = self._devices[device]
