@@ -134,6 +134,12 @@ class DeviceSupervisor:
             return f"device {self.name} is quarantined"
         return f"device {self.name} is {self.lease.state}"
 
+    @property
+    def job_pid(self) -> int | None:
+        """The running job's pid, also its process group and session id; None when
+        no job process runs (before its spawn, during hooks and verify)."""
+        return None if self._handle is None else self._handle.pid
+
     def idle(self) -> bool:
         """Nothing to do now: free or quarantined, no assignment waiting."""
         return self._pending is None and self.lease.state in (S.FREE, S.QUARANTINED)

@@ -10,7 +10,8 @@ supervisors:
   and PCI-count checks run for every GPU device;
 - a fault of a physical GPU quarantines every MIG slice of it, each slice's
   fault naming the parent's (``parent_fault``), so clearing the parent at
-  the controller clears them;
+  the controller clears them; a memory fault read through a slice is the
+  physical GPU's and goes the same way (``core/mig_share.py``);
 - a host-level fault (the PCI count) is raised on every GPU device under one
   fault id with ``scope: host``, cleared once with ``rc clear HOST``.
 """
@@ -27,9 +28,9 @@ from rc_worker.core.gpu_health import (
     CHECK_RESIDENT,
     ComputeApp,
     Fault,
-    decide_resident,
     health_label,
 )
+from rc_worker.core.mig_share import GpuFaultPlan, RunningJob, gpu_fault_plan
 from rc_worker.core.model import DeviceState
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
 from rc_worker.sweep import EXEC_SETTLE, JOB_ID_VAR, sweep_job_survivors
@@ -116,7 +117,9 @@ class GpuHealthCoordinator:
             await self._after_job(device, job_id, grace)
             return None
         uuids, buses = self._labels()
-        verdicts = await self.monitor.check([device], expected_uuid=uuids, bus_ids=buses)
+        verdicts = await self.monitor.check(
+            [device], expected_uuid=uuids, bus_ids=buses, jobs=self.running_jobs()
+        )
         self._apply(verdicts)
         dev = self._devices[device]
         if dev.lease.faults:
@@ -145,7 +148,7 @@ class GpuHealthCoordinator:
             return
         self.monitor.metrics.gpu_health_checks.labels(CHECK_RESIDENT, "ok").inc()
         dev.set_health_hold({}, (CHECK_RESIDENT,))
-        fault = decide_resident(apps)
+        fault = self.monitor.residents(device, apps, uuids, self.running_jobs()).fault()
         if fault is not None:
             self._raise(device, fault, job_id=job_id)
 
@@ -208,8 +211,15 @@ class GpuHealthCoordinator:
         )
         idle = [d for d in targets if self._idle(d)]
         if idle:
+            # Taken before the listing: a sibling's job that ends during it is still
+            # known by its process group (its processes are listed).
             resident = await self.monitor.check(
-                idle, expected_uuid=uuids, bus_ids=buses, memory=False, xids=False
+                idle,
+                expected_uuid=uuids,
+                bus_ids=buses,
+                memory=False,
+                xids=False,
+                jobs=self.running_jobs(),
             )
             for name, v in resident.items():
                 if not self._idle(name):
@@ -220,6 +230,15 @@ class GpuHealthCoordinator:
                 verdicts[name].passed.update(v.passed)
         self._apply(verdicts)
         self.sync_slice_labels()
+
+    def running_jobs(self) -> dict[str, RunningJob]:
+        """The jobs running now, by device, with what tells their processes: a
+        sibling slice's listed under the GPU's UUID are not an idle slice's leftovers."""
+        out: dict[str, RunningJob] = {}
+        for name, dev in self._devices.items():
+            if dev.lease.job is not None:
+                out[name] = RunningJob(name, dev.lease.job[0], dev.job_pid)
+        return out
 
     def _idle(self, device: str) -> bool:
         dev = self._devices[device]
@@ -235,18 +254,30 @@ class GpuHealthCoordinator:
             for fault in v.faults:
                 if not fault.host_level:
                     self._raise(name, fault)
+            for fault in v.gpu_faults:
+                self._raise_gpu(name, fault)
         if host_faults:
             self._raise_host(host_faults[0])
 
     def _raise(self, device: str, fault: Fault, *, job_id: str | None = None) -> None:
-        fault_id = self._devices[device].raise_health_fault(fault, job_id=job_id)
+        self._raise_plan(GpuFaultPlan(device, tuple(self.slices.get(device, ()))), fault, job_id)
+
+    def _raise_gpu(self, device: str, fault: Fault) -> None:
+        """A fault of ``device``'s physical GPU: on the GPU's device and all its slices."""
+        parent = self.monitor.targets[device].parent
+        plan = gpu_fault_plan(parent, self.slices.get(parent, ()), self._devices)
+        if plan is not None:
+            self._raise_plan(plan, fault, None)
+
+    def _raise_plan(self, plan: GpuFaultPlan, fault: Fault, job_id: str | None) -> None:
+        fault_id = self._devices[plan.holder].raise_health_fault(fault, job_id=job_id)
         if fault_id is None:
             return
-        for name in self.slices.get(device, ()):
+        for name in plan.children:
             self._devices[name].raise_health_fault(
                 Fault(
                     fault.kind,
-                    f"parent {device}: {fault.reason}",
+                    f"parent {plan.holder}: {fault.reason}",
                     fault.severity,
                     fault.action,
                 ),

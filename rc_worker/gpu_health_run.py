@@ -48,7 +48,6 @@ from rc_worker.core.gpu_health import (
     decide_memory,
     decide_pci,
     decide_presence,
-    decide_resident,
     decide_xid,
     listed_count,
     mentions_lost_gpu,
@@ -59,10 +58,12 @@ from rc_worker.core.gpu_health import (
     resolve_mig_uuid,
 )
 from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
+from rc_worker.core.mig_share import ProcessFacts, Residents, RunningJob, residents
 from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
 from rc_worker.scripts import Budget, describe, run_script
+from rc_worker.sweep import JOB_ID_VAR
 
 T = TypeVar("T")
 
@@ -92,9 +93,13 @@ class DeviceVerdict:
     """One device's checks: faults to raise, and checks that could not run (check -> why).
 
     ``passed`` lists the checks that ran and read, so their holds lift.
+    ``gpu_faults`` are the physical GPU's (its memory), read through this device:
+    they are raised on the GPU's device and every slice of it, not on this
+    device alone (``core/mig_share.py``).
     """
 
     faults: list[Fault] = attrs.Factory(list)
+    gpu_faults: list[Fault] = attrs.Factory(list)
     held: dict[str, str] = attrs.Factory(dict)
     passed: set[str] = attrs.Factory(set)
 
@@ -217,12 +222,14 @@ class GpuHealthMonitor:
         resident: bool = True,
         xids: bool = True,
         pci: bool = False,
+        jobs: Mapping[str, RunningJob] | None = None,
     ) -> dict[str, DeviceVerdict]:
         """Run the checks for ``devices`` (GPU devices only; others are left out).
 
         One nvidia-smi health query and one compute-apps query serve every
         device asked for. ``bus_ids`` is each device's ``pci_bus_id`` label,
-        which maps kernel Xid lines to devices.
+        which maps kernel Xid lines to devices. ``jobs`` are the jobs running,
+        by device: a sibling slice's job's processes are not resident here.
         """
         async with self._lock:
             targets = [self.targets[d] for d in devices if d in self.targets]
@@ -233,7 +240,7 @@ class GpuHealthMonitor:
             if memory:
                 await self._check_health(targets, verdicts, expected_uuid)
             if resident:
-                await self._check_resident(targets, verdicts, expected_uuid)
+                await self._check_resident(targets, verdicts, expected_uuid, jobs or {})
             if xids:
                 self._check_xids(targets, verdicts, bus_ids)
             if pci:
@@ -269,7 +276,9 @@ class GpuHealthMonitor:
                 continue
             row = reading.rows[t.index]
             faults, self._memory[t.index] = decide_memory(self._memory.get(t.index), row)
-            v.faults.extend(faults)
+            # The counters are the card's: growth read through one slice was also
+            # consumed for its siblings (the baseline is per GPU), so it must reach them.
+            v.gpu_faults.extend(faults)
             self.ecc_labels[t.index] = {
                 "ecc_uncorrected_volatile": _label(row.ecc_uncorrected),
                 "ecc_corrected_volatile": _label(row.ecc_corrected),
@@ -313,6 +322,7 @@ class GpuHealthMonitor:
         targets: Sequence[GpuTarget],
         verdicts: dict[str, DeviceVerdict],
         expected_uuid: Mapping[str, str],
+        jobs: Mapping[str, RunningJob],
     ) -> None:
         apps = await self._query(CHECK_RESIDENT, targets, verdicts, self.list_apps)
         if apps is None:
@@ -323,7 +333,8 @@ class GpuHealthMonitor:
                 # Which processes are this GPU's is not known: not "none are".
                 verdicts[t.device].held[CHECK_RESIDENT] = unknown
                 continue
-            fault = decide_resident(self.resident_on(t.device, apps, expected_uuid))
+            mine = self.resident_on(t.device, apps, expected_uuid)
+            fault = self.residents(t.device, mine, expected_uuid, jobs).fault()
             verdicts[t.device].passed.add(CHECK_RESIDENT)
             if fault is not None:
                 verdicts[t.device].faults.append(fault)
@@ -335,11 +346,49 @@ class GpuHealthMonitor:
 
         nvidia-smi lists a slice's processes under the PARENT's UUID on some
         drivers (fixture 09b), so a slice also counts processes listed under
-        its parent: more cautious, never less.
+        its parent: more cautious, never less. Those that a sibling slice's
+        running job owns are let go by ``residents``, which tells them.
         """
         t = self.targets[device]
         uuids = {u for u in (self._gpu_uuid(t, expected_uuid), t.mig_uuid) if u}
         return apps_on(apps, uuids)
+
+    def residents(
+        self,
+        device: str,
+        apps: Sequence[ComputeApp],
+        expected_uuid: Mapping[str, str],
+        jobs: Mapping[str, RunningJob],
+    ) -> Residents:
+        """Which of ``device``'s apps (``resident_on``) dirty it: not those of a job
+        running on another device of the same physical GPU (``core/mig_share.py``)."""
+        t = self.targets[device]
+        siblings = [
+            job
+            for name, job in jobs.items()
+            if name != device and name in self.targets and self.targets[name].index == t.index
+        ]
+        return residents(
+            apps,
+            shared_uuid=self._gpu_uuid(t, expected_uuid),
+            jobs=siblings,
+            facts=self._process_facts,
+        )
+
+    def _process_facts(self, pid: int) -> ProcessFacts:
+        """What tells whose ``pid`` is: its process group, session and ``RC_JOB_ID``.
+        Unreadable (gone, hidden, another pid namespace, not root) reads as unknown."""
+        info = self._host.process(pid)
+        try:
+            env = self._host.environ(pid)
+        except OSError:
+            env = {}
+        return ProcessFacts(
+            pgid=None if info is None else info.pgid,
+            sid=None if info is None else info.sid,
+            job_id=env.get(JOB_ID_VAR),
+            environ_read=bool(env),
+        )
 
     def uuid_unknown(self, device: str, expected_uuid: Mapping[str, str]) -> str | None:
         """Why ``device``'s processes cannot be told yet (its GPU's UUID is not known), or

@@ -517,6 +517,35 @@ async def test_a_parent_fault_quarantines_every_slice_and_its_clear_clears_them(
             assert (await system.wait_job(job)).state == "succeeded"
 
 
+async def test_ecc_growth_read_through_a_slice_quarantines_the_gpu_and_every_slice(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """The ECC counters are the card's: growth first read by one slice's gate (before an
+    assignment) quarantined that slice alone, and the growth, then the baseline, was
+    gone for its siblings and the GPU's device."""
+    gpus.gpu(0)["migs"] = [{"index": 1, "uuid": MIG1, "profile": "3g.40gb"}]
+    gpus.write()
+    # One idle pass (the baseline), then none: the slice's gate is the first to read.
+    cfg = config(tmp_path, *mig_devices(), interval=3600.0)
+    with trio.fail_after(60):
+        async with local_system(cfg, environ=environ(tmp_path, gpus)) as system:
+            await system.wait_until(lambda: labels(system, "gpu0-mig2").get("gpu_health") == "ok")
+            gpus.gpu(0)["fields"]["ecc.errors.uncorrected.volatile.total"] = "2"
+            gpus.write()
+            job = system.submit(["true"], device="test-host/gpu0-mig2")
+            child = await wait_fault(system, "gpu0-mig2", "gpu_memory")
+            assert child.parent_fault is not None
+            parent = await wait_fault(system, "gpu0", "gpu_memory")
+            assert "grew by 2 to 2" in parent.detail
+            assert child.parent_fault == parent.fault_id
+            sibling = await wait_fault(system, "gpu0-mig1", "gpu_memory")
+            assert sibling.parent_fault == parent.fault_id
+            # The refused job waits; clearing the GPU clears its slices, and it runs.
+            await rc_json(system, "clear", "test-host/gpu0")
+            assert (await system.wait_job(job)).state == "succeeded"
+            assert all(faults(system, n) == [] for n in ("gpu0", "gpu0-mig1", "gpu0-mig2"))
+
+
 async def test_a_resident_process_on_a_slice_quarantines_the_slice(
     tmp_path: Path, gpus: Gpus
 ) -> None:
@@ -528,6 +557,107 @@ async def test_a_resident_process_on_a_slice_quarantines_the_slice(
             fault = await wait_fault(system, "gpu0-mig2", "gpu_resident_process")
             assert "pid 99 (train, 10 MiB)" in fault.detail
             assert faults(system, "gpu0-mig1") == []
+
+
+def resident_checks(system: LocalSystem) -> float:
+    value = system.worker.metrics.registry.get_sample_value(
+        "rc_worker_gpu_health_checks_total", {"check": "resident", "result": "ok"}
+    )
+    return value or 0.0
+
+
+async def test_a_sibling_slices_job_listed_under_the_parent_uuid_leaves_idle_slices_alone(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """nvidia-smi may list a slice's processes under the parent GPU's UUID (fixture 09b):
+    the idle slice and the GPU's device counted the busy sibling's job as leftovers and
+    were quarantined (the device's fault reaching the busy slice too). A process no job
+    owns is still resident."""
+    gpus.gpu(0)["migs"] = [{"index": 1, "uuid": MIG1, "profile": "3g.40gb"}]
+    gpus.write()
+    gate, pidfile = tmp_path / "go", tmp_path / "job.pid"
+    script = f"echo $$ > {pidfile}; while [ ! -e {gate} ]; do sleep 0.05; done"
+    with trio.fail_after(60):
+        async with local_system(
+            config(tmp_path, *mig_devices()), environ=environ(tmp_path, gpus)
+        ) as system:
+            await system.wait_until(lambda: labels(system, "gpu0-mig2").get("gpu_health") == "ok")
+            job = system.submit(["sh", "-c", script], device="test-host/gpu0-mig1")
+            await system.wait_until(lambda: pidfile.exists() and pidfile.read_text().strip() != "")
+            job_pid = int(pidfile.read_text())
+            app = {"gpu_uuid": UUID0, "process_name": "train", "used_memory": 64, "live": True}
+            gpus.set("apps", [{**app, "pid": job_pid}])
+            seen = resident_checks(system)
+            # Two more idle listings (one each pass): the second began after the change.
+            await system.wait_until(lambda: resident_checks(system) >= seen + 2)
+            for name in ("gpu0", "gpu0-mig1", "gpu0-mig2"):
+                assert lease(system, name).faults == set(), name
+            stray = await trio.lowlevel.open_process(
+                ["sleep", "300"], env={"PATH": "/usr/bin:/bin"}, start_new_session=True
+            )
+            try:
+                gpus.set("apps", [{**app, "pid": job_pid}, {**app, "pid": stray.pid}])
+                fault = await wait_fault(system, "gpu0-mig2", "gpu_resident_process")
+                assert f"pid {stray.pid} (train, 64 MiB)" in fault.detail
+                assert f"pid {job_pid} " not in fault.detail
+                assert "could not be told" not in fault.detail  # its environment was read
+            finally:
+                stray.kill()
+                with trio.move_on_after(5, shield=True):
+                    await stray.wait()
+            gate.touch()
+            assert (await system.wait_job(job)).state == "succeeded"
+
+
+async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_resident(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """While a sibling slice runs a job, a process listed under the parent's UUID is let
+    go only when its process group, session or RC_JOB_ID names that job; one whose
+    facts cannot be read (here: no such process) quarantines, and the reason says why."""
+    from rc_worker.core.mig_share import RunningJob
+    from rc_worker.gpu_health_run import GpuHealthMonitor
+    from rc_worker.host import LinuxHost
+    from rc_worker.metrics import WorkerMetrics
+
+    monitor = GpuHealthMonitor(
+        config(tmp_path, *mig_devices()),
+        host=LinuxHost(),
+        environ=environ(tmp_path, gpus),
+        metrics=WorkerMetrics(),
+    )
+    helper = await trio.lowlevel.open_process(
+        ["sleep", "300"], env={"RC_JOB_ID": "job-a", "PATH": "/usr/bin:/bin"}
+    )
+    unread = 2**31 - 1  # above any pid_max: no process has it
+    try:
+        gpus.set(
+            "apps",
+            [
+                {"gpu_uuid": UUID0, "pid": helper.pid, "process_name": "hook", "used_memory": 1},
+                {"gpu_uuid": UUID0, "pid": unread, "process_name": "ghost", "used_memory": 2},
+            ],
+        )
+        jobs = {"gpu0-mig1": RunningJob("gpu0-mig1", "job-a", leader=None)}
+        with trio.fail_after(30):
+            verdicts = await monitor.check(
+                ["gpu0-mig2"],
+                expected_uuid={"gpu0": UUID0},
+                bus_ids={},
+                memory=False,
+                xids=False,
+                jobs=jobs,
+            )
+    finally:
+        helper.kill()
+        with trio.move_on_after(5, shield=True):
+            await helper.wait()
+    [fault] = verdicts["gpu0-mig2"].faults
+    assert fault.kind == "gpu_resident_process"
+    assert f"pid {unread} (ghost, 2 MiB)" in fault.reason
+    assert f"pid {helper.pid} " not in fault.reason  # its RC_JOB_ID is the sibling's job
+    assert f"pid {unread} was listed under the GPU's own UUID" in fault.reason
+    assert "could not be told apart from the jobs on gpu0-mig1" in fault.reason
 
 
 # -- enabled: auto ---------------------------------------------------------------------------

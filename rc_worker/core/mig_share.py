@@ -1,0 +1,150 @@
+"""A physical GPU shared by MIG slices: where its faults go, whose its processes are (sans-IO).
+
+Some facts belong to the physical GPU, whichever device read them: its ECC
+counters, retired pages and remapped rows count for the whole card, so
+growth read through one slice is growth on every slice of it. Such a fault
+is raised once, on the GPU's own device, and every slice of the GPU holds a
+fault naming it (``parent_fault``), so clearing the GPU's device at the
+controller clears them all (docs/operations.md, "GPU health").
+
+Some drivers list a slice's compute apps under the PARENT GPU's UUID
+(fixture 09b), so a device cannot tell from the listing alone whether such
+a process is its own or a sibling slice's. Counting them all as its own is
+cautious but wrong where it matters: an idle slice was quarantined for the
+job its busy sibling runs. The worker knows its jobs: a job's main process
+leads its own session and process group (its pid is the group's id), and
+every process of a job, or of its hooks and verify scripts, carries the
+job's ``RC_JOB_ID``. A process listed under the shared UUID is a sibling's
+when one of those says so; any other stays resident (fail closed), and
+when they could not be read the fault says that it could not be told.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+import attrs
+
+from rc_worker.core.gpu_health import ComputeApp, Fault, decide_resident
+
+
+@attrs.frozen
+class GpuFaultPlan:
+    """Which device holds a physical GPU's fault, and which hold one naming it."""
+
+    holder: str
+    children: tuple[str, ...] = ()
+
+
+def gpu_fault_plan(
+    parent: str, slices: Sequence[str], devices: Collection[str]
+) -> GpuFaultPlan | None:
+    """Where a fault of physical GPU ``parent`` (a device name) goes.
+
+    The GPU's device holds it and each of its ``slices`` gets a child. A
+    validated config always declares the GPU's device (``mig_of`` must name
+    one), but should the worker have no device by that name, the first slice
+    holds the fault in its place: every slice is still quarantined, and
+    clearing that slice clears its siblings' children, as clearing the GPU
+    would. Only names in ``devices`` are planned for; None when none is.
+    """
+    present = tuple(s for s in slices if s in devices and s != parent)
+    if parent in devices:
+        return GpuFaultPlan(parent, present)
+    if not present:
+        return None
+    return GpuFaultPlan(present[0], present[1:])
+
+
+@attrs.frozen
+class RunningJob:
+    """A job the worker runs on a device, and what tells its processes."""
+
+    device: str
+    job_id: str
+    leader: int | None = None
+    """The job's main process: its pid, process group id and session id (None: not
+    spawned yet, as while its acquire hook runs)."""
+
+
+@attrs.frozen
+class ProcessFacts:
+    """What ``/proc`` said of one listed process; ``None``: not read."""
+
+    pgid: int | None = None
+    sid: int | None = None
+    job_id: str | None = None
+    """Its ``RC_JOB_ID``; None when it has none, or its environment was not read."""
+    environ_read: bool = False
+    """Its environment was read (and was not empty, as while it is caught in an exec)."""
+
+
+@attrs.frozen
+class Residents:
+    """The processes that dirty a device, and those that might be a sibling's job's."""
+
+    apps: tuple[ComputeApp, ...] = ()
+    untold: tuple[int, ...] = ()
+    """Pids among ``apps``, listed under the GPU's UUID while siblings ran jobs, whose
+    environment could not be read: whether they are those jobs' could not be told."""
+    busy: tuple[str, ...] = ()
+    """The devices of the GPU running jobs then."""
+
+    def fault(self) -> Fault | None:
+        """``decide_resident``'s fault; its reason says what could not be told."""
+        fault = decide_resident(self.apps)
+        if fault is None or not self.untold:
+            return fault
+        pids = ", ".join(str(p) for p in self.untold)
+        which = f"pids {pids} were" if len(self.untold) > 1 else f"pid {pids} was"
+        return attrs.evolve(
+            fault,
+            reason=f"{fault.reason}; {which} listed under the GPU's own UUID and could not "
+            f"be told apart from the jobs on {', '.join(self.busy)} (neither a job's "
+            "process group or session nor its RC_JOB_ID could be read)",
+        )
+
+
+def job_of(facts: ProcessFacts, jobs: Sequence[RunningJob]) -> RunningJob | None:
+    """The running job ``facts`` show the process belongs to, if any."""
+    for job in jobs:
+        if job.leader is not None and job.leader in (facts.pgid, facts.sid):
+            return job
+        if facts.job_id is not None and facts.job_id == job.job_id:
+            return job
+    return None
+
+
+def residents(
+    apps: Sequence[ComputeApp],
+    *,
+    shared_uuid: str | None,
+    jobs: Sequence[RunningJob],
+    facts: Callable[[int], ProcessFacts],
+) -> Residents:
+    """Which of a device's ``apps`` (its own listing, ``resident_on``) dirty it.
+
+    ``jobs`` run on the other devices of the same physical GPU (its sibling
+    slices, or the slices of a GPU that carries them). Only a process listed
+    under ``shared_uuid``, the physical GPU's, can be theirs: one listed under
+    the device's own MIG UUID is its own. ``facts`` is asked only about those
+    listed under the shared UUID, and only while some sibling runs a job.
+    Never less cautious than counting every app: a process is let go only
+    when its facts name one of ``jobs``.
+    """
+    if not jobs or shared_uuid is None:
+        return Residents(tuple(apps))
+    kept: list[ComputeApp] = []
+    untold: list[int] = []
+    for app in apps:
+        if app.gpu_uuid != shared_uuid:
+            kept.append(app)
+            continue
+        seen = facts(app.pid)
+        if job_of(seen, jobs) is not None:
+            continue
+        kept.append(app)
+        if not seen.environ_read:
+            untold.append(app.pid)
+    busy = tuple(sorted({j.device for j in jobs})) if untold else ()
+    return Residents(tuple(kept), tuple(untold), busy)

@@ -1,0 +1,161 @@
+"""A physical GPU shared by MIG slices (sans-IO): where its faults go, whose its processes are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rc_worker.core.gpu_health import ComputeApp, parse_compute_apps
+from rc_worker.core.mig_share import (
+    GpuFaultPlan,
+    ProcessFacts,
+    Residents,
+    RunningJob,
+    gpu_fault_plan,
+    job_of,
+    residents,
+)
+
+NAMES = st.sampled_from(["gpu0", "gpu0-mig0", "gpu0-mig1", "gpu0-mig2", "gpu1"])
+
+
+def test_the_gpu_device_holds_the_fault_and_every_slice_names_it() -> None:
+    plan = gpu_fault_plan("gpu0", ["gpu0-mig1", "gpu0-mig2"], {"gpu0", "gpu0-mig1", "gpu0-mig2"})
+    assert plan == GpuFaultPlan("gpu0", ("gpu0-mig1", "gpu0-mig2"))
+
+
+def test_without_the_gpu_device_the_first_slice_holds_it_for_its_siblings() -> None:
+    # Clearing gpu0-mig1 at the controller then clears gpu0-mig2's child too.
+    plan = gpu_fault_plan("gpu0", ["gpu0-mig1", "gpu0-mig2"], {"gpu0-mig1", "gpu0-mig2"})
+    assert plan == GpuFaultPlan("gpu0-mig1", ("gpu0-mig2",))
+
+
+def test_a_whole_gpu_without_slices_holds_its_own_fault() -> None:
+    assert gpu_fault_plan("gpu1", [], {"gpu0", "gpu1"}) == GpuFaultPlan("gpu1", ())
+    assert gpu_fault_plan("gpu1", [], {"gpu0"}) is None
+
+
+@given(
+    parent=NAMES,
+    slices=st.lists(NAMES, unique=True, max_size=4),
+    devices=st.sets(NAMES),
+)
+def test_every_device_of_the_gpu_is_quarantined_once(
+    parent: str, slices: list[str], devices: set[str]
+) -> None:
+    plan = gpu_fault_plan(parent, slices, devices)
+    of_gpu = {parent, *slices} & devices
+    if plan is None:
+        assert of_gpu == set()
+        return
+    named = [plan.holder, *plan.children]
+    assert sorted(named) == sorted(of_gpu)  # each of them, none twice, nothing else
+    if parent in devices:
+        assert plan.holder == parent
+
+
+# -- whose are the processes listed under the GPU's UUID -----------------------------
+
+SMI = Path(__file__).parent / "fixtures" / "nvidia-smi"
+PARENT = "GPU-00000000-0000-0000-0000-000000000000"  # fixture 09b's (masked) parent UUID
+OWN = "MIG-a25704ba-3a06-5299-a795-fd7cf4d13973"
+SIBLING = RunningJob("gpu0-mig1", "job-a", leader=12249)
+
+
+def facts_of(table: Mapping[int, ProcessFacts]) -> Callable[[int], ProcessFacts]:
+    return lambda pid: table.get(pid, ProcessFacts())
+
+
+def test_a_sibling_jobs_processes_under_the_parent_uuid_are_not_resident() -> None:
+    """Fixture 09b: a loaded MIG GPU lists every slice's processes under its own UUID."""
+    apps = parse_compute_apps((SMI / "09b_compute_apps_load_h200_mig.csv").read_text())
+    table = {
+        12249: ProcessFacts(pgid=12249, sid=12249),  # the job's leader: read without environ
+        12250: ProcessFacts(pgid=12249, sid=12249),  # in its group
+        12267: ProcessFacts(pgid=1, sid=1, job_id="job-a", environ_read=True),  # setsid'd
+    }
+    got = residents(apps, shared_uuid=PARENT, jobs=[SIBLING], facts=facts_of(table))
+    assert got == Residents()
+    assert got.fault() is None
+
+
+def test_an_unaccounted_process_under_the_parent_uuid_stays_resident() -> None:
+    apps = parse_compute_apps((SMI / "09b_compute_apps_load_h200_mig.csv").read_text())
+    table = {
+        12249: ProcessFacts(pgid=12249, sid=12249),
+        12250: ProcessFacts(pgid=12249, sid=12249),
+        12267: ProcessFacts(pgid=5, sid=5, job_id="an-old-job", environ_read=True),
+    }
+    got = residents(apps, shared_uuid=PARENT, jobs=[SIBLING], facts=facts_of(table))
+    assert [a.pid for a in got.apps] == [12267]
+    assert got.untold == ()
+    fault = got.fault()
+    assert fault is not None
+    assert fault.reason == "processes resident on the GPU: pid 12267 (./gpu_burn, 13526 MiB)"
+
+
+def test_a_process_that_cannot_be_told_stays_resident_and_the_reason_says_so() -> None:
+    apps = parse_compute_apps((SMI / "09b_compute_apps_load_h200_mig.csv").read_text())
+    table = {12249: ProcessFacts(pgid=12249, sid=12249)}  # 12250, 12267: nothing read
+    got = residents(apps, shared_uuid=PARENT, jobs=[SIBLING], facts=facts_of(table))
+    assert [a.pid for a in got.apps] == [12250, 12267]
+    assert got.untold == (12250, 12267)
+    fault = got.fault()
+    assert fault is not None
+    assert "pid 12267 (./gpu_burn, 13526 MiB)" in fault.reason
+    assert "pids 12250, 12267 were listed under the GPU's own UUID" in fault.reason
+    assert "could not be told apart from the jobs on gpu0-mig1" in fault.reason
+    assert (fault.severity, fault.action) == ("warning", "clear")
+
+
+def test_a_process_on_the_slices_own_uuid_is_its_own_whatever_it_carries() -> None:
+    app = ComputeApp(OWN, 12249, "train", 10)
+    mine = ProcessFacts(pgid=12249, sid=12249, job_id="job-a", environ_read=True)
+    got = residents([app], shared_uuid=PARENT, jobs=[SIBLING], facts=facts_of({12249: mine}))
+    assert got.apps == (app,)
+
+
+PIDS = st.integers(1, 6)
+APPS = st.lists(
+    st.builds(ComputeApp, st.sampled_from([PARENT, OWN]), PIDS, st.just("p"), st.just(1)),
+    max_size=6,
+)
+JOBS = st.lists(
+    st.builds(
+        RunningJob,
+        st.sampled_from(["gpu0-mig1", "gpu0-mig2"]),
+        st.sampled_from(["job-a", "job-b"]),
+        st.none() | PIDS,
+    ),
+    max_size=3,
+)
+FACTS = st.dictionaries(
+    PIDS,
+    st.builds(
+        ProcessFacts,
+        st.none() | PIDS,
+        st.none() | PIDS,
+        st.none() | st.sampled_from(["job-a", "job-b", "job-c"]),
+        st.booleans(),
+    ),
+)
+
+
+@given(apps=APPS, jobs=JOBS, table=FACTS)
+def test_only_a_process_a_running_job_owns_is_let_go(
+    apps: list[ComputeApp], jobs: list[RunningJob], table: dict[int, ProcessFacts]
+) -> None:
+    got = residents(apps, shared_uuid=PARENT, jobs=jobs, facts=facts_of(table))
+    for app in apps:
+        facts = table.get(app.pid, ProcessFacts())
+        owned = app.gpu_uuid == PARENT and job_of(facts, jobs) is not None
+        assert (app in got.apps) is not owned  # fail closed: nothing else is let go
+        if app in got.apps and app.gpu_uuid == PARENT and jobs and not facts.environ_read:
+            assert app.pid in got.untold
+    assert set(got.untold) <= {a.pid for a in got.apps if a.gpu_uuid == PARENT}
+    assert bool(got.busy) == bool(got.untold)
+    if not jobs:
+        assert got == Residents(tuple(apps))  # no sibling runs a job: as before
