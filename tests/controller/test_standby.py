@@ -141,6 +141,26 @@ def test_a_reconnect_whose_epoch_check_failed_is_never_written_through(db: str) 
         second.close()
 
 
+def test_a_standby_that_fails_to_lead_lets_the_lock_go(db: str) -> None:
+    """A standby takes the lock but cannot bump the epoch (a statement error, here ``meta``
+    renamed away): it does not lead, and it must not keep the lock either, or no other
+    controller could lead until this one tried again."""
+    first, second = PostgresBackend(db), PostgresBackend(db)
+    try:
+        first.migrate()
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute("ALTER TABLE meta RENAME TO meta_away")
+            with pytest.raises(psycopg.Error, match="meta"):
+                first.try_lead()
+            assert first.leader_epoch is None
+            admin.execute("ALTER TABLE meta_away RENAME TO meta")
+        assert second.try_lead()
+        assert second.leader_epoch == 1
+    finally:
+        first.close()
+        second.close()
+
+
 # --- two rc serve processes -------------------------------------------------------------------
 
 

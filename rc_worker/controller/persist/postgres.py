@@ -107,6 +107,7 @@ class PostgresBackend(SqlBackend):
         """
         with self.lock:
             conn = self._connect()
+            locked = False
             try:
                 with conn.cursor() as cur:
                     cur.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,))
@@ -114,13 +115,20 @@ class PostgresBackend(SqlBackend):
                     if not (row and row[0]):
                         conn.rollback()
                         return False
+                    locked = True
                     cur.execute("SELECT value FROM meta WHERE key = 'leader_epoch'")
                     found = cur.fetchone()
                     epoch = (int(found[0]) if found else 0) + 1
                     self._put_meta(cur, [("leader_epoch", str(epoch))])
                 conn.commit()
             except psycopg.Error:
-                self._rollback()
+                if locked:
+                    # A rollback keeps a session's advisory lock: this session would hold
+                    # it while not leading, and no other controller could take over until
+                    # this one tried again. Closed, the lock goes with the session.
+                    conn.close()
+                else:
+                    self._rollback()
                 raise
             self.leader_epoch = epoch
             return True
