@@ -97,10 +97,16 @@ class FakeWorker:
         }
         return await self.post(f"/v1/jobs/{a['job_id']}/start", body)
 
-    async def output(self, a: dict[str, Any], offset: int, data: bytes) -> httpx.Response:
+    async def output(
+        self, a: dict[str, Any], offset: int, data: bytes, *, session: bool = False
+    ) -> httpx.Response:
+        """POST output; with ``session``, naming this worker's session as the worker does."""
+        params: dict[str, Any] = {"attempt": a["attempt"], "offset": offset}
+        if session:
+            params["session"] = self.session
         return await self.client.post(
             f"/v1/jobs/{a['job_id']}/output",
-            params={"attempt": a["attempt"], "offset": offset},
+            params=params,
             content=data,
             headers={**self.headers, "Content-Type": "application/octet-stream"},
         )

@@ -150,15 +150,24 @@ async def test_a_job_the_store_has_as_queued_takes_the_attempt_a_worker_runs(
     assert store.job(job_id).state == "succeeded"
 
 
-async def test_an_offer_older_than_the_attempt_a_worker_runs_is_superseded(
+async def offered_to_box2(
     client: httpx.AsyncClient, store: Store
-) -> None:
+) -> tuple[str, FakeWorker, dict[str, Any], FakeWorker]:
+    """A job offered to box2 as attempt 1, and box1 registered: (job, box2, offer, box1)."""
     job_id = store.submit(["train"])
     w2 = FakeWorker(client, "box2")
     await w2.register()
-    [old] = await w2.poll(["gpu0"])  # the restored store's offer: attempt 1 on box2
+    [offer] = await w2.poll(["gpu0"])
     w1 = FakeWorker(client)
     await w1.register()
+    return job_id, w2, offer, w1
+
+
+async def test_an_offer_older_than_the_attempt_a_worker_runs_is_superseded(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # The restored store's offer is attempt 1 on box2; box1 runs attempt 2.
+    job_id, w2, old, w1 = await offered_to_box2(client, store)
     r = await w1.heartbeat({"gpu0": {"state": "running", "job_id": job_id, "attempt": 2}})
     assert r.json()["cancel"] == []
     job = store.job(job_id)
@@ -175,24 +184,8 @@ async def test_output_under_another_hosts_session_is_refused_as_stale(
     client: httpx.AsyncClient, store: Store
 ) -> None:
     # Tokens here act for any host; the session says which host is sending.
-    job_id = store.submit(["train"])
-    w2 = FakeWorker(client, "box2")
-    await w2.register()
-    [a] = await w2.poll(["gpu0"])
-    w1 = FakeWorker(client)
-    await w1.register()
-    r = await client.post(
-        f"/v1/jobs/{job_id}/output",
-        params={"attempt": a["attempt"], "offset": 0, "session": w1.session},
-        content=b"not yours",
-        headers={**w1.headers, "Content-Type": "application/octet-stream"},
-    )
+    job_id, w2, a, w1 = await offered_to_box2(client, store)
+    r = await w1.output(a, 0, b"not yours", session=True)
     assert (r.status_code, r.json()["error"]) == (409, "stale_attempt")
     assert store.output(job_id) == b""
-    r = await client.post(
-        f"/v1/jobs/{job_id}/output",
-        params={"attempt": a["attempt"], "offset": 0, "session": w2.session},
-        content=b"mine",
-        headers={**w2.headers, "Content-Type": "application/octet-stream"},
-    )
-    assert r.json() == {"committed": 4}
+    assert (await w2.output(a, 0, b"mine", session=True)).json() == {"committed": 4}
