@@ -65,6 +65,8 @@ from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
 from rc_worker.scripts import Budget, describe, run_script
 from rc_worker.sweep import JOB_ID_VAR
 
+DEVICE_VAR = "RC_DEVICE"  # set for every job, hook and verify script (context.child_env)
+
 T = TypeVar("T")
 
 log = logging.getLogger("rc_worker.gpu_health")
@@ -388,6 +390,7 @@ class GpuHealthMonitor:
             sid=None if info is None else info.sid,
             job_id=env.get(JOB_ID_VAR),
             environ_read=bool(env),
+            device=env.get(DEVICE_VAR),
         )
 
     def uuid_unknown(self, device: str, expected_uuid: Mapping[str, str]) -> str | None:

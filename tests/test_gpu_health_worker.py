@@ -613,7 +613,7 @@ async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_residen
     tmp_path: Path, gpus: Gpus
 ) -> None:
     """While a sibling slice runs a job, a process listed under the parent's UUID is let
-    go only when its process group, session or RC_JOB_ID names that job; one whose
+    go only when its process group, session or RC_JOB_ID and RC_DEVICE name that job; one whose
     facts cannot be read (here: no such process) quarantines, and the reason says why."""
     from rc_worker.core.mig_share import RunningJob
     from rc_worker.gpu_health_run import GpuHealthMonitor
@@ -627,7 +627,8 @@ async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_residen
         metrics=WorkerMetrics(),
     )
     helper = await trio.lowlevel.open_process(
-        ["sleep", "300"], env={"RC_JOB_ID": "job-a", "PATH": "/usr/bin:/bin"}
+        ["sleep", "300"],
+        env={"RC_JOB_ID": "job-a", "RC_DEVICE": "gpu0-mig1", "PATH": "/usr/bin:/bin"},
     )
     unread = 2**31 - 1  # above any pid_max: no process has it
     try:
@@ -655,7 +656,7 @@ async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_residen
     [fault] = verdicts["gpu0-mig2"].faults
     assert fault.kind == "gpu_resident_process"
     assert f"pid {unread} (ghost, 2 MiB)" in fault.reason
-    assert f"pid {helper.pid} " not in fault.reason  # its RC_JOB_ID is the sibling's job
+    assert f"pid {helper.pid} " not in fault.reason  # its RC_JOB_ID/RC_DEVICE: the sibling's
     assert f"pid {unread} was listed under the GPU's own UUID" in fault.reason
     assert "could not be told apart from the jobs on gpu0-mig1" in fault.reason
 

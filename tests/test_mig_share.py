@@ -75,7 +75,7 @@ def test_a_sibling_jobs_processes_under_the_parent_uuid_are_not_resident() -> No
     table = {
         12249: ProcessFacts(pgid=12249, sid=12249),  # the job's leader: read without environ
         12250: ProcessFacts(pgid=12249, sid=12249),  # in its group
-        12267: ProcessFacts(pgid=1, sid=1, job_id="job-a", environ_read=True),  # setsid'd
+        12267: ProcessFacts(1, 1, "job-a", environ_read=True, device="gpu0-mig1"),  # setsid'd
     }
     got = residents(apps, shared_uuid=PARENT, jobs=[SIBLING], facts=facts_of(table))
     assert got == Residents()
@@ -111,6 +111,15 @@ def test_a_process_that_cannot_be_told_stays_resident_and_the_reason_says_so() -
     assert (fault.severity, fault.action) == ("warning", "clear")
 
 
+def test_an_earlier_attempts_leftover_on_another_slice_stays_resident() -> None:
+    # Attempt 1 of job-a ran on gpu0-mig2 and left a process; attempt 2 runs on gpu0-mig1.
+    # The leftover carries RC_JOB_ID=job-a too, but not the running job's device or group.
+    app = ComputeApp(PARENT, 500, "leftover", 100)
+    old = ProcessFacts(500, 500, "job-a", environ_read=True, device="gpu0-mig2")
+    got = residents([app], shared_uuid=PARENT, jobs=[SIBLING], facts=facts_of({500: old}))
+    assert got.apps == (app,)
+
+
 def test_a_process_on_the_slices_own_uuid_is_its_own_whatever_it_carries() -> None:
     app = ComputeApp(OWN, 12249, "train", 10)
     mine = ProcessFacts(pgid=12249, sid=12249, job_id="job-a", environ_read=True)
@@ -140,6 +149,7 @@ FACTS = st.dictionaries(
         st.none() | PIDS,
         st.none() | st.sampled_from(["job-a", "job-b", "job-c"]),
         st.booleans(),
+        st.none() | st.sampled_from(["gpu0-mig1", "gpu0-mig2"]),
     ),
 )
 

@@ -77,6 +77,8 @@ class ProcessFacts:
     """Its ``RC_JOB_ID``; None when it has none, or its environment was not read."""
     environ_read: bool = False
     """Its environment was read (and was not empty, as while it is caught in an exec)."""
+    device: str | None = None
+    """Its ``RC_DEVICE``: the device its job (or hook) was started for."""
 
 
 @attrs.frozen
@@ -110,7 +112,10 @@ def job_of(facts: ProcessFacts, jobs: Sequence[RunningJob]) -> RunningJob | None
     for job in jobs:
         if job.leader is not None and job.leader in (facts.pgid, facts.sid):
             return job
-        if facts.job_id is not None and facts.job_id == job.job_id:
+        # By environment only with the device too: an earlier attempt of the same job on
+        # another slice (its hook, its leftovers) carries the same RC_JOB_ID, and is not
+        # the running job's.
+        if facts.job_id is not None and (facts.job_id, facts.device) == (job.job_id, job.device):
             return job
     return None
 
