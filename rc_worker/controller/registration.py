@@ -39,6 +39,12 @@ def reconcile_registration(
 ) -> None:
     recovery = {r.job_id: r for r in req.recovery}
     settled: set[tuple[str, str]] = set()
+    # Attempts the worker says it runs now (protocol 2): facts, whatever process registers.
+    claimed = {
+        decl.running.job_id: decl.running.attempt
+        for decl in req.devices
+        if decl.running is not None
+    }
 
     def proof(start_boot: str | None, rec: Recovery | None) -> str | None:
         boot = start_boot if start_boot is not None else (None if rec is None else rec.boot_id)
@@ -72,6 +78,13 @@ def reconcile_registration(
             store.controller_fault(d, job_id, attempt, boot, detail)
 
     for job, att in store.running_on(h.name):
+        if claimed.get(job.job_id, 0) >= att.number:
+            # Still running here, or running a later attempt (a store restored from an
+            # older copy): nothing was interrupted. The claims adopt the later attempt.
+            att.adopted = True
+            att.last_heard = now
+            settled.add((att.device, job.job_id))
+            continue
         if same_process:
             # Still supervised by the process that registered again: it owes the finish,
             # and if its heartbeats never mention the job the store finishes it lost.

@@ -717,6 +717,7 @@ class StoreState:
         if job.started_at is None:
             job.started_at = self._wall()
         self._live[job.job_id] = job
+        self._displace(d, job)
         d.occupy(job, self._wall())
         self._arm_job(job)
         self._emit(
@@ -728,9 +729,29 @@ class StoreState:
             adopted_attempt=number,
         )
 
+    def _displace(self, d: Device, claimed: Job) -> None:
+        """The worker says ``d`` runs ``claimed``: a job the controller had there is not.
+
+        Overwritten silently, it would stay ``running`` for ever (not adopted, so no report
+        timeout; no heartbeat names it) while the device is offered again once ``claimed``
+        ends. An offer not yet started is offered again; a running one ended ``lost``. No
+        fault is raised: the worker's own recovery judged the device before it ran
+        ``claimed`` there, and any fault it holds it claims with the device.
+        """
+        held = d.job
+        cur = None if held is None else held.current
+        if held is None or held is claimed or cur is None:
+            return
+        why = f"the worker runs {claimed.job_id} on {d.host}/{d.name}"
+        if cur.status == "assigned":
+            self._requeue(held, f"{why}; offered again")
+        else:
+            self._terminate(held, "lost", by="controller", reason=f"{why}, not this job")
+
     def adopt_job(self, job: Job, d: Device) -> None:
         self._jobs[job.job_id] = job
         self._live[job.job_id] = job
+        self._displace(d, job)
         d.occupy(job, self._wall())
         self.journal.job(job.job_id)
         self._touch_job(job)

@@ -130,10 +130,13 @@ class WorkerSide(StoredState):
         self._touch_host(host)
         self._claimed = {a for a in self._claimed if a[0] != host}
         self._listed.pop(host, None)
+        claimed = {d.running.job_id: d.running.attempt for d in req.devices if d.running}
         for job in list(self._live.values()):
             cur = job.current
             if cur is None or cur.host != host or cur.status != "assigned" or same_process:
                 continue
+            if claimed.get(job.job_id, 0) > cur.number:
+                continue  # superseded by the attempt the worker runs (the claims, below)
             self._requeue(job, "a new worker process registered before starting it")
         reconcile_registration(self, h, req, now, same_process=same_process)
         apply_register_claims(self, h, req, now)
@@ -185,13 +188,24 @@ class WorkerSide(StoredState):
                 self._changed()
             job = self._jobs.get(report.job_id)
             cur = None if job is None else job.current
-            if job is not None and cur is not None and cur.number == report.attempt:
+            # The attempt is this one only where the controller placed it: the same number
+            # on another host or device is another process (a store restored from an older
+            # copy offered the number again), whose silence this report must not cover.
+            here = (
+                cur is not None
+                and cur.number == report.attempt
+                and (cur.host, cur.device) == (h.name, name)
+            )
+            if here:
+                assert cur is not None
                 cur.last_heard = now
             if report.state not in ("acquiring", "running") or job is None:
                 continue
             why = None
             if cur is None or cur.number != report.attempt:
                 why = "stale attempt: the job was offered again"
+            elif not here:
+                why = f"stale attempt: attempt {cur.number} was offered to {cur.host}/{cur.device}"
             elif job.cancel_reason is not None:
                 why = job.cancel_reason
             elif job.terminal and report.state == "acquiring":

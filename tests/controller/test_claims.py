@@ -189,3 +189,57 @@ async def test_output_under_another_hosts_session_is_refused_as_stale(
     assert (r.status_code, r.json()["error"]) == (409, "stale_attempt")
     assert store.output(job_id) == b""
     assert (await w2.output(a, 0, b"mine", session=True)).json() == {"committed": 4}
+
+
+async def test_the_same_attempt_number_running_on_another_host_is_cancelled(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # The restored store offered box2 attempt 1, the number box1 already runs. Each
+    # number stays one process's: box1's report does not pass for box2's offer, and it
+    # is cancelled.
+    job_id, _w2, offer, w1 = await offered_to_box2(client, store)
+    r = await w1.heartbeat({"gpu0": {"state": "running", "job_id": job_id, "attempt": 1}})
+    [order] = r.json()["cancel"]
+    assert (order["job_id"], order["attempt"]) == (job_id, 1)
+    assert "offered to box2/gpu0" in order["reason"]
+    job = store.job(job_id)
+    assert (job.state, job.attempt, job.host, offer["attempt"]) == ("assigned", 1, "box2", 1)
+
+
+async def test_a_new_worker_process_claiming_a_later_attempt_keeps_the_job(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # The restored store has attempt 1 running here under an older worker process; the
+    # live one (a new instance) runs attempt 2. Nothing was interrupted: not lost.
+    job_id = store.submit(["train"])
+    w1 = FakeWorker(client)
+    await w1.register(devices=[{"name": "gpu0", "declared_labels": {}}], instance_id="old")
+    [a1] = await w1.poll(["gpu0"])
+    assert (await w1.start(a1)).status_code == 200
+    await register_with(w1, {"gpu0": claims(running={"job_id": job_id, "attempt": 2})})
+    job = store.job(job_id)
+    assert (job.state, job.attempt, job.host) == ("running", 2, "box1")
+    assert store.device("box1", "gpu0").state == "busy"  # not quarantined `interrupted`
+    r = await w1.heartbeat({"gpu0": {"state": "running", "job_id": job_id, "attempt": 2}})
+    assert r.json()["cancel"] == []
+
+
+async def test_a_claim_on_a_device_the_controller_had_running_another_job_ends_that_job(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # The restored store has X running on gpu0; the worker runs Y there (X's finish went
+    # with the newer copy). X must not stay `running` for ever while gpu0 is offered again.
+    x, y = store.submit(["x"]), store.submit(["y"])
+    w1 = FakeWorker(client)
+    await w1.register()
+    [ax] = await w1.poll(["gpu0"])
+    assert ax["job_id"] == x
+    assert (await w1.start(ax)).status_code == 200
+    r = await w1.heartbeat({"gpu0": {"state": "running", "job_id": y, "attempt": 1}})
+    assert r.json()["cancel"] == []
+    assert (store.job(y).state, store.job(y).device) == ("running", "gpu0")
+    assert store.job(x).state == "lost"
+    assert f"the worker runs {y} on box1/gpu0" in store.job(x).reason
+    ay = {"job_id": y, "attempt": 1, "device": "gpu0"}
+    assert (await w1.finish(ay, "succeeded")).status_code == 200
+    assert store.device("box1", "gpu0").state == "free"

@@ -335,3 +335,19 @@ def test_the_same_instance_on_a_new_boot_is_a_new_process() -> None:
     start(store, session, assign(store, session))
     register(store, instance="a", boot="boot-2")
     assert store.job(job).state == "lost"
+
+
+def test_a_report_from_another_host_does_not_keep_an_unstarted_offer_alive() -> None:
+    # box1 reports running attempt 1 (a store restored from an older copy offered that
+    # number again, to box2). Only box2 can speak for box2's offer: unstarted after
+    # report_timeout_s, it is offered again, however often box1 names the number.
+    store = Store(StoreConfig(report_timeout_s=60, heartbeat_interval_s=100), instance="t")
+    box2 = register(store, "box2")
+    box1 = register(store, "box1")
+    store.submit(["x"])
+    a = assign(store, box2, host="box2")
+    mention = {"gpu0": DeviceReport("running", job_id=a.job_id, attempt=a.attempt)}
+    heartbeat(store, box1, now=50, devices=mention)
+    heartbeat(store, box2, "box2", now=50)
+    store.tick(61)
+    assert store.job(a.job_id).state == "queued"
