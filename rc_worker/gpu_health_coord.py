@@ -118,7 +118,7 @@ class GpuHealthCoordinator:
             return None
         uuids, buses = self._labels()
         verdicts = await self.monitor.check(
-            [device], expected_uuid=uuids, bus_ids=buses, jobs=self.running_jobs()
+            [device], expected_uuid=uuids, bus_ids=buses, jobs=self.running_jobs
         )
         self._apply(verdicts)
         dev = self._devices[device]
@@ -137,6 +137,7 @@ class GpuHealthCoordinator:
         if unknown is not None:
             dev.set_health_hold({CHECK_RESIDENT: unknown}, ())
             return
+        before = list(self.running_jobs().values())
         try:
             apps = await self._resident(device, uuids)
             if any([await self._of_job(a.pid, job_id) for a in apps]):
@@ -148,7 +149,9 @@ class GpuHealthCoordinator:
             return
         self.monitor.metrics.gpu_health_checks.labels(CHECK_RESIDENT, "ok").inc()
         dev.set_health_hold({}, (CHECK_RESIDENT,))
-        fault = self.monitor.residents(device, apps, uuids, self.running_jobs()).fault()
+        # Known before the listing or after it: see ``GpuHealthMonitor._check_resident``.
+        seen = before + [j for j in self.running_jobs().values() if j not in before]
+        fault = self.monitor.residents(device, apps, uuids, seen).fault()
         if fault is not None:
             self._raise(device, fault, job_id=job_id)
 
@@ -211,15 +214,15 @@ class GpuHealthCoordinator:
         )
         idle = [d for d in targets if self._idle(d)]
         if idle:
-            # Taken before the listing: a sibling's job that ends during it is still
-            # known by its process group (its processes are listed).
+            # Asked for after the lock is taken, before and after the listing: a
+            # sibling's job that begins or ends meanwhile is still known.
             resident = await self.monitor.check(
                 idle,
                 expected_uuid=uuids,
                 bus_ids=buses,
                 memory=False,
                 xids=False,
-                jobs=self.running_jobs(),
+                jobs=self.running_jobs,
             )
             for name, v in resident.items():
                 if not self._idle(name):

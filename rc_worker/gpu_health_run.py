@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -224,14 +224,14 @@ class GpuHealthMonitor:
         resident: bool = True,
         xids: bool = True,
         pci: bool = False,
-        jobs: Mapping[str, RunningJob] | None = None,
+        jobs: Callable[[], Mapping[str, RunningJob]] | None = None,
     ) -> dict[str, DeviceVerdict]:
         """Run the checks for ``devices`` (GPU devices only; others are left out).
 
         One nvidia-smi health query and one compute-apps query serve every
         device asked for. ``bus_ids`` is each device's ``pci_bus_id`` label,
-        which maps kernel Xid lines to devices. ``jobs`` are the jobs running,
-        by device: a sibling slice's job's processes are not resident here.
+        which maps kernel Xid lines to devices. ``jobs`` gives the jobs running
+        now, by device: a sibling slice's job's processes are not resident here.
         """
         async with self._lock:
             targets = [self.targets[d] for d in devices if d in self.targets]
@@ -242,7 +242,7 @@ class GpuHealthMonitor:
             if memory:
                 await self._check_health(targets, verdicts, expected_uuid)
             if resident:
-                await self._check_resident(targets, verdicts, expected_uuid, jobs or {})
+                await self._check_resident(targets, verdicts, expected_uuid, jobs or dict)
             if xids:
                 self._check_xids(targets, verdicts, bus_ids)
             if pci:
@@ -324,11 +324,16 @@ class GpuHealthMonitor:
         targets: Sequence[GpuTarget],
         verdicts: dict[str, DeviceVerdict],
         expected_uuid: Mapping[str, str],
-        jobs: Mapping[str, RunningJob],
+        jobs: Callable[[], Mapping[str, RunningJob]],
     ) -> None:
+        # The jobs running before the listing and after it: one that ended during it is
+        # still known (its processes may be listed), and so is one that began during it
+        # or while this check waited for the lock.
+        before = list(jobs().values())
         apps = await self._query(CHECK_RESIDENT, targets, verdicts, self.list_apps)
         if apps is None:
             return
+        seen = before + [j for j in jobs().values() if j not in before]
         for t in targets:
             unknown = self.uuid_unknown(t.device, expected_uuid)
             if unknown is not None:
@@ -336,7 +341,7 @@ class GpuHealthMonitor:
                 verdicts[t.device].held[CHECK_RESIDENT] = unknown
                 continue
             mine = self.resident_on(t.device, apps, expected_uuid)
-            fault = self.residents(t.device, mine, expected_uuid, jobs).fault()
+            fault = self.residents(t.device, mine, expected_uuid, seen).fault()
             verdicts[t.device].passed.add(CHECK_RESIDENT)
             if fault is not None:
                 verdicts[t.device].faults.append(fault)
@@ -360,15 +365,17 @@ class GpuHealthMonitor:
         device: str,
         apps: Sequence[ComputeApp],
         expected_uuid: Mapping[str, str],
-        jobs: Mapping[str, RunningJob],
+        jobs: Iterable[RunningJob],
     ) -> Residents:
         """Which of ``device``'s apps (``resident_on``) dirty it: not those of a job
         running on another device of the same physical GPU (``core/mig_share.py``)."""
         t = self.targets[device]
         siblings = [
             job
-            for name, job in jobs.items()
-            if name != device and name in self.targets and self.targets[name].index == t.index
+            for job in jobs
+            if job.device != device
+            and job.device in self.targets
+            and self.targets[job.device].index == t.index
         ]
         return residents(
             apps,

@@ -647,7 +647,7 @@ async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_residen
                 bus_ids={},
                 memory=False,
                 xids=False,
-                jobs=jobs,
+                jobs=lambda: jobs,
             )
     finally:
         helper.kill()
@@ -659,6 +659,51 @@ async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_residen
     assert f"pid {helper.pid} " not in fault.reason  # its RC_JOB_ID/RC_DEVICE: the sibling's
     assert f"pid {unread} was listed under the GPU's own UUID" in fault.reason
     assert "could not be told apart from the jobs on gpu0-mig1" in fault.reason
+
+
+async def test_a_sibling_job_that_begins_during_the_listing_is_still_told(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """The running jobs are asked for before and after the listing: a sibling's job that
+    began while the check waited for its lock, or while nvidia-smi listed, is listed but
+    was not running at the first ask. Its process must not dirty the idle slice."""
+    from rc_worker.core.mig_share import RunningJob
+    from rc_worker.gpu_health_run import GpuHealthMonitor
+    from rc_worker.host import LinuxHost
+    from rc_worker.metrics import WorkerMetrics
+
+    monitor = GpuHealthMonitor(
+        config(tmp_path, *mig_devices()),
+        host=LinuxHost(),
+        environ=environ(tmp_path, gpus),
+        metrics=WorkerMetrics(),
+    )
+    job = await trio.lowlevel.open_process(["sleep", "300"], start_new_session=True)
+    asked: list[int] = []
+
+    def running() -> dict[str, RunningJob]:
+        asked.append(len(asked))
+        # Nothing yet at the first ask; the job has begun by the second.
+        return {} if len(asked) == 1 else {"gpu0-mig1": RunningJob("gpu0-mig1", "j", job.pid)}
+
+    try:
+        app = {"gpu_uuid": UUID0, "pid": job.pid, "process_name": "train", "used_memory": 1}
+        gpus.set("apps", [app])
+        with trio.fail_after(30):
+            verdicts = await monitor.check(
+                ["gpu0-mig2"],
+                expected_uuid={"gpu0": UUID0},
+                bus_ids={},
+                memory=False,
+                xids=False,
+                jobs=running,
+            )
+    finally:
+        job.kill()
+        with trio.move_on_after(5, shield=True):
+            await job.wait()
+    assert len(asked) == 2
+    assert verdicts["gpu0-mig2"].faults == []
 
 
 # -- enabled: auto ---------------------------------------------------------------------------
