@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import httpx
@@ -22,6 +22,10 @@ import trio
 from rc_worker.controller import create_app, rc_cli
 from rc_worker.core.config import DeviceConfig, GpuHealthConfig
 from rc_worker.testing import USER_TOKEN, LocalSystem, local_system, make_config
+
+if TYPE_CHECKING:
+    from rc_worker.core.mig_share import RunningJob
+    from rc_worker.gpu_health_run import DeviceVerdict, GpuHealthMonitor
 
 FAKE = Path(__file__).parent / "probe_helpers" / "fake_gpu_smi.py"
 UUID0 = "GPU-0f3c2a51-8d4e-4b7a-a1c9-3e5d7f9b2c01"
@@ -609,6 +613,18 @@ async def test_a_sibling_slices_job_listed_under_the_parent_uuid_leaves_idle_sli
             assert (await system.wait_job(job)).state == "succeeded"
 
 
+async def resident_check(
+    monitor: GpuHealthMonitor,
+    device: str,
+    jobs: Callable[[], Mapping[str, RunningJob]],
+) -> dict[str, DeviceVerdict]:
+    """The resident check alone, for ``device`` of GPU 0 (UUID0), with ``jobs`` running."""
+    with trio.fail_after(30):
+        return await monitor.check(
+            [device], expected_uuid={"gpu0": UUID0}, bus_ids={}, memory=False, xids=False, jobs=jobs
+        )
+
+
 async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_resident(
     tmp_path: Path, gpus: Gpus
 ) -> None:
@@ -640,15 +656,7 @@ async def test_a_process_under_the_parent_uuid_that_cannot_be_told_stays_residen
             ],
         )
         jobs = {"gpu0-mig1": RunningJob("gpu0-mig1", "job-a", leader=None)}
-        with trio.fail_after(30):
-            verdicts = await monitor.check(
-                ["gpu0-mig2"],
-                expected_uuid={"gpu0": UUID0},
-                bus_ids={},
-                memory=False,
-                xids=False,
-                jobs=lambda: jobs,
-            )
+        verdicts = await resident_check(monitor, "gpu0-mig2", lambda: jobs)
     finally:
         helper.kill()
         with trio.move_on_after(5, shield=True):
@@ -689,15 +697,7 @@ async def test_a_sibling_job_that_begins_during_the_listing_is_still_told(
     try:
         app = {"gpu_uuid": UUID0, "pid": job.pid, "process_name": "train", "used_memory": 1}
         gpus.set("apps", [app])
-        with trio.fail_after(30):
-            verdicts = await monitor.check(
-                ["gpu0-mig2"],
-                expected_uuid={"gpu0": UUID0},
-                bus_ids={},
-                memory=False,
-                xids=False,
-                jobs=running,
-            )
+        verdicts = await resident_check(monitor, "gpu0-mig2", running)
     finally:
         job.kill()
         with trio.move_on_after(5, shield=True):
