@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 ADOPTED_COMMAND = ("(adopted: the controller had no record of this job)",)
 
 
+def claimed_attempts(req: RegisterRequest) -> dict[str, int]:
+    """The attempt a registration says each job runs at (protocol 2): job id -> number."""
+    return {d.running.job_id: d.running.attempt for d in req.devices if d.running is not None}
+
+
 def apply_register_claims(store: StoreState, h: Host, req: RegisterRequest, now: float) -> None:
     """Take the faults and running attempts a registration declares (protocol 2)."""
     for decl in req.devices:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rc_worker.controller.claims import claimed_attempts
 from rc_worker.controller.messages import Recovery, RegisterRequest
 from rc_worker.controller.records import Device, Host
 
@@ -40,11 +41,7 @@ def reconcile_registration(
     recovery = {r.job_id: r for r in req.recovery}
     settled: set[tuple[str, str]] = set()
     # Attempts the worker says it runs now (protocol 2): facts, whatever process registers.
-    claimed = {
-        decl.running.job_id: decl.running.attempt
-        for decl in req.devices
-        if decl.running is not None
-    }
+    claimed = claimed_attempts(req)
 
     def proof(start_boot: str | None, rec: Recovery | None) -> str | None:
         boot = start_boot if start_boot is not None else (None if rec is None else rec.boot_id)

@@ -699,9 +699,8 @@ class StoreState:
             self._emit("fault_adopted", host=d.host, device=d.name, fault_id=fault.fault_id)
 
     def adopt_newer_attempt(self, job: Job, d: Device, number: int, now: float) -> None:
-        """A worker runs attempt ``number`` of ``job``, above any attempt recorded here."""
-        self.journal.job(job.job_id)
-        self._touch_job(job)
+        """A worker runs attempt ``number`` of ``job``, above any attempt recorded here:
+        the attempts up to it are recorded, then the job is adopted as an unknown one is."""
         cur = job.current
         if cur is not None:
             cur.status = "requeued"
@@ -716,18 +715,7 @@ class StoreState:
         job.state = "running"
         if job.started_at is None:
             job.started_at = self._wall()
-        self._live[job.job_id] = job
-        self._displace(d, job)
-        d.occupy(job, self._wall())
-        self._arm_job(job)
-        self._emit(
-            "job_adopted",
-            job_id=job.job_id,
-            attempt=number,
-            host=d.host,
-            device=d.name,
-            adopted_attempt=number,
-        )
+        self.adopt_job(job, d)
 
     def _displace(self, d: Device, claimed: Job) -> None:
         """The worker says ``d`` runs ``claimed``: a job the controller had there is not.
@@ -749,6 +737,8 @@ class StoreState:
             self._terminate(held, "lost", by="controller", reason=f"{why}, not this job")
 
     def adopt_job(self, job: Job, d: Device) -> None:
+        """``job``, its current attempt running on ``d``, is the worker's claim: live, on
+        the device (whatever the store had there), stored, and owed a report."""
         self._jobs[job.job_id] = job
         self._live[job.job_id] = job
         self._displace(d, job)

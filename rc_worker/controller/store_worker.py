@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rc_worker.controller.claims import adopt_attempt, apply_register_claims
+from rc_worker.controller.claims import adopt_attempt, apply_register_claims, claimed_attempts
 from rc_worker.controller.errors import (
     BadRequest,
     Conflict,
@@ -130,7 +130,7 @@ class WorkerSide(StoredState):
         self._touch_host(host)
         self._claimed = {a for a in self._claimed if a[0] != host}
         self._listed.pop(host, None)
-        claimed = {d.running.job_id: d.running.attempt for d in req.devices if d.running}
+        claimed = claimed_attempts(req)
         for job in list(self._live.values()):
             cur = job.current
             if cur is None or cur.host != host or cur.status != "assigned" or same_process:
@@ -192,19 +192,20 @@ class WorkerSide(StoredState):
             # on another host or device is another process (a store restored from an older
             # copy offered the number again), whose silence this report must not cover.
             here = (
-                cur is not None
+                cur
+                if cur is not None
                 and cur.number == report.attempt
                 and (cur.host, cur.device) == (h.name, name)
+                else None
             )
-            if here:
-                assert cur is not None
-                cur.last_heard = now
+            if here is not None:
+                here.last_heard = now
             if report.state not in ("acquiring", "running") or job is None:
                 continue
             why = None
             if cur is None or cur.number != report.attempt:
                 why = "stale attempt: the job was offered again"
-            elif not here:
+            elif here is None:
                 why = f"stale attempt: attempt {cur.number} was offered to {cur.host}/{cur.device}"
             elif job.cancel_reason is not None:
                 why = job.cancel_reason

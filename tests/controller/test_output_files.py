@@ -142,6 +142,15 @@ def opened(state_dir: Path) -> SqliteBackend:
     return backend
 
 
+def stored(state_dir: Path, *jobs: tuple[str, float, bytes]) -> None:
+    """A state directory holding ``jobs`` finished (see ``finished``), its backend closed."""
+    backend = opened(state_dir)
+    try:
+        backend.write([finished(*jobs)])
+    finally:
+        backend.close()
+
+
 def test_output_lives_in_files_and_the_database_keeps_lengths(tmp_path: Path) -> None:
     backend = opened(tmp_path)
     try:
@@ -200,9 +209,7 @@ def test_an_open_removes_files_never_committed(tmp_path: Path) -> None:
 def test_a_short_file_is_served_as_it_is_and_said_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    backend = opened(tmp_path)
-    backend.write([finished(("j-1-t", 1.0, b"0123456789"))])
-    backend.close()
+    stored(tmp_path, ("j-1-t", 1.0, b"0123456789"))
     (tmp_path / OUTPUT_DIR / "j-1-t").write_bytes(b"0123")  # a backup copied too early
     with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
         backend = opened(tmp_path)
@@ -500,9 +507,7 @@ def test_an_output_directory_holding_none_of_the_output_is_refused_not_emptied(
 ) -> None:
     from rc_worker.controller.persist import StoreOpenError
 
-    backend = opened(tmp_path)
-    backend.write([finished(("j-1-t", 1.0, b"0123456789"), ("j-2-t", 2.0, b"ab"))])
-    backend.close()
+    stored(tmp_path, ("j-1-t", 1.0, b"0123456789"), ("j-2-t", 2.0, b"ab"))
     output = tmp_path / OUTPUT_DIR
     shutil.move(output, tmp_path / "elsewhere")  # a file system not mounted, say
     output.mkdir()
@@ -565,9 +570,7 @@ def test_one_job_whose_file_is_gone_is_counted_as_empty_at_the_next_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What the failed commit's message offers: a restart counts what the file holds."""
-    backend = opened(tmp_path)
-    backend.write([finished(("j-1-t", 1.0, b"0123456789"))])
-    backend.close()
+    stored(tmp_path, ("j-1-t", 1.0, b"0123456789"))
     (tmp_path / OUTPUT_DIR / "j-1-t").unlink()
     with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
         backend = opened(tmp_path)
