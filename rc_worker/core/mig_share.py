@@ -14,9 +14,12 @@ cautious but wrong where it matters: an idle slice was quarantined for the
 job its busy sibling runs. The worker knows its jobs: a job's main process
 leads its own session and process group (its pid is the group's id), and
 every process of a job, or of its hooks and verify scripts, carries the
-job's ``RC_JOB_ID``. A process listed under the shared UUID is a sibling's
-when one of those says so; any other stays resident (fail closed), and
-when they could not be read the fault says that it could not be told.
+job's ``RC_JOB_ID`` and its device's ``RC_DEVICE`` (both are needed: an
+earlier attempt of the same job on another slice carries the same job id).
+A process listed under the shared UUID is a sibling's when its process
+group or session, or both variables, say so; any other stays resident (fail
+closed), and when they could not be read the fault says that it could not
+be told.
 """
 
 from __future__ import annotations
