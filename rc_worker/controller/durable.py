@@ -115,7 +115,7 @@ class Durability:
                 # Shielded: a request cancelled mid-commit must not leave the outcome unknown.
                 with anyio.CancelScope(shield=True):
                     began = time.perf_counter()
-                    await anyio.to_thread.run_sync(self.backend.write, [batch])
+                    recounted = await anyio.to_thread.run_sync(self.backend.write, [batch])
                     self.last_commit_s = time.perf_counter() - began
                     self.store.stats.commit_latency.observe(self.last_commit_s)
             except StoreWriteError as e:
@@ -133,10 +133,15 @@ class Durability:
             self._failed_commit = None
             self.written = generation
             self.store.journal.stored()
+            for job_id, length in recounted.items():
+                # Its file was removed or cut: what the store counts follows what is
+                # stored, and the worker's next output is told where to resend from.
+                self.store.recount_output(job_id, length)
             # Committed output leaves memory: reads below it go to the backend.
             stored: dict[str, int] = {}
             for job_id, off, data in batch.output:
-                stored[job_id] = max(stored.get(job_id, 0), off + len(data))
+                if job_id not in recounted:  # its pieces past the hole were not stored
+                    stored[job_id] = max(stored.get(job_id, 0), off + len(data))
             for job_id, upto in stored.items():
                 self.store.trim_output(job_id, upto)
             # So do stored finished jobs, but the most recent.

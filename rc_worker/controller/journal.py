@@ -63,6 +63,11 @@ class Journal:
             self._marks.output.append((job_id, offset, data))
             self.generation += 1
 
+    def drop_output(self, job_id: str) -> None:
+        """Forget the job's output marked since the last :meth:`take` (its count went back:
+        those pieces lie past a hole, and the worker resends them)."""
+        self._marks.output = [piece for piece in self._marks.output if piece[0] != job_id]
+
     def marked_jobs(self) -> set[str]:
         """Ids of the jobs not stored yet: marked since the last :meth:`take`, and those of
         the commit being written. Without the latter, a job could leave memory while its

@@ -103,6 +103,26 @@ class StoredState(StoreState):
         del job.output[:cut]
         job.output_base += cut
 
+    def recount_output(self, job_id: str, length: int) -> None:
+        """The store beneath holds only ``length`` bytes of the job's output (its file was
+        removed or cut under a running controller): count from there. What came past the
+        hole, in memory or marked for the next commit, is dropped, and the worker's next
+        output is answered with ``length`` (``409 gap`` above it), so it resends the rest
+        from its spool. Bytes dropped past ``max_output_bytes`` are counted again as the
+        worker resends them."""
+        job = self._jobs.get(job_id)
+        if job is None or length >= job.stored_bytes:
+            return
+        stored = job.stored_bytes + job.dropped_bytes
+        del job.output[:]
+        job.output_base = length
+        job.dropped_bytes = 0
+        self.journal.drop_output(job_id)
+        self.journal.job(job_id)
+        self._emit("job_output_recounted", job_id=job_id, stored=stored, counted=length)
+        self._touch_job(job)
+        self._changed()
+
     def finished_before(self, wall_time: float) -> list[str]:
         """Ids of jobs that ended before ``wall_time`` (wall clock): retention's candidates."""
         return [

@@ -205,6 +205,12 @@ async def output(request: Request) -> Response:
     ctl.tick()
     _check_attempt_sender(ctl, p, request, job_id, attempt)
     committed = await _append_as_read(ctl, request, job_id, attempt, offset)
+    if ctl.durability is not None:
+        # The answer is what is stored: a commit that found the job's output file removed
+        # or cut counted it lower (``recount_output``), and the worker resends from there.
+        await ctl.durability.flush()
+        if ctl.store.in_memory(job_id):
+            committed = ctl.store.committed(job_id)
     return JSONResponse(unstructure(OutputReply(committed)))
 
 

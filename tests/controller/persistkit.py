@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -64,10 +64,10 @@ class Breakable:
     def load(self, max_events: int) -> Loaded:
         return self.inner.load(max_events)
 
-    def write(self, batches: Sequence[Batch]) -> None:
+    def write(self, batches: Sequence[Batch]) -> Mapping[str, int]:
         if self.broken:
             raise StoreWriteError(f"writing to {self.description} failed: disk I/O error")
-        self.inner.write(batches)
+        return self.inner.write(batches)
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         return self.inner.read_output(job_id, offset, limit)

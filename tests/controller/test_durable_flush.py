@@ -28,12 +28,13 @@ class GatedBackend:
         self.gate = threading.Semaphore(0)
         self.failing = False
 
-    def write(self, batches: list[Any]) -> None:
+    def write(self, batches: list[Any]) -> dict[str, int]:
         self.asked += 1
         self.gate.acquire(timeout=30)
         self.writes.append([job.job_id for batch in batches for job in batch.jobs])
         if self.failing:
             raise StoreWriteError("the disk is full")
+        return {}
 
 
 async def writing(backend: GatedBackend, count: int) -> None:

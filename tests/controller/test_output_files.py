@@ -529,47 +529,82 @@ def test_an_output_directory_holding_none_of_the_output_is_refused_not_emptied(
 
 
 @pytest.mark.parametrize("how", ["removed", "cut"])
-def test_output_of_a_job_whose_file_went_under_a_running_controller_fails_the_commit(
-    tmp_path: Path, how: str
+def test_a_job_whose_file_went_under_a_running_controller_is_recounted_alone(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Never written past a hole (which reads back as zeros, served as output): the commit
-    fails in one line naming the file, nothing of it counts, and once the file is back the
-    same commit goes through. (The requests waiting on it get 503 and are sent again: the
-    durable layer's test is in test_persist.py.)"""
+    """Never written past a hole (which reads back as zeros, served as output), and never
+    the whole store failing for one file: that job's output counts what its file holds,
+    said in one line naming the file; the rest of the commit lands; the worker's resend
+    from there fills it in. (The store failed every commit until the file was restored,
+    answering 503 to every change on the controller.)"""
     backend = opened(tmp_path)
     path = tmp_path / OUTPUT_DIR / "j-1-t"
+    kept = 0 if how == "removed" else 4
     try:
         first = (("j-1-t", 0, b"0123456789"), ("j-2-t", 0, b"a"))
         backend.write([Batch(generation=1, output=first)])
-        saved = path.read_bytes()
         if how == "removed":
             path.unlink()
         else:
             path.write_bytes(b"0123")
         more = Batch(generation=2, output=(("j-1-t", 10, b"abc"), ("j-2-t", 1, b"b")))
-        with pytest.raises(StoreWriteError) as caught:
-            backend.write([more])
-        message = str(caught.value)
-        assert "\n" not in message
-        assert str(path) in message
-        assert "restore it, or restart rc serve" in message
-        if how == "removed":
-            assert not path.exists()
-        else:
-            assert path.read_bytes() == b"0123"
-        assert backend.read_output("j-2-t", 0, None) == b"a"  # nothing of the batch counts
-        path.write_bytes(saved)
-        backend.write([more])
+        with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):
+            assert backend.write([more]) == {"j-1-t": kept}
+        [line] = [r.getMessage() for r in caplog.records if "j-1-t" in r.getMessage()]
+        assert str(path) in line
+        assert f"now counts {kept} bytes" in line
+        assert path.read_bytes() == b"0123"[:kept]  # nothing written past the hole
+        assert backend.read_output("j-1-t", 0, None) == b"0123"[:kept]
+        assert backend.read_output("j-2-t", 0, None) == b"ab"  # the rest of it counts
+        # The worker resends from what it is told is stored, and more after it.
+        resent = Batch(generation=3, output=(("j-1-t", kept, b"0123456789abc"[kept:]),))
+        assert backend.write([resent]) == {}
         assert backend.read_output("j-1-t", 0, None) == b"0123456789abc"
-        assert backend.read_output("j-2-t", 0, None) == b"ab"
     finally:
         backend.close()
+    reopened = opened(tmp_path)  # and a restart finds nothing to repair
+    try:
+        assert reopened.read_output("j-1-t", 0, None) == b"0123456789abc"
+    finally:
+        reopened.close()
+
+
+@given(
+    data=st.binary(min_size=1, max_size=40),
+    split=st.integers(0, 40),
+    kept=st.integers(0, 40),
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), max_size=6),
+)
+def test_a_recounted_file_holds_exactly_the_bytes_it_counts(
+    data: bytes, split: int, kept: int, pieces: list[tuple[int, int]]
+) -> None:
+    """Whatever was cut and whatever the next commit brings (retries below the cut,
+    pieces that continue it, pieces past the hole): the length counted is
+    :func:`extend` of what the file kept, and every byte below it is the job's own."""
+    import tempfile
+
+    from rc_worker.controller.persist.output_files import OutputFiles
+
+    held = min(split, len(data))
+    kept = min(kept, held)
+    with tempfile.TemporaryDirectory() as d:
+        files = OutputFiles(Path(d) / "output")
+        files.write([("j", 0, data[:held])], {})
+        os.truncate(files.path("j"), kept)
+        writes = [(off, data[off : off + size]) for off, size in pieces if off < len(data)]
+        recounted = files.write([("j", off, b) for off, b in writes], {"j": held})
+        if kept == held or not writes:  # only a job being written is looked at
+            assert recounted == {}
+        else:
+            length = extend(kept, [(off, len(b)) for off, b in writes])
+            assert recounted == {"j": length}
+            assert files.read("j", 0, length) == data[:length]
 
 
 def test_one_job_whose_file_is_gone_is_counted_as_empty_at_the_next_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """What the failed commit's message offers: a restart counts what the file holds."""
+    """A restart counts what the file holds, as a running controller does (above)."""
     stored(tmp_path, ("j-1-t", 1.0, b"0123456789"))
     (tmp_path / OUTPUT_DIR / "j-1-t").unlink()
     with caplog.at_level(logging.WARNING, logger="rc_worker.controller"):

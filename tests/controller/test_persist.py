@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,9 @@ class Counting(Breakable):
         super().__init__(inner)
         self.writes = 0
 
-    def write(self, batches: Sequence[Batch]) -> None:
+    def write(self, batches: Sequence[Batch]) -> Mapping[str, int]:
         self.writes += 1
-        super().write(batches)
+        return super().write(batches)
 
 
 async def submit(user: httpx.AsyncClient, *command: str, **extra: Any) -> str:
@@ -780,40 +780,51 @@ async def test_retired_hosts_stay_counted_across_a_restart(store_place: StorePla
         reopened.backend.close()
 
 
-async def test_output_whose_file_went_under_a_running_controller_is_refused_then_resent(
+async def test_output_whose_file_went_under_a_running_controller_is_recounted_then_resent(
     tmp_path: Path,
 ) -> None:
     """SQLite: a job's output file removed under a running controller. The next output
-    for it is never written past the hole: the commit fails, the worker gets 503 (and so
-    keeps its spool), and once the file is back its retry lands; every byte once."""
+    for it is never written past the hole, and the rest of the controller never notices:
+    the answer says what is stored (nothing now), the worker resends from there out of
+    its spool, and every byte lands once. Before, every commit failed until the file was
+    restored: every submit, finish and output on the controller answered 503."""
     from rc_worker.controller.persist.sqlite import OUTPUT_DIR
 
     place = StorePlace("sqlite", state_dir=tmp_path / "state")
     with trio.fail_after(GUARD):
         opened = open_controller(place.open())
         async with clients(opened.app) as (bare, user):
-            w = FakeWorker(bare)
+            w = FakeWorker(bare, devices=("gpu0", "gpu1"))
             await w.register()
             job = await submit(user, "x")
-            [a] = await w.poll(wait_s=1)
+            other = await submit(user, "y")
+            [a, b] = sorted(await w.poll(wait_s=1), key=lambda x: x["job_id"] != job)
             await w.start(a)
+            await w.start(b)
             assert (await w.output(a, 0, b"0123456789")).json() == {"committed": 10}
             path = place.state_dir / OUTPUT_DIR / job  # type: ignore[operator]
-            saved = path.read_bytes()
             path.unlink()
             r = await w.output(a, 10, b"abc")
-            assert r.status_code == 503
-            assert r.json()["error"] == "store_unavailable"
-            assert str(path) in r.json()["message"]
-            assert not path.exists()  # nothing written past the hole
-            path.write_bytes(saved)  # restored
-            await opened.durability.flush()  # what Durability.run does every second
-            r = await w.output(a, 10, b"abc")  # the worker's retry
+            assert r.status_code == 200, r.text
+            assert r.json() == {"committed": 0}  # resend from the start
+            assert not path.read_bytes()  # nothing written past the hole
+            # The rest of the controller goes on: other output, a submit, a finish.
+            assert (await w.output(b, 0, b"other")).json() == {"committed": 5}
+            assert (await user.get("/v1/health")).json()["store"] == "ok"
+            third = await submit(user, "z")
+            assert (await w.finish(b, "succeeded", output_bytes=5)).status_code == 200
+            r = await w.output(a, 13, b"d")  # above what is stored: a gap
+            assert (r.status_code, r.json()["committed"]) == (409, 0)
+            r = await w.output(a, 0, b"0123456789abc")  # the worker's resend
             assert r.json() == {"committed": 13}
             await w.finish(a, "succeeded", exit_code=0, output_bytes=13)
             await opened.durability.flush()
-            r = await user.get(f"/v1/jobs/{job}/output")
-            assert r.content == b"0123456789abc"
+            assert (await user.get(f"/v1/jobs/{job}/output")).content == b"0123456789abc"
+            assert (await user.get(f"/v1/jobs/{other}/output")).content == b"other"
+            assert (await user.get(f"/v1/jobs/{third}")).json()["state"] == "queued"
+            events = (await user.get("/v1/events")).json()["events"]
+            [recount] = [e for e in events if e["type"] == "job_output_recounted"]
+            assert (recount["job_id"], recount["stored"], recount["counted"]) == (job, 13, 0)
         opened.backend.close()
 
 

@@ -8,7 +8,7 @@ on their record, and does not rewrite a record it only read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -184,9 +184,10 @@ async def test_a_failing_store_keeps_one_batch_however_long_it_fails(
         writes: list[list[Batch]] = []
 
         class Counting(Breakable):
-            def write(self, batches: Sequence[Batch]) -> None:
-                super().write(batches)
+            def write(self, batches: Sequence[Batch]) -> Mapping[str, int]:
+                recounted = super().write(batches)
                 writes.append(list(batches))
+                return recounted
 
         backend = Counting(store_place.open())
         opened = open_controller(backend)

@@ -22,7 +22,7 @@ the number of jobs ever run. Backends are synchronous and called from a thread
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 from rc_worker.controller.persist.codec import Batch, JobRow, Loaded
@@ -45,8 +45,12 @@ class Backend(Protocol):
 
     def load(self, max_events: int) -> Loaded: ...
 
-    def write(self, batches: Sequence[Batch]) -> None:
-        """Write the batches in one transaction, in order; raise :class:`StoreWriteError`."""
+    def write(self, batches: Sequence[Batch]) -> Mapping[str, int]:
+        """Write the batches in one transaction, in order; raise :class:`StoreWriteError`.
+
+        Returns the jobs whose stored output was found shorter than committed (a file
+        removed under a running controller) with the length it now counts: the store
+        lowers its own count to match, and the worker resends the rest."""
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         """Stored output of a job from ``offset`` (at most ``limit`` bytes)."""
@@ -94,7 +98,7 @@ class MemoryBackend:
     def load(self, max_events: int) -> Loaded:
         return Loaded(meta={}, jobs=(), hosts=(), events=(), output={})
 
-    def write(self, batches: Sequence[Batch]) -> None:
+    def write(self, batches: Sequence[Batch]) -> Mapping[str, int]:
         for b in batches:
             for row in b.jobs:
                 self._jobs[row.job_id] = row
@@ -102,6 +106,7 @@ class MemoryBackend:
                 out = self._output.setdefault(job_id, bytearray())
                 if off == len(out):
                     out += data
+        return {}
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
         out = self._output.get(job_id, bytearray())

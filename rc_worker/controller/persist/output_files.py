@@ -36,7 +36,7 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["OutputFileLost", "OutputFiles", "Repair", "extend", "file_name", "reconcile"]
+__all__ = ["OutputFiles", "Repair", "extend", "file_name", "reconcile"]
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Never through a link: the directory is the controller's, and what it opens there is its own.
@@ -100,22 +100,6 @@ def reconcile(lengths: Mapping[str, int], sizes: Mapping[str, int]) -> Repair:
     return Repair(remove, tuple(truncate), tuple(shortened))
 
 
-class OutputFileLost(OSError):
-    """A job's output file is gone, or shorter than its committed length, while the
-    controller runs: nothing more is written to it until it is restored, or until a
-    restart counts what it holds (and the worker resends the rest)."""
-
-    def __init__(self, job_id: str, path: Path, committed: int, found: int | None) -> None:
-        what = "is gone" if found is None else f"holds {found} bytes"
-        super().__init__(
-            errno.EIO,
-            f"the output file of job {job_id} {what}, though {committed} bytes of it are "
-            "committed (removed or cut under a running controller?); restore it, or restart "
-            "rc serve to count what it holds (the worker resends the rest)",
-            str(path),
-        )
-
-
 class OutputFiles:
     """The ``output/`` directory of a state directory."""
 
@@ -134,39 +118,48 @@ class OutputFiles:
     def path(self, job_id: str) -> Path:
         return self.root / file_name(job_id)
 
-    def write(self, pieces: Iterable[tuple[str, int, bytes]], committed: Mapping[str, int]) -> None:
+    def write(
+        self, pieces: Iterable[tuple[str, int, bytes]], committed: Mapping[str, int]
+    ) -> dict[str, int]:
         """Write each ``(job_id, offset, data)`` at its offset and make it durable: the
         files fsynced, and the directory too if a file is new. Raises ``OSError``.
 
-        ``committed`` is each job's committed length (missing: 0). A job whose file is
-        gone or shorter than that (removed or cut under a running controller) raises
-        :class:`OutputFileLost`: its pieces would land past a hole that reads back as
-        zeros, served as output with no error. The commit fails instead, and with it the
-        requests waiting on it (503): the worker keeps its spool and resends.
+        ``committed`` is each job's committed length (missing: 0). Returns the jobs whose
+        file was gone or shorter than that (removed or cut under a running controller),
+        with the length each is recounted at: what the file held, grown over the pieces
+        that continue it. A piece past the hole is not written (it would read back as
+        zeros, served as output with no error); the caller commits the recounted length,
+        and the worker, which keeps its spool until the job's finish is acknowledged,
+        resends from there. What a restart's :func:`reconcile` would do, done for that
+        job alone as its next output arrives, so that one lost file never stops the rest
+        of the store.
         """
         by_job: dict[str, list[tuple[int, bytes]]] = {}
         for job_id, off, data in pieces:
             by_job.setdefault(job_id, []).append((off, data))
+        recounted: dict[str, int] = {}
         for job_id, writes in by_job.items():
             path = self.path(job_id)
             held = committed.get(job_id, 0)
             try:
                 fd = os.open(path, os.O_WRONLY | _FLAGS)
+                created = False
             except FileNotFoundError:
-                if held:
-                    raise OutputFileLost(job_id, path, held, None) from None
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | _FLAGS, 0o600)
                 self._unsynced = True
+                created = True
             try:
-                found = os.fstat(fd).st_size if held else 0
+                found = 0 if created or not held else os.fstat(fd).st_size
                 if found < held:
-                    raise OutputFileLost(job_id, path, held, found)
-                for off, data in writes:
-                    _pwrite_all(fd, data, off)
+                    recounted[job_id] = _write_from(fd, found, writes)
+                else:
+                    for off, data in writes:
+                        _pwrite_all(fd, data, off)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         self.sync()
+        return recounted
 
     def sync(self) -> None:
         """Make every name created here durable (an fsync of the directory), if any is new."""
@@ -241,6 +234,17 @@ class OutputFiles:
         if repair.remove:
             self._unsynced = True
         self.sync()
+
+
+def _write_from(fd: int, length: int, writes: list[tuple[int, bytes]]) -> int:
+    """Write the pieces that continue a file of ``length`` bytes, in offset order, and
+    return the length they make (:func:`extend`'s rule): none past a hole."""
+    for off, data in sorted(writes, key=lambda w: w[0]):
+        if off > length:
+            break
+        _pwrite_all(fd, data, off)
+        length = max(length, off + len(data))
+    return length
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -157,8 +157,9 @@ class SqlBackend:
 
     # --- writing while serving ----------------------------------------------------------------
 
-    def write(self, batches: Sequence[Batch]) -> None:
+    def write(self, batches: Sequence[Batch]) -> dict[str, int]:
         p = self.ph
+        recounted: dict[str, int] = {}
         # One statement per table and batch (executemany), not one round trip per row:
         # this runs on every commit, with every request that changes state waiting on it.
         with self._transaction(self._write_failed) as cur:
@@ -184,12 +185,15 @@ class SqlBackend:
                     f" VALUES ({p}, {p}, {p}, {p}) ON CONFLICT (seq) DO NOTHING",
                     list(b.events),
                 )
-                self._write_output(cur, b.output)
+                recounted.update(self._write_output(cur, b.output))
                 self._put_meta(cur, b.meta)
+        return recounted
 
-    def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> None:
+    def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> dict[str, int]:
         """Store output pieces ``(job_id, offset, data)`` within the open transaction: as
-        rows, the pieces that continue each other joined (``coalesce_output``)."""
+        rows, the pieces that continue each other joined (``coalesce_output``). Returns
+        the jobs whose stored output had to be recounted lower (rows are never lost
+        under a running controller: none here; see ``OutputFiles.write``)."""
         p = self.ph
         # A row at an offset already stored is the same bytes or more of them: a commit
         # that reached the database but whose COMMIT answer was lost is written again,
@@ -203,6 +207,7 @@ class SqlBackend:
             " WHERE length(excluded.data) > length(output.data)",
             coalesce_output(rows),
         )
+        return {}
 
     # Each job with how many bytes of output it has stored (its committed length).
     _JOB_WITH_BYTES = (

@@ -213,9 +213,9 @@ class SqliteBackend(SqlBackend):
                 [(found, job_id) for job_id, _, found in repair.shortened],
             )
 
-    def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> None:
+    def _write_output(self, cur: Any, rows: Sequence[tuple[str, int, bytes]]) -> dict[str, int]:
         if not rows:
-            return
+            return {}
         spans: dict[str, list[tuple[int, int]]] = {}
         for job_id, off, data in rows:
             spans.setdefault(job_id, []).append((off, len(data)))
@@ -225,12 +225,26 @@ class SqliteBackend(SqlBackend):
             row = cur.fetchone()
             committed[job_id] = 0 if row is None else int(row[0])
         # The bytes are durable before the lengths that make them count are committed.
-        self.files.write(rows, committed)
+        recounted = self.files.write(rows, committed)
+        for job_id, length in recounted.items():
+            log.warning(
+                "job %s: its output file %s was removed or cut under the running controller "
+                "(%d bytes were stored); its output now counts %d bytes and the worker "
+                "resends the rest",
+                job_id,
+                self.files.path(job_id),
+                committed[job_id],
+                length,
+            )
         cur.executemany(
             "INSERT INTO output_files (job_id, length) VALUES (?, ?)"
             " ON CONFLICT (job_id) DO UPDATE SET length = excluded.length",
-            [(job_id, extend(committed[job_id], pieces)) for job_id, pieces in spans.items()],
+            [
+                (job_id, recounted[job_id] if job_id in recounted else extend(n, spans[job_id]))
+                for job_id, n in committed.items()
+            ],
         )
+        return recounted
 
     def _length(self, job_id: str) -> int:
         """The job's committed output length (0: none)."""
