@@ -698,7 +698,9 @@ class StoreState:
         if self._raise_fault(d, fault):
             self._emit("fault_adopted", host=d.host, device=d.name, fault_id=fault.fault_id)
 
-    def adopt_newer_attempt(self, job: Job, d: Device, number: int, now: float) -> None:
+    def adopt_newer_attempt(
+        self, job: Job, d: Device, number: int, now: float, *, via: str
+    ) -> None:
         """A worker runs attempt ``number`` of ``job``, above any attempt recorded here:
         the attempts up to it are recorded, then the job is adopted as an unknown one is."""
         cur = job.current
@@ -715,7 +717,34 @@ class StoreState:
         job.state = "running"
         if job.started_at is None:
             job.started_at = self._wall()
-        self.adopt_job(job, d)
+        self.adopt_job(job, d, via=via)
+
+    def start_claimed_offer(
+        self,
+        job: Job,
+        d: Device,
+        now: float,
+        *,
+        boot_id: str | None,
+        started_at: float | None,
+        via: str,
+    ) -> None:
+        """A worker runs the attempt offered to ``d`` whose ``start`` never arrived (the
+        controller restarted before storing it, or it was lost in an outage): started, as
+        that start would have, and adopted, so that the worker owes its report."""
+        cur = job.current
+        assert cur is not None
+        assert cur.status == "assigned"
+        cur.status = "running"
+        cur.adopted = True
+        cur.last_heard = now
+        # The job runs now, so it started on the boot the worker runs on.
+        cur.start_boot_id = boot_id
+        said = "the registration" if via == "register" else f"a {via}"
+        cur.note = f"started: adopted from {said}; its start never arrived"
+        job.state = "running"
+        job.started_at = started_at if started_at is not None else self._wall()
+        self.adopt_job(job, d, via=via)
 
     def _displace(self, d: Device, claimed: Job) -> None:
         """The worker says ``d`` runs ``claimed``: a job the controller had there is not.
@@ -736,9 +765,10 @@ class StoreState:
         else:
             self._terminate(held, "lost", by="controller", reason=f"{why}, not this job")
 
-    def adopt_job(self, job: Job, d: Device) -> None:
+    def adopt_job(self, job: Job, d: Device, *, via: str) -> None:
         """``job``, its current attempt running on ``d``, is the worker's claim: live, on
-        the device (whatever the store had there), stored, and owed a report."""
+        the device (whatever the store had there), stored, and owed a report. ``via``:
+        what said so (``register`` or ``heartbeat``), for the event log."""
         self._jobs[job.job_id] = job
         self._live[job.job_id] = job
         self._displace(d, job)
@@ -754,4 +784,5 @@ class StoreState:
             host=d.host,
             device=d.name,
             adopted_attempt=None if cur is None else cur.number,
+            via=via,
         )

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rc_worker.controller.claims import adopt_attempt, apply_register_claims, claimed_attempts
+from rc_worker.controller.claims import (
+    adopt_attempt,
+    apply_register_claims,
+    claimed_placements,
+    offer_fate,
+)
 from rc_worker.controller.errors import (
     BadRequest,
     Conflict,
@@ -130,14 +135,29 @@ class WorkerSide(StoredState):
         self._touch_host(host)
         self._claimed = {a for a in self._claimed if a[0] != host}
         self._listed.pop(host, None)
-        claimed = claimed_attempts(req)
+        # The host's unstarted offers, before what was interrupted is judged: one the
+        # worker claims running is started here (its start never arrived), so that the
+        # registration finds it running and claimed, as if the start had come.
+        claimed = claimed_placements(req)
         for job in list(self._live.values()):
             cur = job.current
-            if cur is None or cur.host != host or cur.status != "assigned" or same_process:
+            if cur is None or cur.host != host or cur.status != "assigned":
                 continue
-            if claimed.get(job.job_id, 0) > cur.number:
-                continue  # superseded by the attempt the worker runs (the claims, below)
-            self._requeue(job, "a new worker process registered before starting it")
+            placed = claimed.get(job.job_id)
+            claim = None if placed is None else (placed[0], placed[1].attempt)
+            fate = offer_fate(job, claim, host, same_process=same_process)
+            if fate == "start":
+                assert placed is not None
+                self.start_claimed_offer(
+                    job,
+                    h.devices[cur.device],
+                    now,
+                    boot_id=req.boot_id,
+                    started_at=placed[1].started_at,
+                    via="register",
+                )
+            elif fate == "requeue":
+                self._requeue(job, "a new worker process registered before starting it")
         reconcile_registration(self, h, req, now, same_process=same_process)
         apply_register_claims(self, h, req, now)
         h.boot_id = req.boot_id
@@ -182,7 +202,7 @@ class WorkerSide(StoredState):
             if report.job_id is None or report.attempt is None:
                 continue
             if report.state == "running" and adopt_attempt(
-                self, h, d, report.job_id, report.attempt, now
+                self, h, d, report.job_id, report.attempt, now, via="heartbeat"
             ):
                 self.journal.host(h.name)
                 self._changed()

@@ -10,10 +10,23 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import assume, event, given
+from hypothesis import strategies as st
 
 from rc_worker.controller import Store
+from rc_worker.controller.claims import judge_claim, offer_fate
+from rc_worker.controller.messages import (
+    DeviceDecl,
+    DeviceReport,
+    JobSpec,
+    RegisterRequest,
+    RunningClaim,
+)
+from rc_worker.controller.records import Attempt, Job
+from rc_worker.core.selectors import parse_selector
 
 from .helpers import FakeWorker
+from .storekit import assign, heartbeat, register, start
 
 
 def claims(
@@ -25,9 +38,11 @@ def claims(
     return out
 
 
-async def register_with(w: FakeWorker, per_device: dict[str, dict[str, Any]]) -> dict[str, Any]:
+async def register_with(
+    w: FakeWorker, per_device: dict[str, dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
     devices = [{"name": d, "declared_labels": {}, **per_device.get(d, {})} for d in w.devices]
-    return await w.register(devices=devices, protocol=2)
+    return await w.register(devices=devices, protocol=2, **extra)
 
 
 async def test_faults_and_running_attempts_are_adopted(
@@ -243,3 +258,224 @@ async def test_a_claim_on_a_device_the_controller_had_running_another_job_ends_t
     ay = {"job_id": y, "attempt": 1, "device": "gpu0"}
     assert (await w1.finish(ay, "succeeded")).status_code == 200
     assert store.device("box1", "gpu0").state == "free"
+
+
+# -- an offer whose start never reached the controller, claimed running at registration --
+
+
+async def offer_without_start(
+    client: httpx.AsyncClient, store: Store, devices: tuple[str, ...] = ("gpu0",)
+) -> tuple[str, FakeWorker, dict[str, Any]]:
+    """A job offered to box1 (instance "first") whose start was lost: (job, worker, offer)."""
+    job_id = store.submit(["train"])
+    w = FakeWorker(client, devices=devices)
+    await register_with(w, {}, instance_id="first")
+    [offer] = await w.poll([devices[0]])
+    assert (offer["job_id"], offer["attempt"]) == (job_id, 1)
+    assert store.job(job_id).state == "assigned"
+    return job_id, w, offer
+
+
+@pytest.mark.parametrize("instance", ["second", "first"], ids=["new process", "same process"])
+async def test_a_claimed_offer_whose_start_was_lost_runs_on_as_started(
+    client: httpx.AsyncClient, user: httpx.AsyncClient, store: Store, instance: str
+) -> None:
+    # The worker started attempt 1 on gpu0; its start never reached the controller (it
+    # restarted before storing it). The registration's claim is that start: requeued and
+    # then cancelled as stale, the running job would be killed and run a second time.
+    job_id, w, offer = await offer_without_start(client, store)
+    running = {"job_id": job_id, "attempt": 1, "started_at": 5.0}
+    reply = await register_with(w, {"gpu0": claims(running=running)}, instance_id=instance)
+    assert (reply["devices"]["gpu0"]["state"], reply["devices"]["gpu0"]["faults"]) == ("free", [])
+    job = store.job(job_id)
+    assert (job.state, job.attempt, job.host, job.device) == ("running", 1, "box1", "gpu0")
+    assert [a.status for a in job.attempts] == ["running"]
+    assert "adopted from the registration" in job.attempts[0].note
+    assert store.device("box1", "gpu0").state == "busy"
+    [adopted] = [e.data for e in store.events() if e.type == "job_adopted"]
+    assert (adopted["job_id"], adopted["adopted_attempt"], adopted["via"]) == (
+        job_id,
+        1,
+        "register",
+    )
+    r = await w.heartbeat({"gpu0": {"state": "running", "job_id": job_id, "attempt": 1}})
+    assert r.json()["cancel"] == []
+    # The device is not offered again, to this job or another.
+    other = store.submit(["other"])
+    assert await w.poll(["gpu0"]) == []
+    assert store.job(other).state == "queued"
+    # Its output and finish are the attempt's, as after any start.
+    assert (await w.output(offer, 0, b"done")).json() == {"committed": 4}
+    assert (await w.finish(offer, "succeeded", output_bytes=4)).status_code == 200
+    job = store.job(job_id)
+    assert (job.state, job.attempt, store.output(job_id)) == ("succeeded", 1, b"done")
+
+
+async def test_a_heartbeat_running_the_offer_whose_start_was_lost_starts_it(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    job_id, w, _offer = await offer_without_start(client, store)
+    r = await w.heartbeat({"gpu0": {"state": "running", "job_id": job_id, "attempt": 1}})
+    assert r.json()["cancel"] == []
+    job = store.job(job_id)
+    assert (job.state, job.attempt, job.device) == ("running", 1, "gpu0")
+    [adopted] = [e.data for e in store.events() if e.type == "job_adopted"]
+    assert adopted["via"] == "heartbeat"
+
+
+async def test_a_claim_of_the_offered_attempt_on_another_device_is_stale(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # Attempt 1 was offered to gpu0; the new process says gpu1 runs it. Not the offer:
+    # the offer is given back and the claim cancelled, as before.
+    job_id, w, _offer = await offer_without_start(client, store, devices=("gpu0", "gpu1"))
+    await register_with(
+        w, {"gpu1": claims(running={"job_id": job_id, "attempt": 1})}, instance_id="second"
+    )
+    assert store.job(job_id).state == "queued"
+    assert store.device("box1", "gpu1").state == "free"
+    r = await w.heartbeat({"gpu1": {"state": "running", "job_id": job_id, "attempt": 1}})
+    [order] = r.json()["cancel"]
+    assert (order["job_id"], order["attempt"]) == (job_id, 1)
+    assert not [e for e in store.events() if e.type == "job_adopted"]
+
+
+async def test_an_offer_a_new_process_does_not_claim_is_offered_again(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # The protocol: offers the host had not started are offered again as a new attempt
+    # when a new process registers; its late start is stale.
+    job_id, w, offer = await offer_without_start(client, store)
+    await register_with(w, {}, instance_id="second")
+    assert store.job(job_id).state == "queued"
+    r = await w.start(offer)
+    assert (r.status_code, r.json()["error"]) == (409, "stale_attempt")
+    [again] = await w.poll(["gpu0"])
+    assert (again["job_id"], again["attempt"]) == (job_id, 2)
+
+
+async def test_an_offer_the_same_process_holds_unstarted_stays_valid(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    # The same live process registering again (after unknown_session) holds its offers:
+    # its start, still to come, is accepted.
+    job_id, w, offer = await offer_without_start(client, store)
+    await register_with(w, {}, instance_id="first")
+    r = await w.heartbeat({"gpu0": {"state": "acquiring", "job_id": job_id, "attempt": 1}})
+    assert r.json()["cancel"] == []
+    assert (await w.start(offer)).status_code == 200
+    assert store.job(job_id).state == "running"
+
+
+# -- the rule, as properties: of the pure decision, and of the store that applies it --------
+
+HOSTS = ("box1", "box2")
+DEVICES = ("gpu0", "gpu1")
+LAST = {"assigned": "assigned", "running": "running", "requeued": "queued", "finished": "failed"}
+
+
+@st.composite
+def job_records(draw: st.DrawFn) -> Job:
+    """A job as a store may hold it: earlier attempts requeued, the last in any status."""
+    job = Job("j-1-t", 1, JobSpec(command=("x",)), parse_selector(""), submitted_at=0.0)
+    n = draw(st.integers(0, 3))
+    for number in range(1, n + 1):
+        status = draw(st.sampled_from(list(LAST))) if number == n else "requeued"
+        host, device = draw(st.sampled_from(HOSTS)), draw(st.sampled_from(DEVICES))
+        job.attempts.append(Attempt(number, host, device, status, 0.0))
+    job.state = LAST[job.attempts[-1].status] if job.attempts else "queued"
+    return job
+
+
+claims_of = st.tuples(st.sampled_from(HOSTS), st.sampled_from(DEVICES), st.integers(0, 5))
+
+
+@given(job=job_records(), claim=claims_of, same_process=st.booleans())
+def test_only_the_offer_itself_is_started(
+    job: Job, claim: tuple[str, str, int], same_process: bool
+) -> None:
+    host, device, attempt = claim
+    cur = job.current
+    is_offer = (
+        cur is not None
+        and cur.status == "assigned"
+        and (cur.number, cur.host, cur.device) == (attempt, host, device)
+    )
+    assert (judge_claim(job, host, device, attempt) == "offer") == is_offer
+    fate = offer_fate(job, (device, attempt), host, same_process=same_process)
+    assert (fate == "start") == is_offer
+    if attempt > job.attempt and not job.terminal:
+        assert fate == "keep"  # superseded by the newer attempt the claims adopt
+
+
+@given(
+    offers=st.integers(1, 3),
+    offered_to=st.tuples(st.sampled_from(HOSTS), st.sampled_from(DEVICES)),
+    started=st.booleans(),
+    claim=st.tuples(st.sampled_from(HOSTS), st.sampled_from(DEVICES), st.integers(-1, 1)),
+    new_process=st.booleans(),
+)
+def test_a_claim_matching_the_offer_runs_on_and_no_other_is_adopted(
+    offers: int,
+    offered_to: tuple[str, str],
+    started: bool,
+    claim: tuple[str, str, int],
+    new_process: bool,
+) -> None:
+    # Any placement of the job's current attempt (offered `offers` times, the last to
+    # `offered_to`, started or not), and a registration claiming an attempt near it.
+    store = Store(instance="t")
+    sessions = {h: register(store, h, DEVICES, instance="first") for h in HOSTS}
+    job_id = store.submit(["train"])
+    host_o, device_o = offered_to
+    for _ in range(offers):  # each poll with the device ready again offers it anew
+        a = assign(store, sessions[host_o], host_o, ready=[device_o])
+    assert a.attempt == offers
+    if started:
+        start(store, sessions[host_o], a)
+    host_c, device_c, delta = claim
+    number = offers + delta
+    assume(number >= 1)
+    matches = not started and (host_c, device_c, number) == (host_o, device_o, offers)
+    events_before = len(store.events())
+    running = RunningClaim(job_id, number)
+    session = store.register(
+        host_c,
+        RegisterRequest(
+            boot_id="boot-1",
+            devices=tuple(
+                DeviceDecl(d, faults=(), running=running if d == device_c else None)
+                for d in DEVICES
+            ),
+            instance_id="second" if new_process else "first",
+            protocol=2,
+        ),
+        now=1.0,
+    ).session
+    report = {device_c: DeviceReport("running", job_id=job_id, attempt=number)}
+    cancels = {(c.job_id, c.attempt) for c in heartbeat(store, session, host_c, 2.0, report).cancel}
+    adopted = [e for e in store.events()[events_before:] if e.type == "job_adopted"]
+    job = store.job(job_id)
+    event("matching" if matches else f"delta {delta}")
+    if matches:
+        # The offer, claimed running: started there, never requeued nor cancelled.
+        assert (job.state, job.attempt, job.host, job.device) == ("running", offers, *offered_to)
+        assert [x.status for x in job.attempts] == ["requeued"] * (offers - 1) + ["running"]
+        assert (job_id, number) not in cancels
+        assert store.device(host_c, device_c).job_id == job_id
+        assert len(adopted) == 1
+    elif number <= offers and not (started and (host_c, device_c) == offered_to and delta == 0):
+        # Not the offer, nor the attempt running there: never adopted, cancelled.
+        assert adopted == []
+        assert (job_id, number) in cancels
+        placed = (job.state, job.host, job.device, job.attempt)
+        assert placed != ("running", host_c, device_c, number)
+    elif number > offers:
+        # A newer attempt than any recorded: the worker's, adopted where it runs.
+        assert (job.state, job.host, job.device, job.attempt) == (
+            "running",
+            host_c,
+            device_c,
+            number,
+        )
+        assert (job_id, number) not in cancels

@@ -214,6 +214,59 @@ async def test_an_adopted_job_waits_out_the_recovery_grace(store_place: StorePla
         second.backend.close()
 
 
+async def test_an_offer_claimed_running_after_a_restart_that_lost_its_start_runs_on(
+    store_place: StorePlace,
+) -> None:
+    # The controller stored the offer and went down before storing the worker's start.
+    # The worker, restarted too with the job's process still running, claims it at
+    # register: the job runs on as started, stored so, never offered again.
+    with trio.fail_after(GUARD):
+        first = open_controller(store_place.open())
+        async with clients(first.app) as (bare, user):
+            w = FakeWorker(bare)
+            await w.register(instance_id="first", protocol=2)
+            running = await submit(user, "train")
+            [offer] = await w.poll()
+            assert (offer["job_id"], offer["attempt"]) == (running, 1)
+        second = open_controller(store_place.open())
+        first.backend.close()
+        async with clients(second.app) as (bare, user):
+            assert (await job(user, running))["state"] == "assigned"
+            w.client = bare
+            claim = {"job_id": running, "attempt": 1, "output_bytes": 0, "started_at": 7.0}
+            decl = {"name": "gpu0", "declared_labels": {}, "faults": [], "running": claim}
+            await w.register(instance_id="second", protocol=2, devices=[decl])
+            r = await w.heartbeat({"gpu0": {"state": "running", "job_id": running, "attempt": 1}})
+            assert r.json()["cancel"] == []
+            other = await submit(user, "other")
+            assert await w.poll() == []
+            await second.durability.flush()
+        third = open_controller(store_place.open())
+        second.backend.close()
+        async with clients(third.app) as (bare, user):
+            j = await job(user, running)
+            assert (j["state"], j["attempt"], j["host"], j["device"]) == (
+                "running",
+                1,
+                "box1",
+                "gpu0",
+            )
+            assert [a["status"] for a in j["attempts"]] == ["running"]
+            assert (await job(user, other))["state"] == "queued"
+            events = (await user.get("/v1/events")).json()["events"]
+            [adopted] = [e for e in events if e["type"] == "job_adopted"]
+            assert (adopted["job_id"], adopted["via"]) == (running, "register")
+            # The same process, back after this restart too, finishes it: attempt 1, once.
+            w.client = bare
+            await w.register(instance_id="second", protocol=2, devices=[decl])
+            assert (await w.output(offer, 0, b"done")).json() == {"committed": 4}
+            assert (await w.finish(offer, "succeeded", output_bytes=4)).status_code == 200
+            j = await job(user, running)
+            assert (j["state"], j["attempt"]) == ("succeeded", 1)
+            assert await output(user, running) == b"done"
+        third.backend.close()
+
+
 async def test_a_failing_store_answers_503_and_recovers(store_place: StorePlace) -> None:
     with trio.fail_after(GUARD):
         backend = Breakable(store_place.open())
