@@ -11,8 +11,16 @@ from rc_worker.controller import Store, create_app
 
 from . import pgserver
 from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, auth
-from .persistkit import StorePlace
+from .persistkit import StorePlace, close_opened
 from .pgserver import PgServer
+
+
+@pytest.fixture(autouse=True)
+def close_opened_backends() -> Iterator[None]:
+    """A test that fails before closing its stores must not leave them open (a SQLite
+    state-directory lock held, a PostgreSQL session) for the tests after it."""
+    yield
+    close_opened()
 
 
 @pytest.fixture
@@ -68,5 +76,6 @@ def store_place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stor
     try:
         yield place
     finally:
+        close_opened()  # its sessions, before their database is dropped
         assert place.db is not None  # a test may have swapped in a fresh database
         server.drop_database(place.db)

@@ -21,6 +21,18 @@ from rc_worker.controller.persist.opening import open_backend, open_store
 from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, auth
 from .pgserver import PgServer
 
+OPENED: list[Backend] = []
+"""Every backend a test opened through :meth:`StorePlace.open`: closed at its end by the
+``close_opened_backends`` fixture, whether the test closed them or failed first."""
+
+
+def close_opened() -> None:
+    """Close every backend opened since the last call (closing twice is harmless)."""
+    while OPENED:
+        backend = OPENED.pop()
+        with contextlib.suppress(Exception):
+            backend.close()
+
 
 @attrs.define
 class StorePlace:
@@ -44,6 +56,7 @@ class StorePlace:
                 lock.release()
         backend = open_backend(state_dir=self.state_dir, db=self.db)
         self.opened.append(backend)
+        OPENED.append(backend)
         return backend
 
     def cli_args(self) -> list[str]:
