@@ -26,6 +26,7 @@ from rc_worker.core.config import DeviceConfig
 from rc_worker.core.errors import ControllerError, JobUserError
 from rc_worker.core.gpu_health import Fault, kind_defaults
 from rc_worker.core.lease import Lease
+from rc_worker.core.mig_share import HeldHealthFault
 from rc_worker.core.model import (
     Assignment,
     DeviceState,
@@ -105,6 +106,8 @@ class DeviceSupervisor:
         self.carries_slices = False
         # Health faults raised here and still held, by kind: one is enough.
         self._health_faults: dict[str, str] = {}
+        # The physical GPU's fault each child raised here names (fault id -> parent's).
+        self._health_parents: dict[str, str] = {}
         self.scope = trio.CancelScope()
         # Kind and reason of each fault held, sent with register (protocol 2).
         self.fault_notes: dict[str, tuple[str, str]] = {}
@@ -236,9 +239,12 @@ class DeviceSupervisor:
 
         Returns the new fault id, or None when one of that kind still holds
         the device (a condition that persists is not news every interval).
+        A child (``parent_fault``: the physical GPU's fault it stands for) is
+        held back only by one naming the same parent: which slices need one is
+        ``core/mig_share.gpu_fault_steps``'s to decide.
         """
-        held = self._health_faults.get(fault.kind)
-        if held is not None and held in self.lease.faults:
+        held = self.health_fault(fault.kind)
+        if held is not None and (parent_fault is None or held.parent_fault == parent_fault):
             return None
         extra: dict[str, Any] = fault.body()
         extra.pop("kind")
@@ -249,7 +255,17 @@ class DeviceSupervisor:
             fault.kind, fault.reason, job_id=job_id, extra=extra, fault_id=fault_id
         )
         self._health_faults[fault.kind] = new_id
+        if parent_fault is not None:
+            self._health_parents[new_id] = parent_fault
         return new_id
+
+    def health_fault(self, kind: str) -> HeldHealthFault | None:
+        """The health fault of ``kind`` raised here and still held, and the GPU's
+        fault it names (for a MIG slice's child), or None."""
+        held = self._health_faults.get(kind)
+        if held is None or held not in self.lease.faults:
+            return None
+        return HeldHealthFault(held, self._health_parents.get(held))
 
     def set_health_hold(self, held: Mapping[str, str], passed: Collection[str]) -> None:
         """Hold for the checks that could not run; lift the ones that ran."""
@@ -278,6 +294,7 @@ class DeviceSupervisor:
         moved = self.lease.clear_faults(cleared)
         for fault_id in cleared:
             self.fault_notes.pop(fault_id, None)
+            self._health_parents.pop(fault_id, None)
         if moved is not None:
             self._poke()
 

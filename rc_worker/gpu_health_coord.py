@@ -10,8 +10,9 @@ supervisors:
   and PCI-count checks run for every GPU device;
 - a fault of a physical GPU quarantines every MIG slice of it, each slice's
   fault naming the parent's (``parent_fault``), so clearing the parent at
-  the controller clears them; a memory fault read through a slice is the
-  physical GPU's and goes the same way (``core/mig_share.py``);
+  the controller clears them; a memory fault, a missing GPU or an Xid read
+  through a slice is the physical GPU's and goes the same way, in the same
+  check (``core/mig_share.py``);
 - a host-level fault (the PCI count) is raised on every GPU device under one
   fault id with ``scope: host``, cleared once with ``rc clear HOST``.
 """
@@ -30,7 +31,13 @@ from rc_worker.core.gpu_health import (
     Fault,
     health_label,
 )
-from rc_worker.core.mig_share import GpuFaultPlan, RunningJob, gpu_fault_plan
+from rc_worker.core.mig_share import (
+    GpuFaultPlan,
+    HeldHealthFault,
+    RunningJob,
+    gpu_fault_plan,
+    gpu_fault_steps,
+)
 from rc_worker.core.model import DeviceState
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
 from rc_worker.sweep import EXEC_SETTLE, JOB_ID_VAR, sweep_job_survivors
@@ -266,17 +273,26 @@ class GpuHealthCoordinator:
         self._raise_plan(GpuFaultPlan(device, tuple(self.slices.get(device, ()))), fault, job_id)
 
     def _raise_gpu(self, device: str, fault: Fault) -> None:
-        """A fault of ``device``'s physical GPU: on the GPU's device and all its slices."""
+        """A fault of ``device``'s physical GPU: on the GPU's device and all its slices
+        (and on ``device`` itself whatever its GPU: fail closed)."""
         parent = self.monitor.targets[device].parent
-        plan = gpu_fault_plan(parent, self.slices.get(parent, ()), self._devices)
+        plan = gpu_fault_plan(parent, self.slices.get(parent, ()), self._devices, reader=device)
         if plan is not None:
             self._raise_plan(plan, fault, None)
 
     def _raise_plan(self, plan: GpuFaultPlan, fault: Fault, job_id: str | None) -> None:
-        fault_id = self._devices[plan.holder].raise_health_fault(fault, job_id=job_id)
+        held: dict[str, HeldHealthFault] = {}
+        for name in (plan.holder, *plan.children):
+            h = self._devices[name].health_fault(fault.kind)
+            if h is not None:
+                held[name] = h
+        steps = gpu_fault_steps(plan, held)
+        fault_id = steps.link
+        if fault_id is None:
+            fault_id = self._devices[plan.holder].raise_health_fault(fault, job_id=job_id)
         if fault_id is None:
             return
-        for name in plan.children:
+        for name in steps.children:
             self._devices[name].raise_health_fault(
                 Fault(
                     fault.kind,

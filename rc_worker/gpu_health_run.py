@@ -95,9 +95,10 @@ class DeviceVerdict:
     """One device's checks: faults to raise, and checks that could not run (check -> why).
 
     ``passed`` lists the checks that ran and read, so their holds lift.
-    ``gpu_faults`` are the physical GPU's (its memory), read through this device:
-    they are raised on the GPU's device and every slice of it, not on this
-    device alone (``core/mig_share.py``).
+    ``gpu_faults`` are the physical GPU's (its memory, its presence, an Xid on
+    its PCI bus), read through this device: they are raised on the GPU's device
+    and every slice of it in the same check, not on this device alone
+    (``core/mig_share.py``).
     """
 
     faults: list[Fault] = attrs.Factory(list)
@@ -274,7 +275,8 @@ class GpuHealthMonitor:
             missing = decide_presence(t.index, expected_uuid.get(t.parent), reading)
             v.passed.update({CHECK_MEMORY, CHECK_PRESENCE})
             if missing is not None:
-                v.faults.append(missing)
+                # Gone, lost or swapped is the card, whichever slice's check read it.
+                v.gpu_faults.append(missing)
                 continue
             row = reading.rows[t.index]
             faults, self._memory[t.index] = decide_memory(self._memory.get(t.index), row)
@@ -450,7 +452,9 @@ class GpuHealthMonitor:
             if not hit:
                 log.warning("Xid %d on %s: no device has that pci_bus_id", event.code, event.bus)
             for t in hit:
-                verdicts.setdefault(t.device, DeviceVerdict()).faults.append(fault)
+                # The bus is the physical GPU's: every device on it gets the fault,
+                # linked to the GPU's device's, however few devices were asked about.
+                verdicts.setdefault(t.device, DeviceVerdict()).gpu_faults.append(fault)
         for t in targets:
             verdicts[t.device].passed.add(CHECK_XID)
         self._count(CHECK_XID, "ok")

@@ -550,6 +550,90 @@ async def test_ecc_growth_read_through_a_slice_quarantines_the_gpu_and_every_sli
             assert all(faults(system, n) == [] for n in ("gpu0", "gpu0-mig1", "gpu0-mig2"))
 
 
+async def gpu_and_slices_faulted(system: LocalSystem, kind: str) -> None:
+    """gpu0 holds a ``kind`` fault and each slice one naming it, whatever read it."""
+    parent = await wait_fault(system, "gpu0", kind)
+    for name in ("gpu0-mig1", "gpu0-mig2"):
+        child = await wait_fault(system, name, kind)
+        assert child.parent_fault == parent.fault_id, name
+        assert f"parent gpu0: {parent.detail}" == child.detail
+
+
+@pytest.mark.parametrize("how", ["lost", "xid"])
+async def test_a_gpu_fault_read_through_one_slice_quarantines_the_gpu_and_every_slice(
+    tmp_path: Path, gpus: Gpus, how: str
+) -> None:
+    """A lost GPU (``gpu_missing``) or an Xid on its bus, first read by one slice's gate
+    (the GPU's device carries the slices and is never gated), quarantined that slice
+    alone, by a fault naming no GPU's: its siblings ran on until a later check raised
+    theirs, and ``rc clear HOST/gpu0`` left the slice quarantined. Now the GPU's device
+    and every slice are quarantined in that one check, and clearing gpu0 clears them."""
+    gpus.gpu(0)["migs"] = [{"index": 1, "uuid": MIG1, "profile": "3g.40gb"}]
+    gpus.write()
+    # One idle pass, then none: the slice's gate is the only check that reads the fault.
+    cfg = config(tmp_path, *mig_devices(), interval=3600.0)
+    kind = {"lost": "gpu_missing", "xid": "gpu_xid"}[how]
+    with trio.fail_after(60):
+        async with local_system(cfg, environ=environ(tmp_path, gpus)) as system:
+            await system.wait_until(lambda: labels(system, "gpu0-mig2").get("gpu_health") == "ok")
+            passes = system.worker.metrics.registry.get_sample_value(
+                "rc_worker_gpu_health_checks_total", {"check": "xid", "result": "ok"}
+            )
+            if how == "lost":
+                gpus.gpu(0)["lost"] = True
+                gpus.write()
+            else:
+                kernel(tmp_path, "NVRM: Xid (PCI:0000:18:00): 79, GPU has fallen off the bus.")
+            job = system.submit(["true"], device="test-host/gpu0-mig2")
+            await gpu_and_slices_faulted(system, kind)
+            # The slice's gate was the only check run meanwhile: one Xid pass.
+            assert (
+                system.worker.metrics.registry.get_sample_value(
+                    "rc_worker_gpu_health_checks_total", {"check": "xid", "result": "ok"}
+                )
+                == (passes or 0) + 1
+            )
+            gpus.gpu(0)["lost"] = False
+            gpus.write()
+            await rc_json(system, "clear", "test-host/gpu0")
+            assert (await system.wait_job(job)).state == "succeeded"
+            assert all(faults(system, n) == [] for n in ("gpu0", "gpu0-mig1", "gpu0-mig2"))
+
+
+async def test_a_slice_cleared_alone_is_quarantined_again_while_its_gpu_is_lost(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """Clearing one slice alone still clears that slice only; while the GPU is still
+    lost the next check quarantines it again, by a fault naming the GPU's (which
+    ``rc clear HOST/gpu0`` then clears), not by one of its own that clearing gpu0
+    would leave in place."""
+    gpus.gpu(0)["migs"] = [{"index": 1, "uuid": MIG1, "profile": "3g.40gb"}]
+    gpus.write()
+    with trio.fail_after(60):
+        async with local_system(
+            config(tmp_path, *mig_devices()), environ=environ(tmp_path, gpus)
+        ) as system:
+            await system.wait_until(lambda: labels(system, "gpu0-mig2").get("gpu_health") == "ok")
+            gpus.gpu(0)["lost"] = True
+            gpus.write()
+            await gpu_and_slices_faulted(system, "gpu_missing")
+            parent = await wait_fault(system, "gpu0", "gpu_missing")
+            old = await wait_fault(system, "gpu0-mig2", "gpu_missing")
+            cleared = await rc_json(system, "clear", "test-host/gpu0-mig2")
+            assert cleared["cleared"] == [old.fault_id]
+            await system.wait_until(lambda: faults(system, "gpu0-mig2") != [])
+            [again] = faults(system, "gpu0-mig2")
+            assert again.fault_id != old.fault_id
+            assert again.parent_fault == parent.fault_id
+            assert [f.fault_id for f in faults(system, "gpu0")] == [parent.fault_id]
+            gpus.gpu(0)["lost"] = False
+            gpus.write()
+            await rc_json(system, "clear", "test-host/gpu0")
+            await system.wait_until(
+                lambda: all(faults(system, n) == [] for n in ("gpu0", "gpu0-mig1", "gpu0-mig2"))
+            )
+
+
 async def test_a_resident_process_on_a_slice_quarantines_the_slice(
     tmp_path: Path, gpus: Gpus
 ) -> None:
@@ -896,8 +980,9 @@ async def test_an_xid_is_mapped_without_a_pci_bus_id_label(tmp_path: Path, gpus:
     kernel(tmp_path, "[ 6.2] NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.")
     with trio.fail_after(30):
         verdicts = await monitor.check(["gpu0", "gpu1"], expected_uuid={}, bus_ids={})
-    assert [f.kind for f in verdicts["gpu1"].faults] == ["gpu_xid"]
-    assert verdicts["gpu0"].faults == []
+    # The physical GPU's fault (raised on its device and every slice of it).
+    assert [f.kind for f in verdicts["gpu1"].gpu_faults] == ["gpu_xid"]
+    assert verdicts["gpu0"].gpu_faults == verdicts["gpu0"].faults == []
 
 
 async def test_an_idle_check_that_raises_does_not_take_the_worker_down(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hypothesis import given
@@ -11,10 +12,13 @@ from hypothesis import strategies as st
 from rc_worker.core.gpu_health import ComputeApp, parse_compute_apps
 from rc_worker.core.mig_share import (
     GpuFaultPlan,
+    GpuFaultSteps,
+    HeldHealthFault,
     ProcessFacts,
     Residents,
     RunningJob,
     gpu_fault_plan,
+    gpu_fault_steps,
     job_of,
     residents,
 )
@@ -55,6 +59,157 @@ def test_every_device_of_the_gpu_is_quarantined_once(
     assert sorted(named) == sorted(of_gpu)  # each of them, none twice, nothing else
     if parent in devices:
         assert plan.holder == parent
+
+
+@given(
+    parent=NAMES,
+    slices=st.lists(NAMES, unique=True, max_size=4),
+    devices=st.sets(NAMES),
+    reader=NAMES,
+)
+def test_the_device_that_read_a_gpu_fault_is_always_quarantined(
+    parent: str, slices: list[str], devices: set[str], reader: str
+) -> None:
+    """Fail closed: were the reader neither the GPU's device nor a slice of it (its GPU
+    not known for sure), it is quarantined all the same, besides the GPU's devices."""
+    plan = gpu_fault_plan(parent, slices, devices, reader=reader)
+    of_gpu = {parent, *slices, reader} & devices
+    if plan is None:
+        assert of_gpu == set()
+        return
+    named = [plan.holder, *plan.children]
+    assert sorted(named) == sorted(of_gpu)
+    if parent in devices:
+        assert plan.holder == parent
+
+
+# -- which devices need a new fault, given what they hold ---------------------------
+
+PLAN = GpuFaultPlan("gpu0", ("gpu0-mig1", "gpu0-mig2"))
+
+
+def test_nothing_held_the_holder_raises_and_every_slice_gets_a_child() -> None:
+    assert gpu_fault_steps(PLAN, {}) == GpuFaultSteps(None, ("gpu0-mig1", "gpu0-mig2"))
+
+
+def test_a_condition_that_persists_raises_nothing_new() -> None:
+    held = {
+        "gpu0": HeldHealthFault("f-1"),
+        "gpu0-mig1": HeldHealthFault("f-2", "f-1"),
+        "gpu0-mig2": HeldHealthFault("f-3", "f-1"),
+    }
+    assert gpu_fault_steps(PLAN, held) == GpuFaultSteps("f-1", ())
+
+
+def test_a_slice_cleared_alone_gets_a_child_of_the_fault_the_gpu_still_holds() -> None:
+    held = {"gpu0": HeldHealthFault("f-1"), "gpu0-mig2": HeldHealthFault("f-3", "f-1")}
+    assert gpu_fault_steps(PLAN, held) == GpuFaultSteps("f-1", ("gpu0-mig1",))
+
+
+def test_a_slice_holding_its_own_or_an_older_copy_gets_a_child_naming_the_gpus() -> None:
+    # Clearing gpu0 would not clear f-7 (its own) nor f-8 (a copy of a cleared f-0).
+    held = {
+        "gpu0": HeldHealthFault("f-1"),
+        "gpu0-mig1": HeldHealthFault("f-7"),
+        "gpu0-mig2": HeldHealthFault("f-8", "f-0"),
+    }
+    assert gpu_fault_steps(PLAN, held) == GpuFaultSteps("f-1", ("gpu0-mig1", "gpu0-mig2"))
+
+
+def test_a_host_fault_held_by_all_covers_the_slices() -> None:
+    # One fault id on every GPU device (``scope: host``): the slices hold the very fault.
+    held = {name: HeldHealthFault("f-host") for name in ("gpu0", "gpu0-mig1", "gpu0-mig2")}
+    assert gpu_fault_steps(PLAN, held) == GpuFaultSteps("f-host", ())
+
+
+SLICES = ("gpu0-mig0", "gpu0-mig1", "gpu0-mig2")
+
+
+class Faults:
+    """The worker's devices and the controller's clear, as far as one kind of fault goes."""
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        self.devices = list(devices)
+        self.held: dict[str, dict[str, str | None]] = {d: {} for d in devices}
+        self.latest: dict[str, str] = {}
+        self.seen: dict[str, set[str]] = {d: set() for d in devices}
+        self.n = 0
+
+    def _raise(self, device: str, parent: str | None) -> str:
+        self.n += 1
+        fid = f"f-{self.n}"
+        self.held[device][fid] = parent
+        self.seen[device].add(fid)
+        self.latest[device] = fid
+        return fid
+
+    def health_fault(self, device: str) -> HeldHealthFault | None:
+        fid = self.latest.get(device)
+        if fid is None or fid not in self.held[device]:
+            return None
+        return HeldHealthFault(fid, self.held[device][fid])
+
+    def read(self, reader: str) -> GpuFaultPlan | None:
+        """A check of ``reader`` reads a fault of GPU 0 (as ``_raise_gpu`` applies it)."""
+        plan = gpu_fault_plan("gpu0", SLICES, self.devices, reader=reader)
+        if plan is None:
+            return None
+        held = {
+            d: h for d in (plan.holder, *plan.children) if (h := self.health_fault(d)) is not None
+        }
+        steps = gpu_fault_steps(plan, held)
+        link = steps.link or self._raise(plan.holder, None)
+        for child in steps.children:
+            self._raise(child, link)
+        return plan
+
+    def clear(self, device: str) -> None:
+        """``rc clear HOST/device``: its faults, and those naming any it ever held."""
+        self.held[device].clear()
+        for other in self.devices:
+            for fid, parent in list(self.held[other].items()):
+                if parent in self.seen[device]:
+                    del self.held[other][fid]
+
+    def faulted(self) -> set[str]:
+        return {d for d, faults in self.held.items() if faults}
+
+
+@given(
+    devices=st.sets(st.sampled_from(["gpu0", *SLICES, "gpu1"]), min_size=1),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["read", "clear"]), st.sampled_from(["gpu0", *SLICES])),
+        max_size=12,
+    ),
+)
+def test_a_gpu_fault_reaches_exactly_its_gpu_whatever_the_order_of_checks_and_clears(
+    devices: set[str], steps: list[tuple[str, str]]
+) -> None:
+    """Whichever device reads the GPU's fault, in whatever order and between whatever
+    clears: after each read, the devices holding it are exactly the GPU's device and
+    its slices (never another GPU's), each slice holding one that names the GPU's, so
+    that clearing the GPU's device leaves none quarantined."""
+    model = Faults(sorted(devices))
+    of_gpu = {"gpu0", *SLICES} & devices
+    for op, device in steps:
+        if device not in devices:
+            continue
+        if op == "clear":
+            model.clear(device)
+            continue
+        plan = model.read(device)
+        assert plan is not None
+        assert model.faulted() == of_gpu
+        holder = model.health_fault(plan.holder)
+        assert holder is not None
+        for child in plan.children:
+            assert child != plan.holder
+            h = model.health_fault(child)
+            assert h is not None
+            assert h.parent_fault == holder.fault_id
+        trial = copy.deepcopy(model)
+        trial.clear(plan.holder)
+        assert trial.faulted() == set()
 
 
 # -- whose are the processes listed under the GPU's UUID -----------------------------

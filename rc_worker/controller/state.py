@@ -17,7 +17,7 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import attrs
 
@@ -630,6 +630,31 @@ class StoreState:
             d.cleared_pending[i] = 0
         self._emit("device_cleared", host=d.host, device=d.name, fault_ids=ids, by=by)
 
+    def _lift_children(self, host: str, parents: Collection[str], *, by: str) -> bool:
+        """Lift the faults of ``host``'s devices whose ``parent_fault`` is among
+        ``parents`` (a MIG slice's copies of its physical GPU's faults); whether any was."""
+        h = self._hosts.get(host)
+        if h is None or not parents:
+            return False
+        lifted = False
+        for other in h.devices.values():
+            children = [f for f, x in other.faults.items() if x.parent_fault in parents]
+            if children:
+                self._lift(other, children, by=by)
+                lifted = True
+        return lifted
+
+    def _parent_lifted(self, d: Device, parent_fault: str) -> bool:
+        """Whether ``parent_fault`` was a fault of a device of ``d``'s host that has been
+        lifted since: a child naming it is a copy of a fault already cleared."""
+        h = self._hosts.get(d.host)
+        if h is None:
+            return False
+        return any(
+            parent_fault in other.seen_faults and parent_fault not in other.faults
+            for other in h.devices.values()
+        )
+
     def _worker_fault(
         self,
         d: Device,
@@ -646,7 +671,13 @@ class StoreState:
             fault.scope = "host" if req.scope == "host" else "device"
             fault.parent_fault = req.parent_fault
             fault.__attrs_post_init__()
-        return self._raise_fault(d, fault)
+        raised = self._raise_fault(d, fault)
+        if raised and fault.parent_fault is not None and self._parent_lifted(d, fault.parent_fault):
+            # A slice's copy of a GPU fault cleared before it arrived (the worker raised
+            # it before it heard of the clear): it goes with the GPU's, as it would have
+            # had it come first, rather than keep the slice quarantined for a cleared fault.
+            self._lift(d, [fault_id], by="parent_cleared")
+        return raised
 
     # --- for registration (rc_worker.controller.registration) -------------------------------
 

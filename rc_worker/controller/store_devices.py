@@ -93,15 +93,18 @@ class DevicesSide(StoredState):
         return SheetInfo(host, name, h.sheet, d.sheet)
 
     def clear(self, host: str, name: str, *, by: str = "operator") -> list[str]:
-        """Lift every current fault of a device (an operator's ``clear``); returns their ids."""
-        h, d = self._device(host, name)
+        """Lift every current fault of a device (an operator's ``clear``); returns their ids.
+
+        A MIG slice's faults raised for its GPU's go with the GPU's: those naming any
+        fault this device ever held (``seen_faults``), not only those it holds now, so
+        a slice's copy left by a fault cleared before is cleared too (an outdated
+        quarantine must not need each slice cleared by hand), even when the device
+        itself holds none now."""
+        _, d = self._device(host, name)
         ids = list(d.faults)
         if ids:
             self._lift(d, ids, by=by)
-            # A MIG slice's faults raised for its parent's go with the parent's.
-            for other in h.devices.values():
-                children = [f for f, x in other.faults.items() if x.parent_fault in ids]
-                self._lift(other, children, by=by)
+        if self._lift_children(host, d.seen_faults | set(ids), by=by) or ids:
             self._changed()
         return ids
 
@@ -116,7 +119,10 @@ class DevicesSide(StoredState):
             if ids:
                 self._lift(d, ids, by=by)
                 cleared[d.name] = ids
-        if cleared:
+        # A slice's copy of a host fault (raised after the slice alone was cleared) goes
+        # with it: it is not itself ``scope: host``.
+        lifted = {f for ids in cleared.values() for f in ids}
+        if self._lift_children(host, lifted, by=by) or cleared:
             self._changed()
         return cleared
 

@@ -2,10 +2,14 @@
 
 Some facts belong to the physical GPU, whichever device read them: its ECC
 counters, retired pages and remapped rows count for the whole card, so
-growth read through one slice is growth on every slice of it. Such a fault
-is raised once, on the GPU's own device, and every slice of the GPU holds a
-fault naming it (``parent_fault``), so clearing the GPU's device at the
-controller clears them all (docs/operations.md, "GPU health").
+growth read through one slice is growth on every slice of it; a GPU gone,
+lost or swapped (``gpu_missing``) and an Xid on its PCI bus are the card's
+too. Such a fault is raised once, on the GPU's own device, and every slice
+of the GPU holds a fault naming it (``parent_fault``), in the same check
+whichever device read it, so clearing the GPU's device at the controller
+clears them all (docs/operations.md, "GPU health"). A slice that holds none
+naming the GPU's current fault (cleared alone while the GPU's is still held)
+gets one again at the next check that reads the fault (``gpu_fault_steps``).
 
 Some drivers list a slice's compute apps under the PARENT GPU's UUID
 (fixture 09b), so a device cannot tell from the listing alone whether such
@@ -24,7 +28,7 @@ be told.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 
@@ -40,7 +44,11 @@ class GpuFaultPlan:
 
 
 def gpu_fault_plan(
-    parent: str, slices: Sequence[str], devices: Collection[str]
+    parent: str,
+    slices: Sequence[str],
+    devices: Collection[str],
+    *,
+    reader: str | None = None,
 ) -> GpuFaultPlan | None:
     """Where a fault of physical GPU ``parent`` (a device name) goes.
 
@@ -50,13 +58,60 @@ def gpu_fault_plan(
     holds the fault in its place: every slice is still quarantined, and
     clearing that slice clears its siblings' children, as clearing the GPU
     would. Only names in ``devices`` are planned for; None when none is.
+
+    ``reader``, the device whose check read the fault, is always in the plan
+    (fail closed): were it neither the GPU's device nor one of ``slices`` (its
+    GPU not known for sure), it is quarantined too, never left to run a job.
     """
-    present = tuple(s for s in slices if s in devices and s != parent)
+    present = tuple(dict.fromkeys(s for s in slices if s in devices and s != parent))
+    if reader is not None and reader in devices and reader != parent and reader not in present:
+        present = (*present, reader)
     if parent in devices:
         return GpuFaultPlan(parent, present)
     if not present:
         return None
     return GpuFaultPlan(present[0], present[1:])
+
+
+@attrs.frozen
+class HeldHealthFault:
+    """The health fault of one kind a device holds now: its id, and the fault it names."""
+
+    fault_id: str
+    parent_fault: str | None = None
+
+
+@attrs.frozen
+class GpuFaultSteps:
+    """What raising a fault by a ``GpuFaultPlan`` takes, given what is held already."""
+
+    link: str | None
+    """The holder's fault of that kind, which the children name; None: the holder holds
+    none, so a new one is raised on it first and its id is the link."""
+    children: tuple[str, ...]
+    """The planned slices that hold no fault covering the link: each gets a child."""
+
+
+def gpu_fault_steps(plan: GpuFaultPlan, held: Mapping[str, HeldHealthFault]) -> GpuFaultSteps:
+    """Which of ``plan``'s devices need a new fault, ``held`` being each device's
+    fault of the same kind (absent: none).
+
+    A condition that persists is not news every check: the holder keeps the
+    fault it holds, and a slice that already holds a child naming it, or the
+    very same fault (a host-level fault, one id on every GPU device), gets
+    nothing. Any other slice gets a child naming the holder's fault, even
+    one holding a fault of that kind that names another (an older one the
+    controller has cleared and the worker has not yet heard of): clearing
+    the GPU's device must clear every slice, and a stale child would not be.
+    """
+    holder = held.get(plan.holder)
+    link = None if holder is None else holder.fault_id
+    children = tuple(
+        c
+        for c in plan.children
+        if link is None or (h := held.get(c)) is None or link not in (h.fault_id, h.parent_fault)
+    )
+    return GpuFaultSteps(link, children)
 
 
 @attrs.frozen

@@ -124,6 +124,98 @@ async def test_devices_clear_and_idle_behavior(
     assert [e.data["by"] for e in store.events()[1:]] == ["alice", "alice"]
 
 
+MIG = ("gpu0", "gpu0-mig1", "gpu0-mig2")
+
+
+async def gpu_fault(w: FakeWorker, device: str, fault_id: str, parent: str | None = None) -> None:
+    body = {"session": w.session, "fault_id": fault_id, "kind": "gpu_missing", "reason": "lost"}
+    r = await w.post(f"/v1/hosts/box1/devices/{device}/fault", {**body, "parent_fault": parent})
+    assert r.status_code == 200, r.text
+
+
+async def states(user: httpx.AsyncClient) -> dict[str, tuple[str, list[str]]]:
+    devices = (await user.get("/v1/devices")).json()["devices"]
+    return {
+        d["address"].split("/")[1]: (d["state"], [f["fault_id"] for f in d["faults"]])
+        for d in devices
+    }
+
+
+async def test_clearing_a_gpu_clears_its_slices_copies_even_those_that_came_late(
+    user: httpx.AsyncClient, client: httpx.AsyncClient, store: Store
+) -> None:
+    """A slice's copy of its GPU's fault (``parent_fault``) that arrived after the GPU's
+    was cleared (the worker raised it, for a slice cleared alone, before it heard of
+    the clear) kept the slice quarantined for good: clearing gpu0 again lifted nothing,
+    gpu0 holding no fault. It goes with the GPU's now; clearing one slice alone still
+    clears that slice only."""
+    w = FakeWorker(client, devices=MIG)
+    with trio.fail_after(5):
+        await w.register()
+        await gpu_fault(w, "gpu0", "f-gpu")
+        await gpu_fault(w, "gpu0-mig1", "f-c1", "f-gpu")
+        await gpu_fault(w, "gpu0-mig2", "f-c2", "f-gpu")
+        r = await user.post("/v1/devices/box1/gpu0-mig1/clear")
+        assert r.json()["cleared"] == ["f-c1"]
+        assert await states(user) == {
+            "gpu0": ("quarantined", ["f-gpu"]),
+            "gpu0-mig1": ("free", []),
+            "gpu0-mig2": ("quarantined", ["f-c2"]),
+        }
+        # The worker's next check quarantines the slice again, by a copy of the GPU's.
+        await gpu_fault(w, "gpu0-mig1", "f-c1b", "f-gpu")
+        r = await user.post("/v1/devices/box1/gpu0/clear")
+        assert r.json()["cleared"] == ["f-gpu"]
+        assert {s for s, _ in (await states(user)).values()} == {"free"}
+        # One more copy, raised before the worker heard of that clear: it goes too.
+        await gpu_fault(w, "gpu0-mig1", "f-c1c", "f-gpu")
+        assert (await states(user))["gpu0-mig1"] == ("free", [])
+        r = await w.heartbeat({n: {"state": "quarantined", "faults": []} for n in MIG})
+        assert r.json()["cleared"]["gpu0-mig1"] == ["f-c1", "f-c1b", "f-c1c"]
+    lifted = [e.data for e in store.events() if e.type == "device_cleared"]
+    assert [(e["device"], e["fault_ids"], e["by"]) for e in lifted] == [
+        ("gpu0-mig1", ["f-c1"], "alice"),
+        ("gpu0", ["f-gpu"], "alice"),
+        ("gpu0-mig1", ["f-c1b"], "alice"),
+        ("gpu0-mig2", ["f-c2"], "alice"),
+        ("gpu0-mig1", ["f-c1c"], "parent_cleared"),
+    ]
+
+
+async def test_clearing_a_gpu_clears_a_slices_copy_of_a_fault_it_no_longer_holds(
+    user: httpx.AsyncClient, client: httpx.AsyncClient, store: Store
+) -> None:
+    """A copy left naming a GPU fault lifted some other way (here a host clear): clearing
+    the GPU's device, though it holds nothing now, clears it."""
+    w = FakeWorker(client, devices=MIG)
+    with trio.fail_after(5):
+        await w.register()
+        body = {"session": w.session, "kind": "gpu_missing", "reason": "pci", "scope": "host"}
+        for name in MIG:
+            await w.post(f"/v1/hosts/box1/devices/{name}/fault", {**body, "fault_id": "f-host"})
+        r = await user.post("/v1/devices/box1/gpu0-mig1/clear")
+        assert r.json()["cleared"] == ["f-host"]
+        # The worker quarantines the slice again, by a copy of the GPU's host fault...
+        await gpu_fault(w, "gpu0-mig1", "f-c1", "f-host")
+        # ...which ``rc clear HOST`` lifts with the host fault itself.
+        r = await user.post("/v1/hosts/box1/clear")
+        assert r.json()["cleared"] == {"gpu0": ["f-host"], "gpu0-mig2": ["f-host"]}
+        assert (await states(user))["gpu0-mig1"] == ("free", [])
+    # Raised directly on the store, as a copy the controller kept before this fix would be.
+    store.device("box1", "gpu0")  # known
+    h = store._hosts["box1"]
+    from rc_worker.controller.records import Fault
+
+    h.devices["gpu0-mig2"].faults["f-old"] = Fault(
+        "f-old", "gpu_missing", "fault", "lost", None, None, "worker", parent_fault="f-host"
+    )
+    with trio.fail_after(5):
+        assert (await states(user))["gpu0-mig2"] == ("quarantined", ["f-old"])
+        r = await user.post("/v1/devices/box1/gpu0/clear")
+        assert r.json()["cleared"] == []
+        assert (await states(user))["gpu0-mig2"] == ("free", [])
+
+
 async def test_events(user: httpx.AsyncClient, store: Store) -> None:
     for _ in range(3):
         store.cancel(store.submit(["x"]))
