@@ -90,9 +90,13 @@ async def wait_to_lead(
     the first try, when nothing listened here); None if ``shutdown_trigger`` fired
     first.
     """
-    if await _try(backend):
+    tries = _Tries(backend)
+    if await tries():
         return listen, False
-    log.warning("another controller holds the database: serving as a standby on %s", listen)
+    if tries.said is None:
+        log.warning("another controller holds the database: serving as a standby on %s", listen)
+    else:  # the reason was just said: no other controller need be leading
+        log.warning("cannot lead yet: serving as a standby on %s", listen)
     led = False
     done = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -100,7 +104,7 @@ async def wait_to_lead(
         async def try_lock() -> None:
             nonlocal led
             # Polling is the only way: PostgreSQL tells no one when a session lock frees.
-            while not await _try(backend):  # noqa: ASYNC110
+            while not await tries():  # noqa: ASYNC110
                 await trio.sleep(STANDBY_TRY_S)
             led = True
             done.set()
@@ -131,12 +135,31 @@ async def wait_to_lead(
     return f"{host}:{port}", True
 
 
-async def _try(backend: Leader) -> bool:
-    try:
-        return await trio.to_thread.run_sync(backend.try_lead)
-    except Exception as e:  # the database is down or refusing: stay a standby, try again
-        log.info("cannot try the controllers' lock yet: %s", str(e).strip().splitlines()[0])
-        return False
+class _Tries:
+    """Tries the lock; says why a try failed once for each new reason, not every second.
+
+    A failure is a database down or refusing, or one an operator must fix (a garbled
+    ``meta.leader_epoch``): either way this stays a standby and tries again, and the
+    operator sees the reason once, as a warning (info would go unseen by default).
+    """
+
+    def __init__(self, backend: Leader) -> None:
+        self.backend = backend
+        self.said: str | None = None
+        """The reason last said, until a try gets an answer again."""
+
+    async def __call__(self) -> bool:
+        try:
+            led = await trio.to_thread.run_sync(self.backend.try_lead)
+        except Exception as e:
+            text = str(e).strip()
+            why = text.splitlines()[0] if text else type(e).__name__
+            if why != self.said:
+                log.warning("cannot take the controllers' lock: %s", why)
+                self.said = why
+            return False
+        self.said = None
+        return led
 
 
 async def guard_lead(backend: Leader, serving: trio.CancelScope) -> None:
