@@ -12,7 +12,8 @@ standby's ``503``.
 
 The active one checks its lock every :data:`LEAD_CHECK_S` (:func:`guard_lead`);
 once it has lost it (its session ended and another controller took the lock, or
-led in between) it stops serving at once. Writes go through the lock-holding
+led in between), or can no longer show it holds it while the database answers,
+it stops serving at once. Writes go through the lock-holding
 session, so even before that check notices, a controller without the lock can
 store nothing and so answer ``200`` to nothing that changes state: two active
 controllers never assign work.
@@ -50,10 +51,13 @@ class Leader(Protocol):
     """What a backend that can be shared by several controllers offers (PostgreSQL)."""
 
     lost: str | None
+    """Why this controller no longer leads, once it does not."""
 
     def try_lead(self) -> bool: ...
 
-    def check_lead(self) -> bool: ...
+    def check_lead(self) -> bool:
+        """Whether this still leads; False only once :attr:`lost` says why."""
+        ...
 
 
 async def _standby_answer(request: Request) -> Response:
@@ -167,5 +171,7 @@ async def guard_lead(backend: Leader, serving: trio.CancelScope) -> None:
     # A session that ended is noticed only by using it: ask, now and then.
     while await trio.to_thread.run_sync(backend.check_lead):  # noqa: ASYNC110
         await trio.sleep(LEAD_CHECK_S)
-    log.error("lost the controllers' lock (%s); stopping at once", backend.lost)
+    log.error(
+        "lost the controllers' lock (%s); stopping at once", backend.lost or "no reason given"
+    )
     serving.cancel()

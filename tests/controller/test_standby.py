@@ -31,6 +31,7 @@ from rc_worker.controller.persist.postgres import (
     BadLeaderEpoch,
     PostgresBackend,
     parse_epoch,
+    unreachable,
 )
 from rc_worker.controller.standby import wait_to_lead
 
@@ -199,6 +200,55 @@ def lock_goes(admin: psycopg.Connection[object]) -> bool:
     return False
 
 
+def test_a_leader_that_cannot_show_its_lock_while_the_database_answers_gives_up(
+    db: str,
+) -> None:
+    """The leader's session is terminated by an administrator and its reconnect fails a
+    statement (``meta`` renamed away): the database answers, the lock is free, and this
+    controller cannot show it still leads. It must not keep claiming to: another
+    controller may take the lock now."""
+    first, second = PostgresBackend(db), PostgresBackend(db)
+    try:
+        first.migrate()
+        assert first.try_lead()
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute("ALTER TABLE meta RENAME TO meta_away")
+            terminate_leader(db)
+            assert not first.check_lead()
+            assert first.lost is not None
+            assert "cannot show it still holds the controllers' lock" in first.lost
+            assert '"meta" does not exist' in first.lost
+            assert lock_goes(admin)  # the failed reconnect's session went, lock and all
+            admin.execute("ALTER TABLE meta_away RENAME TO meta")
+        assert second.try_lead()
+        assert not first.check_lead()  # given up for good, not only until the next check
+        with pytest.raises(StoreWriteError):
+            first.write([Batch(generation=1)])
+        assert second.check_lead()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_leader_that_cannot_reach_the_database_hopes(db: str, tmp_path: Path) -> None:
+    """The other side of the rule: the session ended and the database cannot be reached
+    (here: its socket is nowhere), so no other controller can prove it leads either.
+    The leader keeps leading, and carries on once the database is back."""
+    backend = PostgresBackend(db)
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        backend.url = f"postgresql:///nowhere?host={tmp_path / 'no-server'}&user=postgres"
+        terminate_leader(db)
+        assert backend.check_lead()
+        assert backend.lost is None
+        backend.url = db
+        assert backend.check_lead()  # reconnected, relocked, the epoch still ours
+        backend.write([Batch(generation=1)])
+    finally:
+        backend.close()
+
+
 def test_a_garbled_epoch_fails_the_try_in_one_line_and_lets_the_lock_go(db: str) -> None:
     first, second = PostgresBackend(db), PostgresBackend(db)
     try:
@@ -309,6 +359,28 @@ def test_anything_else_as_an_epoch_is_one_line_naming_the_fix(value: str | None)
     assert "\n" not in message
     assert message.startswith("meta.leader_epoch is ")
     assert "UPDATE meta SET value" in message
+
+
+def _with_sqlstate(cls: type[psycopg.Error] = psycopg.Error) -> Iterator[type[psycopg.Error]]:
+    for sub in cls.__subclasses__():
+        if sub.sqlstate:
+            yield sub
+        yield from _with_sqlstate(sub)
+
+
+def test_only_failures_with_no_answer_from_the_server_count_as_unreachable() -> None:
+    """psycopg raises a bare OperationalError for a failed connection attempt and a broken
+    connection; every error the server sent carries its SQLSTATE, whatever its class."""
+    answered = list(_with_sqlstate())
+    assert psycopg.errors.AdminShutdown in answered
+    assert psycopg.errors.QueryCanceled in answered
+    assert [cls for cls in answered if unreachable(cls("said"))] == []
+    assert unreachable(psycopg.OperationalError("connection failed: no such file"))
+    assert unreachable(psycopg.errors.ConnectionTimeout("connection timeout expired"))
+    assert unreachable(OSError("no route to host"))
+    # Nothing else proves the server went unheard: fail closed.
+    assert not unreachable(psycopg.InterfaceError("a misuse"))
+    assert not unreachable(psycopg.ProgrammingError("no results to fetch"))
 
 
 # --- two rc serve processes -------------------------------------------------------------------
@@ -492,6 +564,40 @@ async def test_a_controller_that_lost_the_lock_stops_with_one_line(
                 assert "Traceback" not in said.decode()
             finally:
                 thief.close()
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctl.stop()
+
+
+async def test_a_controller_that_cannot_show_its_lock_stops_with_one_line(
+    db: str, pg_server: PgServer, tmp_path: Path
+) -> None:
+    """Its session is terminated and every reconnect fails a statement while the database
+    answers: it stops (status 3, one line saying why) instead of serving as the active
+    controller on a lock it cannot show it holds."""
+    place = StorePlace("postgres", db=db, server=pg_server)
+    ctl = Controller(place, tmp_path)
+    try:
+        with trio.fail_after(GUARD):
+            await ctl.start()
+            assert (await status_of(ctl.url)) == 200
+
+            def break_it() -> None:
+                with psycopg.connect(db, autocommit=True) as admin:
+                    admin.execute("ALTER TABLE meta RENAME TO meta_away")
+                terminate_leader(db)
+
+            await trio.to_thread.run_sync(break_it)
+            assert ctl.proc is not None
+            assert await ctl.proc.wait() == 3
+            assert ctl.proc.stderr is not None
+            said = b""
+            while chunk := await ctl.proc.stderr.receive_some(4096):
+                said += chunk
+            lines = [line for line in said.decode().splitlines() if line.startswith("rc: ")]
+            assert lines[-1].startswith("rc: rc serve: lost the controllers' lock"), said
+            assert "cannot show it still holds the controllers' lock" in lines[-1], said
+            assert "Traceback" not in said.decode()
     finally:
         with trio.CancelScope(shield=True):
             await ctl.stop()

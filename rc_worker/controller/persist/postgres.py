@@ -20,7 +20,10 @@ session, so a controller that lost the lock can no longer store anything, and
 so can no longer answer ``200`` for anything that changes state.
 
 Every failure after the lock was taken closes the session, so the lock never
-outlives a try that did not end in leading.
+outlives a try that did not end in leading. The active controller keeps
+claiming to lead without proof only while the database cannot be reached
+(:func:`unreachable`); a database that answers but lets it prove nothing ends
+its leadership (:meth:`PostgresBackend.check_lead`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "PostgresBackend",
     "parse_epoch",
     "redact",
+    "unreachable",
 ]
 
 CONNECT_TIMEOUT_S = 10
@@ -72,6 +76,20 @@ def parse_epoch(value: object) -> int:
         f"meta.leader_epoch is {shown}, not a whole number: set it to one above any epoch "
         "a controller used (UPDATE meta SET value = 'N' WHERE key = 'leader_epoch')"
     )
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error`` says the database could not be reached, not that it answered.
+
+    libpq's own failures carry no SQLSTATE: a connection attempt that failed (psycopg
+    raises a bare ``OperationalError`` for every one), a connection that broke under a
+    statement. Whatever the server said carries one, ``OperationalError`` subclasses
+    included: a statement cancelled (``QueryCanceled``, 57014), our session terminated
+    by an administrator (``AdminShutdown``, 57P01). So the class alone does not tell.
+    """
+    if isinstance(error, OSError):
+        return True
+    return isinstance(error, psycopg.OperationalError) and error.sqlstate is None
 
 
 def _first_line(error: BaseException) -> str:
@@ -197,26 +215,41 @@ class PostgresBackend(SqlBackend):
 
     def check_lead(self) -> bool:
         """Whether this controller still leads: the lock's session is alive, or was
-        reopened with the lock and our epoch. False once lost; True (hoping) while the
-        database is unreachable, since no other controller can lead through it either
-        without the lock this session held."""
+        reopened with the lock and our epoch. False once lost, with :attr:`lost` saying why.
+
+        While the database cannot be reached (:func:`unreachable`), True (hoping): no other
+        controller can lead through it either, and the next write reconnects and checks
+        the lock and the epoch before storing anything. When the database answers but
+        the lock cannot be proven (the reopened session fails a statement, or is
+        terminated too), another controller may be leading: this one gives up leading
+        (:attr:`lost` is set, for good) rather than claim what it cannot show.
+        """
         if self.lost is not None:
             return False
         with self.lock:
+            failed: Exception | None = None
             for _ in range(2):  # a session found dead is reopened (and relocked) at once
                 try:
                     conn = self._connect()
                     with conn.cursor() as cur:
                         cur.execute("SELECT 1")
                     conn.commit()
-                    break
+                    return True
                 except LeadershipLost:
                     return False
-                except (psycopg.Error, OSError):
+                except (psycopg.Error, OSError) as e:
+                    failed = e
                     self._rollback()
                     if self.conn is not None and not self.conn.closed:
                         self.conn.close()
-        return self.lost is None
+            assert failed is not None
+            if unreachable(failed):
+                return True
+            self.lost = (
+                "the database answers but this controller cannot show it still holds "
+                f"the controllers' lock: {_first_line(failed)}"
+            )
+            return False
 
     def _cursor(self) -> Any:
         return self._connect().cursor()
