@@ -12,7 +12,8 @@ standby's ``503``.
 
 The active one checks its lock every :data:`LEAD_CHECK_S` (:func:`guard_lead`);
 once it has lost it (its session ended and another controller took the lock, or
-led in between) it stops serving at once. Writes go through the lock-holding
+led in between), or can no longer show it holds it while the database answers,
+it stops serving at once. Writes go through the lock-holding
 session, so even before that check notices, a controller without the lock can
 store nothing and so answer ``200`` to nothing that changes state: two active
 controllers never assign work.
@@ -50,10 +51,13 @@ class Leader(Protocol):
     """What a backend that can be shared by several controllers offers (PostgreSQL)."""
 
     lost: str | None
+    """Why this controller no longer leads, once it does not."""
 
     def try_lead(self) -> bool: ...
 
-    def check_lead(self) -> bool: ...
+    def check_lead(self) -> bool:
+        """Whether this still leads; False only once :attr:`lost` says why."""
+        ...
 
 
 async def _standby_answer(request: Request) -> Response:
@@ -90,9 +94,13 @@ async def wait_to_lead(
     the first try, when nothing listened here); None if ``shutdown_trigger`` fired
     first.
     """
-    if await _try(backend):
+    tries = _Tries(backend)
+    if await tries():
         return listen, False
-    log.warning("another controller holds the database: serving as a standby on %s", listen)
+    if tries.said is None:
+        log.warning("another controller holds the database: serving as a standby on %s", listen)
+    else:  # the reason was just said: no other controller need be leading
+        log.warning("cannot lead yet: serving as a standby on %s", listen)
     led = False
     done = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -100,7 +108,7 @@ async def wait_to_lead(
         async def try_lock() -> None:
             nonlocal led
             # Polling is the only way: PostgreSQL tells no one when a session lock frees.
-            while not await _try(backend):  # noqa: ASYNC110
+            while not await tries():  # noqa: ASYNC110
                 await trio.sleep(STANDBY_TRY_S)
             led = True
             done.set()
@@ -131,12 +139,31 @@ async def wait_to_lead(
     return f"{host}:{port}", True
 
 
-async def _try(backend: Leader) -> bool:
-    try:
-        return await trio.to_thread.run_sync(backend.try_lead)
-    except Exception as e:  # the database is down or refusing: stay a standby, try again
-        log.info("cannot try the controllers' lock yet: %s", str(e).strip().splitlines()[0])
-        return False
+class _Tries:
+    """Tries the lock; says why a try failed once for each new reason, not every second.
+
+    A failure is a database down or refusing, or one an operator must fix (a garbled
+    ``meta.leader_epoch``): either way this stays a standby and tries again, and the
+    operator sees the reason once, as a warning (info would go unseen by default).
+    """
+
+    def __init__(self, backend: Leader) -> None:
+        self.backend = backend
+        self.said: str | None = None
+        """The reason last said, until a try gets an answer again."""
+
+    async def __call__(self) -> bool:
+        try:
+            led = await trio.to_thread.run_sync(self.backend.try_lead)
+        except Exception as e:
+            text = str(e).strip()
+            why = text.splitlines()[0] if text else type(e).__name__
+            if why != self.said:
+                log.warning("cannot take the controllers' lock: %s", why)
+                self.said = why
+            return False
+        self.said = None
+        return led
 
 
 async def guard_lead(backend: Leader, serving: trio.CancelScope) -> None:
@@ -144,5 +171,7 @@ async def guard_lead(backend: Leader, serving: trio.CancelScope) -> None:
     # A session that ended is noticed only by using it: ask, now and then.
     while await trio.to_thread.run_sync(backend.check_lead):  # noqa: ASYNC110
         await trio.sleep(LEAD_CHECK_S)
-    log.error("lost the controllers' lock (%s); stopping at once", backend.lost)
+    log.error(
+        "lost the controllers' lock (%s); stopping at once", backend.lost or "no reason given"
+    )
     serving.cancel()

@@ -9,7 +9,9 @@ wait on files the test creates, never on time.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,10 +21,19 @@ import httpx
 import psycopg
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rc_worker.controller.persist import StoreWriteError
 from rc_worker.controller.persist.codec import Batch
-from rc_worker.controller.persist.postgres import LOCK_KEY, PostgresBackend
+from rc_worker.controller.persist.postgres import (
+    LOCK_KEY,
+    BadLeaderEpoch,
+    PostgresBackend,
+    parse_epoch,
+    unreachable,
+)
+from rc_worker.controller.standby import wait_to_lead
 
 from .persistkit import StorePlace
 from .pgserver import PgServer
@@ -159,6 +170,217 @@ def test_a_standby_that_fails_to_lead_lets_the_lock_go(db: str) -> None:
     finally:
         first.close()
         second.close()
+
+
+def set_epoch(admin: psycopg.Connection[object], value: str) -> None:
+    admin.execute(
+        "INSERT INTO meta (key, value) VALUES ('leader_epoch', %s)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (value,),
+    )
+
+
+def holder(admin: psycopg.Connection[object]) -> int | None:
+    """The pid of the session holding the controllers' lock, if one does."""
+    row = admin.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND ((classid::bigint << 32) | objid::bigint) = %s",
+        (LOCK_KEY,),
+    ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def lock_goes(admin: psycopg.Connection[object]) -> bool:
+    """Whether the controllers' lock is let go: a closed session ends, and lets go of its
+    locks, a moment after the client closed it, so wait for that (bounded)."""
+    for _ in range(600):
+        if holder(admin) is None:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_leader_that_cannot_show_its_lock_while_the_database_answers_gives_up(
+    db: str,
+) -> None:
+    """The leader's session is terminated by an administrator and its reconnect fails a
+    statement (``meta`` renamed away): the database answers, the lock is free, and this
+    controller cannot show it still leads. It must not keep claiming to: another
+    controller may take the lock now."""
+    first, second = PostgresBackend(db), PostgresBackend(db)
+    try:
+        first.migrate()
+        assert first.try_lead()
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute("ALTER TABLE meta RENAME TO meta_away")
+            terminate_leader(db)
+            assert not first.check_lead()
+            assert first.lost is not None
+            assert "cannot show it still holds the controllers' lock" in first.lost
+            assert '"meta" does not exist' in first.lost
+            assert lock_goes(admin)  # the failed reconnect's session went, lock and all
+            admin.execute("ALTER TABLE meta_away RENAME TO meta")
+        assert second.try_lead()
+        assert not first.check_lead()  # given up for good, not only until the next check
+        with pytest.raises(StoreWriteError):
+            first.write([Batch(generation=1)])
+        assert second.check_lead()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_leader_that_cannot_reach_the_database_hopes(db: str, tmp_path: Path) -> None:
+    """The other side of the rule: the session ended and the database cannot be reached
+    (here: its socket is nowhere), so no other controller can prove it leads either.
+    The leader keeps leading, and carries on once the database is back."""
+    backend = PostgresBackend(db)
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        backend.url = f"postgresql:///nowhere?host={tmp_path / 'no-server'}&user=postgres"
+        terminate_leader(db)
+        assert backend.check_lead()
+        assert backend.lost is None
+        backend.url = db
+        assert backend.check_lead()  # reconnected, relocked, the epoch still ours
+        backend.write([Batch(generation=1)])
+    finally:
+        backend.close()
+
+
+def test_a_garbled_epoch_fails_the_try_in_one_line_and_lets_the_lock_go(db: str) -> None:
+    first, second = PostgresBackend(db), PostgresBackend(db)
+    try:
+        first.migrate()
+        with psycopg.connect(db, autocommit=True) as admin:
+            set_epoch(admin, "x")
+            with pytest.raises(BadLeaderEpoch) as caught:
+                first.try_lead()
+            assert str(caught.value) == (
+                "meta.leader_epoch is 'x', not a whole number: set it to one above any "
+                "epoch a controller used (UPDATE meta SET value = 'N' WHERE key = "
+                "'leader_epoch')"
+            )
+            assert first.leader_epoch is None
+            # The failed try's session held the lock: closed, it let it go.
+            assert lock_goes(admin)
+            set_epoch(admin, "7")
+        assert second.try_lead()
+        assert second.leader_epoch == 8
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_leader_that_finds_a_garbled_epoch_on_reconnect_gives_up_in_one_line(
+    db: str,
+) -> None:
+    backend = PostgresBackend(db)
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        with psycopg.connect(db, autocommit=True) as admin:
+            set_epoch(admin, "one")
+            terminate_leader(db)
+            assert not backend.check_lead()
+            assert backend.lost is not None
+            assert backend.lost.startswith("meta.leader_epoch is 'one', not a whole number")
+            assert lock_goes(admin)
+            with pytest.raises(StoreWriteError, match="leader_epoch"):
+                backend.write([Batch(generation=1)])
+    finally:
+        backend.close()
+
+
+async def test_a_standby_facing_a_garbled_epoch_says_so_once_and_leads_once_fixed(
+    db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tries = 0
+
+    class Counted(PostgresBackend):
+        def try_lead(self) -> bool:
+            nonlocal tries
+            tries += 1
+            return super().try_lead()
+
+    backend = Counted(db)
+    led: list[tuple[str, bool] | None] = []
+
+    async def standby(task_status: trio.TaskStatus[list[str]]) -> None:
+        led.append(
+            await wait_to_lead(
+                backend, "127.0.0.1:0", shutdown_trigger=None, task_status=task_status
+            )
+        )
+
+    caplog.set_level(logging.WARNING, logger="rc_worker.controller.standby")
+    try:
+        backend.migrate()
+        with psycopg.connect(db, autocommit=True) as admin:
+            set_epoch(admin, "x")
+            with trio.fail_after(GUARD):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(standby)
+                    while tries < 3:  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+                    said = [
+                        r.getMessage() for r in caplog.records if "leader_epoch" in r.getMessage()
+                    ]
+                    assert said == [
+                        "cannot take the controllers' lock: meta.leader_epoch is 'x', not a "
+                        "whole number: set it to one above any epoch a controller used "
+                        "(UPDATE meta SET value = 'N' WHERE key = 'leader_epoch')"
+                    ]
+                    assert not any(
+                        "another controller holds" in r.getMessage() for r in caplog.records
+                    )
+                    set_epoch(admin, "4")
+            assert led
+            assert led[0] is not None
+            assert backend.leader_epoch == 5
+            assert backend.conn is not None
+            assert holder(admin) == backend.conn.info.backend_pid  # it leads, on its session
+    finally:
+        backend.close()
+
+
+@given(st.integers())
+def test_an_epoch_written_as_a_number_reads_back(n: int) -> None:
+    assert parse_epoch(str(n)) == n
+
+
+@given(st.one_of(st.none(), st.text().filter(lambda t: not re.fullmatch(r"-?[0-9]+", t))))
+def test_anything_else_as_an_epoch_is_one_line_naming_the_fix(value: str | None) -> None:
+    # " 7", "٣" (an Arabic-Indic three) and "1_0" are numbers to int(), not to the rule.
+    with pytest.raises(BadLeaderEpoch) as caught:
+        parse_epoch(value)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("meta.leader_epoch is ")
+    assert "UPDATE meta SET value" in message
+
+
+def _with_sqlstate(cls: type[psycopg.Error] = psycopg.Error) -> Iterator[type[psycopg.Error]]:
+    for sub in cls.__subclasses__():
+        if sub.sqlstate:
+            yield sub
+        yield from _with_sqlstate(sub)
+
+
+def test_only_failures_with_no_answer_from_the_server_count_as_unreachable() -> None:
+    """psycopg raises a bare OperationalError for a failed connection attempt and a broken
+    connection; every error the server sent carries its SQLSTATE, whatever its class."""
+    answered = list(_with_sqlstate())
+    assert psycopg.errors.AdminShutdown in answered
+    assert psycopg.errors.QueryCanceled in answered
+    assert [cls for cls in answered if unreachable(cls("said"))] == []
+    assert unreachable(psycopg.OperationalError("connection failed: no such file"))
+    assert unreachable(psycopg.errors.ConnectionTimeout("connection timeout expired"))
+    assert unreachable(OSError("no route to host"))
+    # Nothing else proves the server went unheard: fail closed.
+    assert not unreachable(psycopg.InterfaceError("a misuse"))
+    assert not unreachable(psycopg.ProgrammingError("no results to fetch"))
 
 
 # --- two rc serve processes -------------------------------------------------------------------
@@ -342,6 +564,40 @@ async def test_a_controller_that_lost_the_lock_stops_with_one_line(
                 assert "Traceback" not in said.decode()
             finally:
                 thief.close()
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctl.stop()
+
+
+async def test_a_controller_that_cannot_show_its_lock_stops_with_one_line(
+    db: str, pg_server: PgServer, tmp_path: Path
+) -> None:
+    """Its session is terminated and every reconnect fails a statement while the database
+    answers: it stops (status 3, one line saying why) instead of serving as the active
+    controller on a lock it cannot show it holds."""
+    place = StorePlace("postgres", db=db, server=pg_server)
+    ctl = Controller(place, tmp_path)
+    try:
+        with trio.fail_after(GUARD):
+            await ctl.start()
+            assert (await status_of(ctl.url)) == 200
+
+            def break_it() -> None:
+                with psycopg.connect(db, autocommit=True) as admin:
+                    admin.execute("ALTER TABLE meta RENAME TO meta_away")
+                terminate_leader(db)
+
+            await trio.to_thread.run_sync(break_it)
+            assert ctl.proc is not None
+            assert await ctl.proc.wait() == 3
+            assert ctl.proc.stderr is not None
+            said = b""
+            while chunk := await ctl.proc.stderr.receive_some(4096):
+                said += chunk
+            lines = [line for line in said.decode().splitlines() if line.startswith("rc: ")]
+            assert lines[-1].startswith("rc: rc serve: lost the controllers' lock"), said
+            assert "cannot show it still holds the controllers' lock" in lines[-1], said
+            assert "Traceback" not in said.decode()
     finally:
         with trio.CancelScope(shield=True):
             await ctl.stop()

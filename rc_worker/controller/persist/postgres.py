@@ -18,19 +18,35 @@ that check has passed; one whose check failed part-way is closed, so no write
 goes through a session whose epoch was never compared. Writes go through the lock-holding
 session, so a controller that lost the lock can no longer store anything, and
 so can no longer answer ``200`` for anything that changes state.
+
+Every failure after the lock was taken closes the session, so the lock never
+outlives a try that did not end in leading. The active controller keeps
+claiming to lead without proof only while the database cannot be reached
+(:func:`unreachable`); a database that answers but lets it prove nothing ends
+its leadership (:meth:`PostgresBackend.check_lead`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 
 from rc_worker.controller.persist import StoreOpenError
 from rc_worker.controller.persist.sql import SqlBackend
+from rc_worker.core.errors import RcWorkerError
 
-__all__ = ["LOCK_KEY", "LeadershipLost", "PostgresBackend", "redact"]
+__all__ = [
+    "LOCK_KEY",
+    "BadLeaderEpoch",
+    "LeadershipLost",
+    "PostgresBackend",
+    "parse_epoch",
+    "redact",
+    "unreachable",
+]
 
 CONNECT_TIMEOUT_S = 10
 LOCK_KEY = 0x72635F73  # "rc_s": the one advisory lock the controllers of a database share
@@ -39,6 +55,46 @@ LOCK_KEY = 0x72635F73  # "rc_s": the one advisory lock the controllers of a data
 
 class LeadershipLost(Exception):
     """This controller no longer holds the controllers' lock: another one leads."""
+
+
+class BadLeaderEpoch(RcWorkerError):
+    """``meta.leader_epoch`` is not a whole number: no controller can lead until it is fixed."""
+
+
+_EPOCH = re.compile(r"-?[0-9]+")
+
+
+def parse_epoch(value: object) -> int:
+    """``meta.leader_epoch`` as stored (the text of a whole number); :class:`BadLeaderEpoch`,
+    naming the value and the fix, for anything else."""
+    if isinstance(value, str) and _EPOCH.fullmatch(value):
+        return int(value)
+    shown = "NULL" if value is None else repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    raise BadLeaderEpoch(
+        f"meta.leader_epoch is {shown}, not a whole number: set it to one above any epoch "
+        "a controller used (UPDATE meta SET value = 'N' WHERE key = 'leader_epoch')"
+    )
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error`` says the database could not be reached, not that it answered.
+
+    libpq's own failures carry no SQLSTATE: a connection attempt that failed (psycopg
+    raises a bare ``OperationalError`` for every one), a connection that broke under a
+    statement. Whatever the server said carries one, ``OperationalError`` subclasses
+    included: a statement cancelled (``QueryCanceled``, 57014), our session terminated
+    by an administrator (``AdminShutdown``, 57P01). So the class alone does not tell.
+    """
+    if isinstance(error, OSError):
+        return True
+    return isinstance(error, psycopg.OperationalError) and error.sqlstate is None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def redact(url: str) -> str:
@@ -72,9 +128,8 @@ class PostgresBackend(SqlBackend):
         try:
             self._connect()
         except psycopg.Error as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise StoreOpenError(
-                f"cannot connect to {self.description}: {first}; check --db / RC_DB"
+                f"cannot connect to {self.description}: {_first_line(e)}; check --db / RC_DB"
             ) from e
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -103,11 +158,11 @@ class PostgresBackend(SqlBackend):
     def try_lead(self) -> bool:
         """Take the controllers' lock if no other session holds it; True once this leads.
 
-        Call from a thread. Raises the driver's error when the database cannot be reached.
+        Call from a thread. Raises the driver's error when the database cannot be reached,
+        :class:`BadLeaderEpoch` when ``meta.leader_epoch`` is not a number.
         """
         with self.lock:
             conn = self._connect()
-            locked = False
             try:
                 with conn.cursor() as cur:
                     cur.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,))
@@ -115,68 +170,86 @@ class PostgresBackend(SqlBackend):
                     if not (row and row[0]):
                         conn.rollback()
                         return False
-                    locked = True
                     cur.execute("SELECT value FROM meta WHERE key = 'leader_epoch'")
                     found = cur.fetchone()
-                    epoch = (int(found[0]) if found else 0) + 1
+                    epoch = (parse_epoch(found[0]) if found else 0) + 1
                     self._put_meta(cur, [("leader_epoch", str(epoch))])
                 conn.commit()
-            except psycopg.Error:
-                if locked:
-                    # A rollback keeps a session's advisory lock: this session would hold
-                    # it while not leading, and no other controller could take over until
-                    # this one tried again. Closed, the lock goes with the session.
-                    conn.close()
-                else:
-                    self._rollback()
+            except BaseException:
+                # Whatever failed (a statement, a garbled epoch, the lock's own answer),
+                # the session may hold the lock: a rollback keeps a session's advisory
+                # lock, and this session would hold it while not leading, so that no
+                # other controller could take over until this process ended. Closed, the
+                # lock goes with the session; the next try connects again.
+                conn.close()
                 raise
             self.leader_epoch = epoch
             return True
 
     def _lead_again(self, conn: psycopg.Connection[Any]) -> None:
+        # The caller (_connect) closes ``conn`` on any exception from here.
         assert self.leader_epoch is not None
         with conn.cursor() as cur:
             cur.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,))
             row = cur.fetchone()
             got = bool(row and row[0])
-            epoch = None
+            found = None
             if got:
                 cur.execute("SELECT value FROM meta WHERE key = 'leader_epoch'")
                 found = cur.fetchone()
-                epoch = int(found[0]) if found else None
         conn.commit()
         if not got:
             self._lose(conn, "another controller holds the controllers' lock")
+        try:
+            epoch = parse_epoch(found[0]) if found else None
+        except BadLeaderEpoch as e:
+            # Unreadable, so it cannot be shown to be ours: fail closed.
+            self._lose(conn, str(e))
         if epoch != self.leader_epoch:
             self._lose(conn, f"another controller led meanwhile (epoch {epoch} after ours)")
 
-    def _lose(self, conn: psycopg.Connection[Any], why: str) -> None:
+    def _lose(self, conn: psycopg.Connection[Any], why: str) -> NoReturn:
         self.lost = why
         conn.close()
         raise LeadershipLost(why)
 
     def check_lead(self) -> bool:
         """Whether this controller still leads: the lock's session is alive, or was
-        reopened with the lock and our epoch. False once lost; True (hoping) while the
-        database is unreachable, since no other controller can lead through it either
-        without the lock this session held."""
+        reopened with the lock and our epoch. False once lost, with :attr:`lost` saying why.
+
+        While the database cannot be reached (:func:`unreachable`), True (hoping): no other
+        controller can lead through it either, and the next write reconnects and checks
+        the lock and the epoch before storing anything. When the database answers but
+        the lock cannot be proven (the reopened session fails a statement, or is
+        terminated too), another controller may be leading: this one gives up leading
+        (:attr:`lost` is set, for good) rather than claim what it cannot show.
+        """
         if self.lost is not None:
             return False
         with self.lock:
+            failed: Exception | None = None
             for _ in range(2):  # a session found dead is reopened (and relocked) at once
                 try:
                     conn = self._connect()
                     with conn.cursor() as cur:
                         cur.execute("SELECT 1")
                     conn.commit()
-                    break
+                    return True
                 except LeadershipLost:
                     return False
-                except (psycopg.Error, OSError):
+                except (psycopg.Error, OSError) as e:
+                    failed = e
                     self._rollback()
                     if self.conn is not None and not self.conn.closed:
                         self.conn.close()
-        return self.lost is None
+            assert failed is not None
+            if unreachable(failed):
+                return True
+            self.lost = (
+                "the database answers but this controller cannot show it still holds "
+                f"the controllers' lock: {_first_line(failed)}"
+            )
+            return False
 
     def _cursor(self) -> Any:
         return self._connect().cursor()
