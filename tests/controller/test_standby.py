@@ -165,6 +165,9 @@ def test_a_standby_that_fails_to_lead_lets_the_lock_go(db: str) -> None:
                 first.try_lead()
             assert first.leader_epoch is None
             admin.execute("ALTER TABLE meta_away RENAME TO meta")
+            # The server lets go of a closed session's lock a moment after the close:
+            # trying at once lost that race now and then on a loaded machine.
+            assert lock_goes(admin)
         assert second.try_lead()
         assert second.leader_epoch == 1
     finally:
