@@ -556,20 +556,27 @@ async def test_a_controller_that_lost_the_lock_stops_with_one_line(
 
             thief = await trio.to_thread.run_sync(take_the_lock_from_it)
             try:
-                assert ctl.proc is not None
-                assert await ctl.proc.wait() == 3
-                assert ctl.proc.stderr is not None
-                said = b""
-                while chunk := await ctl.proc.stderr.receive_some(4096):
-                    said += chunk
-                lines = [line for line in said.decode().splitlines() if line.startswith("rc: ")]
+                lines, said = await stopped_with(ctl, 3)
                 assert "rc serve: lost the controllers' lock" in lines[-1], said
-                assert "Traceback" not in said.decode()
             finally:
                 thief.close()
     finally:
         with trio.CancelScope(shield=True):
             await ctl.stop()
+
+
+async def stopped_with(ctl: Controller, status: int) -> tuple[list[str], str]:
+    """Wait for the controller process to exit with ``status``; its ``rc: `` lines and all
+    it said on stderr (never a traceback)."""
+    assert ctl.proc is not None
+    assert await ctl.proc.wait() == status
+    assert ctl.proc.stderr is not None
+    said = b""
+    while chunk := await ctl.proc.stderr.receive_some(4096):
+        said += chunk
+    text = said.decode()
+    assert "Traceback" not in text
+    return [line for line in text.splitlines() if line.startswith("rc: ")], text
 
 
 async def test_a_controller_that_cannot_show_its_lock_stops_with_one_line(
@@ -591,16 +598,9 @@ async def test_a_controller_that_cannot_show_its_lock_stops_with_one_line(
                 terminate_leader(db)
 
             await trio.to_thread.run_sync(break_it)
-            assert ctl.proc is not None
-            assert await ctl.proc.wait() == 3
-            assert ctl.proc.stderr is not None
-            said = b""
-            while chunk := await ctl.proc.stderr.receive_some(4096):
-                said += chunk
-            lines = [line for line in said.decode().splitlines() if line.startswith("rc: ")]
+            lines, said = await stopped_with(ctl, 3)
             assert lines[-1].startswith("rc: rc serve: lost the controllers' lock"), said
             assert "cannot show it still holds the controllers' lock" in lines[-1], said
-            assert "Traceback" not in said.decode()
     finally:
         with trio.CancelScope(shield=True):
             await ctl.stop()
