@@ -140,8 +140,8 @@ class Durability:
             # Committed output leaves memory: reads below it go to the backend.
             stored: dict[str, int] = {}
             for job_id, off, data in batch.output:
-                if job_id not in recounted:  # its pieces past the hole were not stored
-                    stored[job_id] = max(stored.get(job_id, 0), off + len(data))
+                stored[job_id] = max(stored.get(job_id, 0), off + len(data))
+            stored.update(recounted)  # no piece past a hole was stored
             for job_id, upto in stored.items():
                 self.store.trim_output(job_id, upto)
             # So do stored finished jobs, but the most recent.

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from rc_worker.controller.persist import StoreWriteError
 from rc_worker.controller.persist.codec import Batch, JobRow
 from rc_worker.controller.persist.opening import open_backend
-from rc_worker.controller.persist.output_files import extend, file_name, reconcile
+from rc_worker.controller.persist.output_files import OutputFiles, extend, file_name, reconcile
 from rc_worker.controller.persist.sqlite import (
     DB_NAME,
     MIGRATION_HEADROOM,
@@ -581,10 +582,6 @@ def test_a_recounted_file_holds_exactly_the_bytes_it_counts(
     """Whatever was cut and whatever the next commit brings (retries below the cut,
     pieces that continue it, pieces past the hole): the length counted is
     :func:`extend` of what the file kept, and every byte below it is the job's own."""
-    import tempfile
-
-    from rc_worker.controller.persist.output_files import OutputFiles
-
     held = min(split, len(data))
     kept = min(kept, held)
     with tempfile.TemporaryDirectory() as d:
