@@ -47,7 +47,7 @@ OfferFate = Literal["start", "keep", "requeue"]
 
 def claimed_attempts(req: RegisterRequest) -> dict[str, int]:
     """The attempt a registration says each job runs at (protocol 2): job id -> number."""
-    return {d.running.job_id: d.running.attempt for d in req.devices if d.running is not None}
+    return {job_id: claim.attempt for job_id, (_, claim) in claimed_placements(req).items()}
 
 
 def claimed_placements(req: RegisterRequest) -> dict[str, tuple[str, RunningClaim]]:
