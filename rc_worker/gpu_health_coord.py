@@ -37,6 +37,7 @@ from rc_worker.core.mig_share import (
     RunningJob,
     gpu_fault_plan,
     gpu_fault_steps,
+    known_jobs,
 )
 from rc_worker.core.model import DeviceState
 from rc_worker.gpu_health_run import CheckFailed, DeviceVerdict, GpuHealthMonitor, mig_parent
@@ -156,8 +157,7 @@ class GpuHealthCoordinator:
             return
         self.monitor.metrics.gpu_health_checks.labels(CHECK_RESIDENT, "ok").inc()
         dev.set_health_hold({}, (CHECK_RESIDENT,))
-        # Known before the listing or after it: see ``GpuHealthMonitor._check_resident``.
-        seen = before + [j for j in self.running_jobs().values() if j not in before]
+        seen = known_jobs(before, self.running_jobs().values())
         fault = self.monitor.residents(device, apps, uuids, seen).fault()
         if fault is not None:
             self._raise(device, fault, job_id=job_id)

@@ -58,7 +58,7 @@ from rc_worker.core.gpu_health import (
     resolve_mig_uuid,
 )
 from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
-from rc_worker.core.mig_share import ProcessFacts, Residents, RunningJob, residents
+from rc_worker.core.mig_share import ProcessFacts, Residents, RunningJob, known_jobs, residents
 from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
 from rc_worker.probe import EXIT_LABEL, NVIDIA_SMI_OUTPUT_CAP, PROBE_GRACE
@@ -328,14 +328,11 @@ class GpuHealthMonitor:
         expected_uuid: Mapping[str, str],
         jobs: Callable[[], Mapping[str, RunningJob]],
     ) -> None:
-        # The jobs running before the listing and after it: one that ended during it is
-        # still known (its processes may be listed), and so is one that began during it
-        # or while this check waited for the lock.
         before = list(jobs().values())
         apps = await self._query(CHECK_RESIDENT, targets, verdicts, self.list_apps)
         if apps is None:
             return
-        seen = before + [j for j in jobs().values() if j not in before]
+        seen = known_jobs(before, jobs().values())
         for t in targets:
             unknown = self.uuid_unknown(t.device, expected_uuid)
             if unknown is not None:

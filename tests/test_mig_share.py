@@ -20,6 +20,7 @@ from rc_worker.core.mig_share import (
     gpu_fault_plan,
     gpu_fault_steps,
     job_of,
+    known_jobs,
     residents,
 )
 
@@ -324,3 +325,19 @@ def test_only_a_process_a_running_job_owns_is_let_go(
     assert bool(got.busy) == bool(got.untold)
     if not jobs:
         assert got == Residents(tuple(apps))  # no sibling runs a job: as before
+
+
+JOBS = st.builds(
+    RunningJob, device=NAMES, job_id=st.sampled_from(["j-1", "j-2", "j-3"]), leader=st.none()
+)
+
+
+@given(st.lists(JOBS, unique=True, max_size=4), st.lists(JOBS, unique=True, max_size=4))
+def test_the_jobs_known_around_a_listing_are_both_sides_each_once(
+    before: list[RunningJob], after: list[RunningJob]
+) -> None:
+    """A job that ended during the listing, or began during it, is still known; none twice."""
+    known = known_jobs(before, after)
+    assert set(known) == set(before) | set(after)
+    assert len(known) == len(set(known))
+    assert known[: len(before)] == before

@@ -28,7 +28,7 @@ be told.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -163,6 +163,14 @@ class Residents:
             f"be told apart from the jobs on {', '.join(self.busy)} (neither a job's "
             "process group or session nor its RC_JOB_ID could be read)",
         )
+
+
+def known_jobs(before: Iterable[RunningJob], after: Iterable[RunningJob]) -> list[RunningJob]:
+    """The jobs running before a process listing or after it, each once: one that ended
+    during the listing is still known (its processes may be listed), and so is one that
+    began during it or while the check waited for its lock."""
+    seen = list(before)
+    return seen + [job for job in after if job not in seen]
 
 
 def job_of(facts: ProcessFacts, jobs: Sequence[RunningJob]) -> RunningJob | None:
