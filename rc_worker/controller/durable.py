@@ -40,7 +40,7 @@ import anyio.to_thread
 from rc_worker.controller.errors import NotFound, StoreUnavailable
 from rc_worker.controller.job_filter import JobFilter
 from rc_worker.controller.messages import Event, JobInfo
-from rc_worker.controller.persist import Backend, StoreWriteError
+from rc_worker.controller.persist import Backend, OutputRecounted, StoreWriteError
 from rc_worker.controller.persist.codec import batch_of, stored_job
 from rc_worker.controller.records import Job
 from rc_worker.controller.store import Store
@@ -237,9 +237,29 @@ class Durability:
         return [Event(seq, type_, t, json.loads(data)) for seq, type_, t, data in rows]
 
     async def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
-        """Stored output, read in a thread (:class:`StoreUnavailable` if the read fails)."""
+        """Stored output, read in a thread (:class:`StoreUnavailable` if the read fails).
+
+        Output whose file went under the running controller is counted at what is left
+        (as the commit of a running job's next output would) and read again: served, the
+        rest given up with a warning and a ``job_output_recounted`` event, rather than a
+        503 on every read until the file is restored or ``rc serve`` restarts. (A request
+        naming a job holds its record in memory, :class:`DurableMiddleware`: the count
+        lowered there is the one the answer reports.)"""
+        try:
+            return await self._read_stored(job_id, offset, limit)
+        except OutputRecounted as e:
+            self.store.recount_output(e.job_id, e.counted)
+        try:
+            return await self._read_stored(job_id, offset, limit)
+        except OutputRecounted as e:  # cut again between the two reads
+            self.store.recount_output(e.job_id, e.counted)
+            raise StoreUnavailable(f"the controller could not read this output ({e})") from None
+
+    async def _read_stored(self, job_id: str, offset: int, limit: int | None) -> bytes:
         try:
             return await anyio.to_thread.run_sync(self.backend.read_output, job_id, offset, limit)
+        except OutputRecounted:
+            raise
         except StoreWriteError as e:
             raise StoreUnavailable(f"the controller could not read this output ({e})") from None
 

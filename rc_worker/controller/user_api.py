@@ -116,13 +116,22 @@ async def get_output(request: Request) -> Response:
     job = ctl.store.job(job_id)
     if request.query_params.get("follow", "").lower() not in ("1", "true", "yes"):
         # Streamed in chunks up to what is committed now: never a copy of the whole output.
+        # The first chunk is read before the length is sent: a read that finds the output's
+        # file cut counts it lower first (``OutputRecounted``), and the length sent is then
+        # the one counted after it, not one the body could never reach.
+        end = job.committed_bytes
+        first = b""
+        if end > offset:
+            first = await ctl.read_output(job_id, offset, min(STREAM_CHUNK, end - offset))
+        job = ctl.store.job(job_id)
+        end = min(end, job.committed_bytes)
         return StreamingResponse(
-            _snapshot(ctl, job_id, offset, job.committed_bytes),
+            _snapshot(ctl, job_id, offset, end, first[: max(end - offset, 0)]),
             media_type="application/octet-stream",
             headers={
                 "X-RC-Job-State": job.state,
                 "X-RC-Committed": str(job.committed_bytes),
-                "Content-Length": str(max(job.committed_bytes - offset, 0)),
+                "Content-Length": str(max(end - offset, 0)),
             },
         )
     return StreamingResponse(
@@ -132,8 +141,12 @@ async def get_output(request: Request) -> Response:
     )
 
 
-async def _snapshot(ctl: Controller, job_id: str, offset: int, end: int) -> AsyncIterator[bytes]:
-    pos = offset
+async def _snapshot(
+    ctl: Controller, job_id: str, offset: int, end: int, first: bytes
+) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    pos = offset + len(first)
     while pos < end:
         # From memory, or from the store beneath for what was committed there.
         data = await ctl.read_output(job_id, pos, min(STREAM_CHUNK, end - pos))

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rc_worker.controller.persist import StoreWriteError
+from rc_worker.controller.persist import OutputRecounted, StoreWriteError
 from rc_worker.controller.persist.codec import Batch, JobRow
 from rc_worker.controller.persist.opening import open_backend
 from rc_worker.controller.persist.output_files import OutputFiles, extend, file_name, reconcile
@@ -267,23 +267,35 @@ def test_an_unreadable_output_directory_is_one_line_at_open(tmp_path: Path) -> N
     assert str(tmp_path) in message
 
 
-def test_a_file_cut_under_a_running_controller_is_an_error_not_a_short_read(
+def test_a_file_cut_under_a_running_controller_is_recounted_not_read_short(
     tmp_path: Path,
 ) -> None:
+    """Never a short read that looks whole: the read that finds the file cut counts the
+    job's output at what the file holds (stored, so a restart counts the same) and says
+    so (``OutputRecounted``, a ``StoreWriteError`` to a caller that knows nothing of it);
+    the caller reads again."""
     backend = opened(tmp_path)
     try:
         backend.write([Batch(generation=1, output=(("j-1-t", 0, b"0123456789"),))])
         (tmp_path / OUTPUT_DIR / "j-1-t").write_bytes(b"0123")
         assert backend.read_output("j-1-t", 0, 4) == b"0123"
-        with pytest.raises(StoreWriteError) as caught:
+        with pytest.raises(OutputRecounted) as caught:
             backend.read_output("j-1-t", 0, None)
-        message = str(caught.value)
-        assert "\n" not in message
-        assert "j-1-t" in message
-        assert "restart rc serve" in message
+        assert isinstance(caught.value, StoreWriteError)
+        assert (caught.value.job_id, caught.value.stored, caught.value.counted) == (
+            "j-1-t",
+            10,
+            4,
+        )
+        assert "\n" not in str(caught.value)
+        assert backend.read_output("j-1-t", 0, None) == b"0123"
         (tmp_path / OUTPUT_DIR / "j-1-t").unlink()
-        with pytest.raises(StoreWriteError):
+        with pytest.raises(OutputRecounted) as caught:
             backend.read_output("j-1-t", 2, None)
+        assert (caught.value.stored, caught.value.counted) == (4, 0)
+        assert backend.read_output("j-1-t", 0, None) == b""
+        assert backend.read_job("j-1-t") is None  # no job row; its length, as stored:
+        assert backend._length("j-1-t") == 0
     finally:
         backend.close()
 

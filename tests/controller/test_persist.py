@@ -881,6 +881,57 @@ async def test_output_whose_file_went_under_a_running_controller_is_recounted_th
         opened.backend.close()
 
 
+async def test_a_finished_jobs_output_file_cut_under_a_running_controller_is_served_as_held(
+    tmp_path: Path,
+) -> None:
+    """SQLite: a finished job's output file cut (then removed) under a running controller.
+    No more output comes to count it again at, so the read does: what the file holds is
+    served, with the length that counts it, the rest given up with an event, and a
+    follower's stream ends. Before, every read of it answered 503 until the file was
+    restored or rc serve restarted, and `rc logs -f` of it never ended."""
+    from rc_worker.controller.persist.sqlite import OUTPUT_DIR
+
+    place = StorePlace("sqlite", state_dir=tmp_path / "state")
+    with trio.fail_after(GUARD):
+        opened = open_controller(place.open())
+        async with clients(opened.app) as (bare, user):
+            w = FakeWorker(bare, devices=("gpu0",))
+            await w.register()
+            job = await submit(user, "x")
+            [a] = await w.poll(wait_s=1)
+            await w.start(a)
+            assert (await w.output(a, 0, b"0123456789")).json() == {"committed": 10}
+            await w.finish(a, "succeeded", exit_code=0, output_bytes=10)
+            await opened.durability.flush()
+            path = place.state_dir / OUTPUT_DIR / job  # type: ignore[operator]
+            with path.open("r+b") as f:
+                f.truncate(4)
+            r = await user.get(f"/v1/jobs/{job}/output")
+            assert (r.status_code, r.content) == (200, b"0123"), r.text
+            assert r.headers["X-RC-Committed"] == "4"
+            assert (await user.get(f"/v1/jobs/{job}")).json()["committed_bytes"] == 4
+            path.unlink()
+            r = await user.get(f"/v1/jobs/{job}/output", params={"follow": "true"})
+            assert (r.status_code, r.content) == (200, b"")
+            r = await user.get(f"/v1/jobs/{job}/output", params={"offset": 2})
+            assert (r.status_code, r.content) == (200, b"")
+            await opened.durability.flush()
+            events = (await user.get("/v1/events")).json()["events"]
+            recounts = [
+                (e["job_id"], e["stored"], e["counted"])
+                for e in events
+                if e["type"] == "job_output_recounted"
+            ]
+            assert recounts == [(job, 10, 4), (job, 4, 0)]
+            assert (await user.get("/v1/health")).json()["store"] == "ok"
+        opened.backend.close()
+        # What was counted is what was stored: a restart counts the same.
+        reopened = open_controller(place.open())
+        async with clients(reopened.app) as (_, user):
+            assert (await user.get(f"/v1/jobs/{job}")).json()["committed_bytes"] == 0
+        reopened.backend.close()
+
+
 def test_a_commit_written_again_with_more_output_keeps_every_byte(
     store_place: StorePlace,
 ) -> None:

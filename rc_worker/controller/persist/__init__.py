@@ -39,6 +39,23 @@ class StoreWriteError(RcWorkerError):
     """A write to the store failed while serving (the controller answers 503 until it works)."""
 
 
+class OutputRecounted(StoreWriteError):
+    """A read found a job's stored output shorter than its committed length (its file
+    removed or cut under a running controller), and the store beneath now counts what it
+    holds: ``counted`` bytes where it counted ``stored``. The caller lowers its own count
+    to match (``recount_output``) and reads again. A :class:`StoreWriteError`, so that a
+    caller that knows nothing of it still fails the read rather than serve short."""
+
+    def __init__(self, job_id: str, stored: int, counted: int) -> None:
+        super().__init__(
+            f"the output of job {job_id} now counts {counted} bytes, not {stored}: "
+            "its file was removed or cut"
+        )
+        self.job_id = job_id
+        self.stored = stored
+        self.counted = counted
+
+
 class Backend(Protocol):
     description: str
     """Where the state lives, for logs and errors (no password)."""
@@ -53,7 +70,8 @@ class Backend(Protocol):
         lowers its own count to match, and the worker resends the rest."""
 
     def read_output(self, job_id: str, offset: int, limit: int | None) -> bytes:
-        """Stored output of a job from ``offset`` (at most ``limit`` bytes)."""
+        """Stored output of a job from ``offset`` (at most ``limit`` bytes); raises
+        :class:`OutputRecounted` once it lowered the job's stored length to what is left."""
 
     def read_job(self, job_id: str) -> tuple[str, int] | None:
         """A stored job document and its stored output length; None if there is none."""

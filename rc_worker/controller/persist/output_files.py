@@ -192,6 +192,13 @@ class OutputFiles:
         finally:
             os.close(fd)
 
+    def size(self, job_id: str) -> int:
+        """How many bytes the job's file holds now (0: no file)."""
+        try:
+            return self.path(job_id).stat().st_size
+        except FileNotFoundError:
+            return 0
+
     def remove(self, job_ids: Iterable[str]) -> None:
         """Remove jobs' files (after their lengths were deleted). Best effort: a file left
         behind is removed at the next open."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rc_worker.controller.persist import StoreOpenError, StoreWriteError
+from rc_worker.controller.persist import OutputRecounted, StoreOpenError
 from rc_worker.controller.persist.output_files import OutputFiles, extend, file_name, reconcile
 from rc_worker.controller.persist.sql import SqlBackend
 from rc_worker.core.errors import ConfigError
@@ -269,14 +269,39 @@ class SqliteBackend(SqlBackend):
             if now < end:
                 return data[: max(now - offset, 0)]
             # Cut or removed under a running controller. Serving less than the committed
-            # length would leave a follower waiting forever for bytes that never come.
-            raise StoreWriteError(
-                f"reading {self.description} failed: the output file {self.files.path(job_id)} "
-                f"holds fewer than the {end} bytes stored for job {job_id}; restore the file "
-                "to serve it again, or restart rc serve to serve what it holds and give up "
-                "the rest"
-            )
+            # length would leave a follower waiting forever for bytes that never come; a
+            # read that failed instead would fail until the file came back or rc serve
+            # restarted, and a finished job gets no more output to count it again at.
+            raise OutputRecounted(job_id, now, self._recount(job_id))
         return data
+
+    def _recount(self, job_id: str) -> int:
+        """Count the job's output at what its file holds, if that is less than its stored
+        length (as the next commit of its output, or the next start, would); returns the
+        length it counts now."""
+        with self._transaction(self._read_failed) as cur:
+            cur.execute("SELECT length FROM output_files WHERE job_id = ?", (job_id,))
+            row = cur.fetchone()
+            length = 0 if row is None else int(row[0])
+            try:
+                found = self.files.size(job_id)
+            except OSError as e:
+                raise self._read_failed(e) from e
+            if found >= length:
+                return length  # put back meanwhile
+            log.warning(
+                "job %s: its output file %s was removed or cut under the running controller "
+                "(%d bytes were stored); its output now counts the %d bytes it holds and the "
+                "rest is gone for good (to get it back, stop rc serve and restore the "
+                "database and %s together, from one backup)",
+                job_id,
+                self.files.path(job_id),
+                length,
+                found,
+                self.files.root,
+            )
+            cur.execute("UPDATE output_files SET length = ? WHERE job_id = ?", (found, job_id))
+        return found
 
     def _delete_output(self, cur: Any, ids: Sequence[tuple[str]]) -> None:
         cur.executemany("DELETE FROM output_files WHERE job_id = ?", ids)
