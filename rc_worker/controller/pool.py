@@ -33,7 +33,11 @@ takes them (the vocabulary issue 14 pinned; ``host_state`` beside it says why a 
 SESSIONLESS_HOST_STATES = ("left", "lost", "unknown")
 """Host states with no worker session: nothing is offered to their devices until the worker
 registers (again)."""
-HOST_STATES = ("unknown", "up", "draining", "lost", "retired")
+HOST_STATES = ("unknown", "up", "draining", "lost", "retired", "left")
+"""Every host state, each counted (0 included) by ``rc pool --json`` and the
+``rc_controller_hosts`` metric: a series that appeared only while a host was in that
+state would read as "no data", not 0, to an alert on it. ``left``: the worker drained and
+deregistered."""
 IDLE_BEHAVIORS = ("run", "hold", "drain")
 DEFAULT_CLASS_LABEL = "product"
 RECENT_S = 300.0

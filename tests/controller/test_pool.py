@@ -84,7 +84,14 @@ def test_counts_held_devices_draining_hosts_and_free_classes() -> None:
         dev("c", "gpu1", state="absent", present=False, host_state="lost"),
     ]
     view = pool_view(devices, [], now=0.0)
-    assert view["hosts"] == {"unknown": 0, "up": 1, "draining": 1, "lost": 1, "retired": 0}
+    assert view["hosts"] == {
+        "unknown": 0,
+        "up": 1,
+        "draining": 1,
+        "lost": 1,
+        "retired": 0,
+        "left": 0,
+    }
     assert view["devices"] == {"free": 2, "busy": 1, "held": 2, "quarantined": 1, "absent": 1}
     assert view["idle_behavior"] == {"run": 3, "hold": 1, "drain": 2}
     assert view["free_by_class"] == {"A100": 1, "H100": 1}
@@ -215,6 +222,8 @@ async def test_metrics_count_the_pool(client: httpx.AsyncClient, store: Store) -
     assert r.status_code == 200
     text = r.text
     assert 'rc_controller_hosts{state="up"} 1.0' in text
+    # Every host state is a series, 0 included (an alert on "left" must not see no data).
+    assert 'rc_controller_hosts{state="left"} 0.0' in text
     assert 'rc_controller_devices{idle_behavior="run",state="free"} 1.0' in text
     assert 'rc_controller_free_devices{class="H100"} 1.0' in text
     assert 'rc_controller_jobs{state="queued"} 1.0' in text
