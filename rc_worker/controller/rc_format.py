@@ -121,7 +121,12 @@ def job_details(job: Mapping[str, Any]) -> str:
 
 def cancel_result(job: Mapping[str, Any]) -> str:
     if job["state"] == "running":
-        return f"{job['job_id']}: cancel requested; the worker stops it at its next heartbeat"
+        # The worker hears of it through its cancel watch within about a second, not at
+        # its next heartbeat (docs/protocol.md, "the poll as a cancel watch").
+        return (
+            f"{job['job_id']}: cancel requested; its worker is told at once and stops it "
+            "(SIGTERM, then SIGKILL after its grace)"
+        )
     return f"{job['job_id']}: {_state(job)}" + (f" ({job['reason']})" if job.get("reason") else "")
 
 
