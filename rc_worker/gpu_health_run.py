@@ -57,7 +57,7 @@ from rc_worker.core.gpu_health import (
     parse_xid,
     resolve_mig_uuid,
 )
-from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
+from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope, mig_parent_name
 from rc_worker.core.mig_share import ProcessFacts, Residents, RunningJob, known_jobs, residents
 from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
@@ -585,8 +585,5 @@ def mig_parent(config: Config, dev: DeviceConfig) -> str | None:
     """The device name of ``dev``'s physical GPU, for a MIG slice; else None."""
     if dev.mig_of is None:
         return None
-    if dev.mig_of in config.device_names:
-        return dev.mig_of
-    if dev.mig_of.isdigit():
-        return f"gpu{int(dev.mig_of)}"
-    return None
+    parent = mig_parent_name(dev.mig_of, config.device_names)
+    return parent if parent in config.device_names or parent != dev.mig_of else None
