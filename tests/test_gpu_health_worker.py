@@ -1008,3 +1008,46 @@ async def test_an_idle_check_that_raises_does_not_take_the_worker_down(
             info = await system.wait_job(job)  # the worker is still there
     assert info.state == "succeeded"
     assert any("idle GPU health check failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_xid_read_before_any_bus_id_is_known_is_kept_until_it_is(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """No ``pci_bus_id`` label and the health query failing: no GPU's bus id is known, so
+    an Xid line matched no device, was logged and dropped, and once the query answered
+    the hold lifted and the Xid was gone for good. Now the devices whose bus is unknown
+    stay held while it waits, and it is raised once the bus id is known."""
+    monitor = _monitor(tmp_path, gpus)
+    gpus.set("fail", ["query-gpu-health"])
+    kernel(tmp_path, "[ 6.2] NVRM: Xid (PCI:0000:3b:00): 48, An uncorrectable double bit error")
+    with trio.fail_after(30):
+        first = await monitor.check(["gpu0", "gpu1"], expected_uuid={}, bus_ids={}, resident=False)
+        for name in ("gpu0", "gpu1"):
+            assert "xid" in first[name].held, name
+            assert "xid" not in first[name].passed, name
+            assert first[name].gpu_faults == []
+        gpus.set("fail", [])
+        then = await monitor.check(["gpu0", "gpu1"], expected_uuid={}, bus_ids={}, resident=False)
+    assert [f.kind for f in then["gpu1"].gpu_faults] == ["gpu_xid"]
+    assert "48, An uncorrectable double bit error" in then["gpu1"].gpu_faults[0].reason
+    assert then["gpu0"].gpu_faults == []
+    assert "xid" in then["gpu0"].passed
+    assert "xid" in then["gpu1"].passed
+
+
+async def test_an_xid_on_a_bus_no_declared_gpu_has_is_only_logged(
+    tmp_path: Path, gpus: Gpus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bus id that no declared GPU has, once every declared GPU's is known: another
+    card (one this worker does not manage), not a reason to hold anything."""
+    monitor = _monitor(tmp_path, gpus)
+    kernel(tmp_path, "[ 6.2] NVRM: Xid (PCI:0000:af:00): 48, An uncorrectable double bit error")
+    with trio.fail_after(30):
+        verdicts = await monitor.check(
+            ["gpu0", "gpu1"], expected_uuid={}, bus_ids={}, resident=False
+        )
+    for name in ("gpu0", "gpu1"):
+        assert verdicts[name].gpu_faults == [], name
+        assert verdicts[name].held == {}, name
+        assert "xid" in verdicts[name].passed
+    assert any("no device has that pci_bus_id" in r.getMessage() for r in caplog.records)
