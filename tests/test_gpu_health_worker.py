@@ -1051,3 +1051,55 @@ async def test_an_xid_on_a_bus_no_declared_gpu_has_is_only_logged(
         assert verdicts[name].held == {}, name
         assert "xid" in verdicts[name].passed
     assert any("no device has that pci_bus_id" in r.getMessage() for r in caplog.records)
+
+
+# -- a worker restart: what registration says of a slice's fault (from a review) -----------
+
+
+async def test_a_restarted_worker_registers_its_slices_faults_linked_to_the_gpus(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """The GPU's fault and its slices' copies were raised, then the worker died before
+    the controller heard them. The next worker claimed them at registration without
+    ``parent_fault``: the controller adopted the slices' as faults of their own, the
+    reports (which carry it) then counted as repeats, and clearing the GPU no longer
+    cleared its slices. Now the claims say which GPU fault each copy stands for."""
+    from faults import Fault as Wire
+    from faults import FaultyTransport
+
+    from rc_worker.controller import Store, StoreConfig
+
+    gpus.gpu(0)["migs"] = [{"index": 1, "uuid": MIG1, "profile": "3g.40gb"}]
+    gpus.write()
+    cfg = config(tmp_path, *mig_devices())
+    store = Store(StoreConfig(heartbeat_interval_s=0.2, missed_heartbeats=300, poll_wait_s=5.0))
+    made: list[FaultyTransport] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        made.append(FaultyTransport(inner))
+        made[0].outage("fault", Wire.UNAVAILABLE)
+        return made[0]
+
+    slices = ("gpu0-mig1", "gpu0-mig2")
+    pending = Path(cfg.state_dir) / "faults"
+    with trio.fail_after(60):
+        async with local_system(
+            cfg, store=store, environ=environ(tmp_path, gpus), transport_wrapper=wrap
+        ) as system:
+            await system.wait_until(lambda: labels(system, "gpu0-mig2").get("gpu_health") == "ok")
+            kernel(tmp_path, "NVRM: Xid (PCI:0000:18:00): 48, An uncorrectable double bit error")
+            await system.wait_until(lambda: pending.is_dir() and len(list(pending.iterdir())) == 3)
+            assert all(faults(system, n) == [] for n in ("gpu0", *slices))
+            await system.crash()
+        (tmp_path / "kmsg").write_text("")  # the kernel log is not read again after a restart
+        async with local_system(cfg, store=store, environ=environ(tmp_path, gpus)) as system:
+            parent = await wait_fault(system, "gpu0", "gpu_xid")
+            for name in slices:
+                child = await wait_fault(system, name, "gpu_xid")
+                assert child.parent_fault == parent.fault_id, name
+            await rc_json(system, "clear", "test-host/gpu0")
+            await system.wait_until(lambda: all(faults(system, n) == [] for n in ("gpu0", *slices)))
+            events = [e for e in store.events() if e.type == "device_cleared"]
+            assert {e.data["device"] for e in events} == {"gpu0", *slices}
+            job = system.submit(["true"], device="test-host/gpu0-mig2")
+            assert (await system.wait_job(job)).state == "succeeded"
