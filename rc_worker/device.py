@@ -175,9 +175,12 @@ class DeviceSupervisor:
             log.info("device %s: idle behaviour %s", self.name, behavior)
             self._poke()
 
-    def add_fault(self, fault_id: str, why: str, *, kind: str = "fault") -> None:
+    def add_fault(
+        self, fault_id: str, why: str, *, kind: str = "fault", parent_fault: str | None = None
+    ) -> None:
         """Hold a fault raised elsewhere: by the controller (at register), or
-        by an earlier worker process (a report still on disk)."""
+        by an earlier worker process (a report still on disk, with the GPU's fault
+        a slice's copy names: register's claims say it as the report does)."""
         if fault_id not in self.lease.faults:
             log.warning(
                 "device %s: quarantined (%s, fault %s)",
@@ -189,6 +192,8 @@ class DeviceSupervisor:
         # Kept for register's claims (protocol 2): a controller that adopts the fault
         # from them must record the same kind the report itself carries.
         self.fault_notes.setdefault(fault_id, (kind, why))
+        if parent_fault is not None:
+            self._health_parents.setdefault(fault_id, parent_fault)
         self.lease.add_fault(fault_id)
         self._poke()
 
@@ -328,7 +333,7 @@ class DeviceSupervisor:
             self.name,
             dict(declared_labels),
             faults=tuple(
-                HeldFault(f, kind, reason)
+                HeldFault(f, kind, reason, self._health_parents.get(f))
                 for f in sorted(self.lease.faults)
                 for kind, reason in [self.fault_notes.get(f, ("fault", ""))]
             ),

@@ -42,6 +42,7 @@ from rc_worker.core.gpu_health import (
     HealthReading,
     ListedGpu,
     MemoryState,
+    XidEvent,
     apps_on,
     bus_key,
     count_lspci_gpus,
@@ -57,7 +58,7 @@ from rc_worker.core.gpu_health import (
     parse_xid,
     resolve_mig_uuid,
 )
-from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope
+from rc_worker.core.gpu_query import NVIDIA_SMI, gpu_scope, mig_parent_name
 from rc_worker.core.mig_share import ProcessFacts, Residents, RunningJob, known_jobs, residents
 from rc_worker.host import Host
 from rc_worker.metrics import WorkerMetrics
@@ -77,6 +78,9 @@ SEEN_MARKER = "nvidia-smi-seen"
 
 KMSG_READ_CAP = 1024 * 1024
 """Kernel log bytes read per pass at most: a flood is read over several passes."""
+
+XID_WAITING_CAP = 256
+"""Xids kept at most while a GPU's bus id is not known (each line is read once)."""
 
 
 @attrs.frozen
@@ -150,6 +154,9 @@ class GpuHealthMonitor:
         its kernel errors dropped: the checks would pass without having looked."""
         self._seen = False
         """nvidia-smi was seen here and that is recorded: the checks stay on."""
+        self._xid_waiting: list[tuple[XidEvent, Fault]] = []
+        """Xids read while some GPU's bus id was not known, none of the known ones
+        theirs: matched once every bus id is (``_check_xids``)."""
 
     # -- whether to run at all ---------------------------------------------
 
@@ -431,20 +438,30 @@ class GpuHealthMonitor:
         # Every GPU device, not only those asked about: a line is read once,
         # so one for another device must not be dropped by a one-device check.
         by_bus: dict[str, list[GpuTarget]] = {}
+        unknown: set[str] = set()
         for t in self.targets.values():
             listed = self._listed.get(t.index)
             key = bus_key(bus_ids.get(t.parent) or (listed[1] if listed else None) or "")
             if key is not None:
                 by_bus.setdefault(key, []).append(t)
+            else:
+                unknown.add(t.device)
         ignored = frozenset(self._settings.ignored_xids)
+        waiting, self._xid_waiting = self._xid_waiting, []
         for line in lines:
             event = parse_xid(line)
             if event is None:
                 continue
             self.metrics.gpu_xid.labels(str(event.code)).inc()
             fault = decide_xid(event, ignored)
+            if fault is not None:
+                waiting.append((event, fault))
+        for event, fault in waiting:
             hit = by_bus.get(event.bus, [])
-            if fault is None:
+            if not hit and unknown:
+                # Some GPU's bus id is not known yet (no pci_bus_id label, no health
+                # query answered): the line may be its. Kept until it is known.
+                self._wait_xid(event, fault)
                 continue
             if not hit:
                 log.warning("Xid %d on %s: no device has that pci_bus_id", event.code, event.bus)
@@ -453,8 +470,27 @@ class GpuHealthMonitor:
                 # linked to the GPU's device's, however few devices were asked about.
                 verdicts.setdefault(t.device, DeviceVerdict()).gpu_faults.append(fault)
         for t in targets:
+            if self._xid_waiting and t.device in unknown:
+                first = self._xid_waiting[0][0]
+                verdicts[t.device].held[CHECK_XID] = (
+                    f"an Xid on PCI bus {first.bus} came before the bus id of GPU {t.index} "
+                    "was known (no pci_bus_id label, no health query yet); held until it is"
+                )
+                continue
             verdicts[t.device].passed.add(CHECK_XID)
         self._count(CHECK_XID, "ok")
+
+    def _wait_xid(self, event: XidEvent, fault: Fault) -> None:
+        if len(self._xid_waiting) < XID_WAITING_CAP:
+            self._xid_waiting.append((event, fault))
+            return
+        # The devices it may be for stay held all the same, until their bus ids are known.
+        log.error(
+            "Xid %d on %s: more than %d Xids wait for a GPU's bus id; this one is dropped",
+            event.code,
+            event.bus,
+            XID_WAITING_CAP,
+        )
 
     def _read_kernel_log(self) -> list[str] | None:
         """New lines of the kernel log since the last read; None when disabled.
@@ -585,8 +621,5 @@ def mig_parent(config: Config, dev: DeviceConfig) -> str | None:
     """The device name of ``dev``'s physical GPU, for a MIG slice; else None."""
     if dev.mig_of is None:
         return None
-    if dev.mig_of in config.device_names:
-        return dev.mig_of
-    if dev.mig_of.isdigit():
-        return f"gpu{int(dev.mig_of)}"
-    return None
+    parent = mig_parent_name(dev.mig_of, config.device_names)
+    return parent if parent in config.device_names or parent != dev.mig_of else None

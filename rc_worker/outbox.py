@@ -332,8 +332,9 @@ class Outbox:
     def pending(self) -> int:
         return len(self._deliveries) + len(self._pending_faults) + self._writing
 
-    def faults_on_disk(self) -> list[tuple[str, str, str, str]]:
-        """``(device, fault_id, reason, kind)`` of every fault report not yet acknowledged.
+    def faults_on_disk(self) -> list[tuple[str, str, str, str, str | None]]:
+        """``(device, fault_id, reason, kind, parent_fault)`` of every fault report not
+        yet acknowledged (``parent_fault``: the GPU's fault a MIG slice's copy names).
 
         A fault the controller has not heard of is still a fault: its device
         must stay quarantined across a restart until the report lands and an
@@ -358,6 +359,7 @@ class Outbox:
                     report["fault_id"],
                     str(report.get("reason")),
                     str(report.get("kind") or "fault"),
+                    parent if isinstance(parent := report.get("parent_fault"), str) else None,
                 )
             )
         return found

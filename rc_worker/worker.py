@@ -257,10 +257,10 @@ class Worker(Polling):
             self._ctx = ctx
             self.devices = {d.name: DeviceSupervisor(ctx, d) for d in self.config.devices}
             self._setup_health(ctx, root)
-            for device, fault_id, reason, kind in outbox.faults_on_disk():
+            for device, fault_id, reason, kind, parent in outbox.faults_on_disk():
                 if device in self.devices:
                     self.devices[device].add_fault(
-                        fault_id, f"undelivered fault: {reason}", kind=kind
+                        fault_id, f"undelivered fault: {reason}", kind=kind, parent_fault=parent
                     )
             for device_name, why in outbox.damaged:
                 self._quarantine_damaged(device_name, why)

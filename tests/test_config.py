@@ -517,6 +517,21 @@ _BAD: list[tuple[str, str | None, str, str, dict[str, str]]] = [
         {},
     ),
     ("host-with-space", "devices: [gpu0]\nhost: my box\n", "2:7: host", "is not valid", {}),
+    # A slice of a device the GPU checks cannot find (not gpu<N>): nothing would check it.
+    (
+        "mig-of-a-plain-device",
+        "devices:\n  - a100\n  - name: a100-mig0\n    mig_of: a100\n    mig_index: 0\n",
+        "4:13: devices[1].mig_of",
+        "'a100' is not a GPU device (gpu<N>), so the GPU health checks could check neither",
+        {},
+    ),
+    (
+        "mig-of-a-zero-padded-gpu",
+        "devices:\n  - gpu01\n  - name: gpu01-mig0\n    mig_of: gpu01\n    mig_uuid: MIG-x\n",
+        "4:13: devices[1].mig_of",
+        "expected the physical GPU's device named gpu<N> with its NVML index N",
+        {},
+    ),
     (
         "empty-dir-path",
         "devices: [gpu0]\nprobe_dir: ''\n",
@@ -1262,3 +1277,13 @@ def test_io_accounting_with_cgroups_off_is_refused(tmp_path: Path) -> None:
     path = _write(tmp_path, "cgroup: off\ncgroup_io: true\ndevices: [gpu0]\n")
     with pytest.raises(ConfigError, match="cgroup_io: I/O is accounted through the job's cgroup"):
         load_config(path, environ={})
+
+
+def test_a_slice_of_a_plain_device_loads_with_gpu_health_off(tmp_path: Path) -> None:
+    """Nothing is checked with the GPU checks off, so nothing is left out by the name."""
+    config = _load(
+        tmp_path,
+        "devices:\n  - a100\n  - name: a100-mig0\n    mig_of: a100\n    mig_index: 0\n"
+        "gpu_health:\n  enabled: false\n",
+    )
+    assert config.device("a100-mig0").mig_of == "a100"

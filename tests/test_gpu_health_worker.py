@@ -1008,3 +1008,98 @@ async def test_an_idle_check_that_raises_does_not_take_the_worker_down(
             info = await system.wait_job(job)  # the worker is still there
     assert info.state == "succeeded"
     assert any("idle GPU health check failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_xid_read_before_any_bus_id_is_known_is_kept_until_it_is(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """No ``pci_bus_id`` label and the health query failing: no GPU's bus id is known, so
+    an Xid line matched no device, was logged and dropped, and once the query answered
+    the hold lifted and the Xid was gone for good. Now the devices whose bus is unknown
+    stay held while it waits, and it is raised once the bus id is known."""
+    monitor = _monitor(tmp_path, gpus)
+    gpus.set("fail", ["query-gpu-health"])
+    kernel(tmp_path, "[ 6.2] NVRM: Xid (PCI:0000:3b:00): 48, An uncorrectable double bit error")
+    with trio.fail_after(30):
+        first = await monitor.check(["gpu0", "gpu1"], expected_uuid={}, bus_ids={}, resident=False)
+        for name in ("gpu0", "gpu1"):
+            assert "xid" in first[name].held, name
+            assert "xid" not in first[name].passed, name
+            assert first[name].gpu_faults == []
+        gpus.set("fail", [])
+        then = await monitor.check(["gpu0", "gpu1"], expected_uuid={}, bus_ids={}, resident=False)
+    assert [f.kind for f in then["gpu1"].gpu_faults] == ["gpu_xid"]
+    assert "48, An uncorrectable double bit error" in then["gpu1"].gpu_faults[0].reason
+    assert then["gpu0"].gpu_faults == []
+    assert "xid" in then["gpu0"].passed
+    assert "xid" in then["gpu1"].passed
+
+
+async def test_an_xid_on_a_bus_no_declared_gpu_has_is_only_logged(
+    tmp_path: Path, gpus: Gpus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bus id that no declared GPU has, once every declared GPU's is known: another
+    card (one this worker does not manage), not a reason to hold anything."""
+    monitor = _monitor(tmp_path, gpus)
+    kernel(tmp_path, "[ 6.2] NVRM: Xid (PCI:0000:af:00): 48, An uncorrectable double bit error")
+    with trio.fail_after(30):
+        verdicts = await monitor.check(
+            ["gpu0", "gpu1"], expected_uuid={}, bus_ids={}, resident=False
+        )
+    for name in ("gpu0", "gpu1"):
+        assert verdicts[name].gpu_faults == [], name
+        assert verdicts[name].held == {}, name
+        assert "xid" in verdicts[name].passed
+    assert any("no device has that pci_bus_id" in r.getMessage() for r in caplog.records)
+
+
+# -- a worker restart: what registration says of a slice's fault (from a review) -----------
+
+
+async def test_a_restarted_worker_registers_its_slices_faults_linked_to_the_gpus(
+    tmp_path: Path, gpus: Gpus
+) -> None:
+    """The GPU's fault and its slices' copies were raised, then the worker died before
+    the controller heard them. The next worker claimed them at registration without
+    ``parent_fault``: the controller adopted the slices' as faults of their own, the
+    reports (which carry it) then counted as repeats, and clearing the GPU no longer
+    cleared its slices. Now the claims say which GPU fault each copy stands for."""
+    from faults import Fault as Wire
+    from faults import FaultyTransport
+
+    from rc_worker.controller import Store, StoreConfig
+
+    gpus.gpu(0)["migs"] = [{"index": 1, "uuid": MIG1, "profile": "3g.40gb"}]
+    gpus.write()
+    cfg = config(tmp_path, *mig_devices())
+    store = Store(StoreConfig(heartbeat_interval_s=0.2, missed_heartbeats=300, poll_wait_s=5.0))
+    made: list[FaultyTransport] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        made.append(FaultyTransport(inner))
+        made[0].outage("fault", Wire.UNAVAILABLE)
+        return made[0]
+
+    slices = ("gpu0-mig1", "gpu0-mig2")
+    pending = Path(cfg.state_dir) / "faults"
+    with trio.fail_after(60):
+        async with local_system(
+            cfg, store=store, environ=environ(tmp_path, gpus), transport_wrapper=wrap
+        ) as system:
+            await system.wait_until(lambda: labels(system, "gpu0-mig2").get("gpu_health") == "ok")
+            kernel(tmp_path, "NVRM: Xid (PCI:0000:18:00): 48, An uncorrectable double bit error")
+            await system.wait_until(lambda: pending.is_dir() and len(list(pending.iterdir())) == 3)
+            assert all(faults(system, n) == [] for n in ("gpu0", *slices))
+            await system.crash()
+        (tmp_path / "kmsg").write_text("")  # the kernel log is not read again after a restart
+        async with local_system(cfg, store=store, environ=environ(tmp_path, gpus)) as system:
+            parent = await wait_fault(system, "gpu0", "gpu_xid")
+            for name in slices:
+                child = await wait_fault(system, name, "gpu_xid")
+                assert child.parent_fault == parent.fault_id, name
+            await rc_json(system, "clear", "test-host/gpu0")
+            await system.wait_until(lambda: all(faults(system, n) == [] for n in ("gpu0", *slices)))
+            events = [e for e in store.events() if e.type == "device_cleared"]
+            assert {e.data["device"] for e in events} == {"gpu0", *slices}
+            job = system.submit(["true"], device="test-host/gpu0-mig2")
+            assert (await system.wait_job(job)).state == "succeeded"

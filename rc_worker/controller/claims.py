@@ -114,7 +114,7 @@ def apply_register_claims(store: StoreState, h: Host, req: RegisterRequest, now:
         if decl.faults is not None:
             d.worker_faults = {f.fault_id for f in decl.faults}
             for f in decl.faults:
-                adopt_fault(store, d, f.fault_id, f.kind, f.reason)
+                adopt_fault(store, d, f.fault_id, f.kind, f.reason, f.parent_fault)
         if decl.running is not None:
             r = decl.running
             adopt_attempt(
@@ -122,7 +122,14 @@ def apply_register_claims(store: StoreState, h: Host, req: RegisterRequest, now:
             )
 
 
-def adopt_fault(store: StoreState, d: Device, fault_id: str, kind: str, reason: str) -> None:
+def adopt_fault(
+    store: StoreState,
+    d: Device,
+    fault_id: str,
+    kind: str,
+    reason: str,
+    parent_fault: str | None = None,
+) -> None:
     if fault_id in d.faults:
         return
     if fault_id in d.seen_faults:
@@ -140,6 +147,7 @@ def adopt_fault(store: StoreState, d: Device, fault_id: str, kind: str, reason: 
             None,
             None,
             raised_by="worker",
+            parent_fault=parent_fault,
         ),
     )
 

@@ -728,6 +728,9 @@ class StoreState:
     def adopt_fault(self, d: Device, fault: Fault) -> None:
         if self._raise_fault(d, fault):
             self._emit("fault_adopted", host=d.host, device=d.name, fault_id=fault.fault_id)
+            if fault.parent_fault is not None and self._parent_lifted(d, fault.parent_fault):
+                # As for a ``fault`` report naming it: a copy of a GPU fault already cleared.
+                self._lift(d, [fault.fault_id], by="parent_cleared")
 
     def adopt_newer_attempt(
         self, job: Job, d: Device, number: int, now: float, *, via: str

@@ -42,6 +42,7 @@ from rc_worker.core.config_yaml import (
 )
 from rc_worker.core.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
 from rc_worker.core.errors import ConfigError
+from rc_worker.core.gpu_query import gpu_index, mig_parent_name
 from rc_worker.core.names import DEVICE_NAME_HELP, is_device_name, split_label_key
 
 _DURATION_FIELDS = {
@@ -503,9 +504,7 @@ def _check_mig(loc: Locator, config: Config) -> None:
                         f"{key} without mig_of; expected mig_of: the physical GPU's device",
                     )
             continue
-        parent = dev.mig_of
-        if parent.isdigit() and parent not in names:
-            parent = f"gpu{int(parent)}"
+        parent = mig_parent_name(dev.mig_of, names)
         if parent not in names or parent == dev.name:
             loc.fail_at(
                 ("devices", i, "mig_of"),
@@ -516,6 +515,16 @@ def _check_mig(loc: Locator, config: Config) -> None:
             loc.fail_at(
                 ("devices", i, "mig_of"),
                 f"{parent!r} is itself a MIG slice; expected the physical GPU's device",
+            )
+        if gpu_index(parent) is None and config.gpu_health.enabled != "false":
+            # The GPU checks find a GPU by its NVML index, read from the name: a
+            # slice of any other device would be checked by nothing, nor would its GPU.
+            loc.fail_at(
+                ("devices", i, "mig_of"),
+                f"{parent!r} is not a GPU device (gpu<N>), so the GPU health checks "
+                "could check neither this slice nor its GPU; expected the physical GPU's "
+                "device named gpu<N> with its NVML index N (mig_of: gpuN, or mig_of: N), "
+                "or gpu_health.enabled: false",
             )
         if (dev.mig_uuid is None) == (dev.mig_index is None):
             loc.fail_at(

@@ -57,14 +57,28 @@ _UINT_RE = re.compile(r"[0-9]+")
 _HEADER_UNIT_RE = re.compile(r"^(?P<name>[^\[]*?)\s*(?:\[(?P<unit>[^\]]*)\])?$")
 
 
+def gpu_index(name: str) -> int | None:
+    """The NVML index of a device named ``gpu<N>`` (``gpu0``, not ``gpu01``), else None."""
+    m = _GPU_DEVICE_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def gpu_scope(device_names: Collection[str]) -> dict[int, str]:
     """The declared devices nvidia-smi can speak for: ``gpu<N>`` by NVML index."""
     scope: dict[int, str] = {}
     for name in device_names:
-        m = _GPU_DEVICE_RE.fullmatch(name)
-        if m:
-            scope[int(m.group(1))] = name
+        index = gpu_index(name)
+        if index is not None:
+            scope[index] = name
     return scope
+
+
+def mig_parent_name(mig_of: str, device_names: Collection[str]) -> str:
+    """The device a slice's ``mig_of`` names: the device of that name, else, for an
+    NVML index ``N``, ``gpu<N>`` (which may not be declared: the config says so)."""
+    if mig_of in device_names or not _UINT_RE.fullmatch(mig_of):
+        return mig_of
+    return f"gpu{int(mig_of)}"
 
 
 def normalize_bus_id(bus_id: str) -> str | None:

@@ -54,6 +54,9 @@ class HeldFault:
     fault_id: str
     kind: str = attrs.field(default="fault", converter=_kind_or_fault)
     reason: str = ""
+    parent_fault: str | None = attrs.field(default=None, metadata={OMIT: None})
+    """For a MIG slice's copy of its physical GPU's fault: that fault's id, as the
+    ``fault`` report says (so a controller that adopts it links it the same way)."""
 
 
 @attrs.frozen

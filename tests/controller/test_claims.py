@@ -89,6 +89,36 @@ async def test_faults_and_running_attempts_are_adopted(
     assert r.json()["cleared"] == {"gpu0": ["f-held"]}
 
 
+async def test_a_slices_claimed_copy_of_a_gpu_fault_goes_with_the_gpus(
+    client: httpx.AsyncClient, user: httpx.AsyncClient, store: Store
+) -> None:
+    """A slice's copy of its GPU's fault, claimed at registration, is linked to the GPU's
+    as a ``fault`` report links it: clearing the GPU lifts it, and one claimed after the
+    GPU's was cleared is lifted at once (``by: parent_cleared``), as a late report is."""
+    w = FakeWorker(client, devices=["gpu0", "gpu0-mig1", "gpu0-mig2"])
+    gpu = {"fault_id": "f-gpu", "kind": "gpu_xid"}
+    copy = {"kind": "gpu_xid", "parent_fault": "f-gpu"}
+    await register_with(
+        w,
+        {"gpu0": claims([gpu]), "gpu0-mig1": claims([{"fault_id": "f-c1", **copy}])},
+    )
+    assert store.device("box1", "gpu0-mig1").faults[0].parent_fault == "f-gpu"
+    r = await user.post("/v1/devices/box1/gpu0/clear")
+    assert r.json()["cleared"] == ["f-gpu"]
+    assert store.device("box1", "gpu0-mig1").state == "free"
+    # The other slice's copy, claimed only now (its worker restarted before sending it).
+    reply = await register_with(w, {"gpu0-mig2": claims([{"fault_id": "f-c2", **copy}])})
+    assert reply["devices"]["gpu0-mig2"]["state"] == "free"
+    lifted = [e.data for e in store.events() if e.type == "device_cleared"]
+    assert (lifted[-1]["device"], lifted[-1]["fault_ids"], lifted[-1]["by"]) == (
+        "gpu0-mig2",
+        ["f-c2"],
+        "parent_cleared",
+    )
+    r = await w.heartbeat({"gpu0-mig2": {"state": "quarantined", "faults": ["f-c2"]}})
+    assert r.json()["cleared"]["gpu0-mig2"] == ["f-c2"]
+
+
 async def test_a_device_its_worker_holds_quarantined_is_never_assigned(
     client: httpx.AsyncClient, user: httpx.AsyncClient, store: Store
 ) -> None:
