@@ -532,6 +532,15 @@ _BAD: list[tuple[str, str | None, str, str, dict[str, str]]] = [
         "expected the physical GPU's device named gpu<N> with its NVML index N",
         {},
     ),
+    # With the GPU checks off nothing resolves mig_index: jobs would run with no GPU.
+    (
+        "mig-index-with-gpu-health-off",
+        "devices:\n  - gpu0\n  - name: gpu0-mig0\n    mig_of: gpu0\n    mig_index: 0\n"
+        "gpu_health:\n  enabled: false\n",
+        "5:16: devices[1].mig_index",
+        "mig_index is resolved to the slice's MIG UUID by the GPU health checks",
+        {},
+    ),
     (
         "empty-dir-path",
         "devices: [gpu0]\nprobe_dir: ''\n",
@@ -1283,7 +1292,7 @@ def test_a_slice_of_a_plain_device_loads_with_gpu_health_off(tmp_path: Path) -> 
     """Nothing is checked with the GPU checks off, so nothing is left out by the name."""
     config = _load(
         tmp_path,
-        "devices:\n  - a100\n  - name: a100-mig0\n    mig_of: a100\n    mig_index: 0\n"
+        "devices:\n  - a100\n  - name: a100-mig0\n    mig_of: a100\n    mig_uuid: MIG-x\n"
         "gpu_health:\n  enabled: false\n",
     )
     assert config.device("a100-mig0").mig_of == "a100"

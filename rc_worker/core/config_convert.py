@@ -526,6 +526,15 @@ def _check_mig(loc: Locator, config: Config) -> None:
                 "device named gpu<N> with its NVML index N (mig_of: gpuN, or mig_of: N), "
                 "or gpu_health.enabled: false",
             )
+        if dev.mig_index is not None and config.gpu_health.enabled == "false":
+            # The UUID is looked up by the GPU checks (nvidia-smi -L): with them off it
+            # never would be, and every job on the slice would run with no GPU at all.
+            loc.fail_at(
+                ("devices", i, "mig_index"),
+                "mig_index is resolved to the slice's MIG UUID by the GPU health checks, "
+                "which gpu_health.enabled: false turns off; expected mig_uuid: MIG-... "
+                "(from nvidia-smi -L), or the GPU health checks on",
+            )
         if (dev.mig_uuid is None) == (dev.mig_index is None):
             loc.fail_at(
                 ("devices", i, "mig_of"),
