@@ -40,6 +40,7 @@ from rc_worker.core.errors import RcWorkerError
 
 __all__ = [
     "LOCK_KEY",
+    "MIGRATE_KEY",
     "BadLeaderEpoch",
     "LeadershipLost",
     "PostgresBackend",
@@ -51,6 +52,10 @@ __all__ = [
 CONNECT_TIMEOUT_S = 10
 LOCK_KEY = 0x72635F73  # "rc_s": the one advisory lock the controllers of a database share
 """The key of the session advisory lock the active controller holds."""
+MIGRATE_KEY = 0x72635F6D  # "rc_m"
+"""The key of the transaction advisory lock a controller holds while it creates or migrates
+the schema. Not :data:`LOCK_KEY`: an active controller holds that one for as long as it
+runs, and every other controller checks the schema at start, before it tries to lead."""
 
 
 class LeadershipLost(Exception):
@@ -270,6 +275,13 @@ class PostgresBackend(SqlBackend):
         except psycopg.Error:
             # The connection is broken: drop it, the next call connects again.
             conn.close()
+
+    def _lock_schema(self, cur: Any) -> None:
+        # Controllers started together on a fresh database each found no tables and
+        # created them: all but the first failed on the catalog's unique index. Waiting
+        # here, the next one looks only once the first committed, and finds the schema.
+        # The lock goes with the transaction, committed or rolled back.
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_KEY,))
 
     def _has_schema(self, cur: Any) -> bool:
         cur.execute("SELECT to_regclass('meta') IS NOT NULL")

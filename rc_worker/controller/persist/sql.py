@@ -103,6 +103,7 @@ class SqlBackend:
         with self._transaction(
             lambda e: StoreOpenError(f"cannot set up the store in {self.description}: {e}")
         ) as cur:
+            self._lock_schema(cur)
             found = self.schema_version()
             target = self.schema_target
             if found > target:
@@ -113,6 +114,9 @@ class SqlBackend:
                 self._migrate_more(cur, found)
                 self._put_meta(cur, [("schema_version", str(target))])
             return found
+
+    def _lock_schema(self, cur: Any) -> None:
+        """Hold off every other controller's migration until this transaction ends."""
 
     def _migrate_more(self, cur: Any, found: int) -> None:
         """A backend's own migration steps from version ``found``, in the same transaction."""
