@@ -296,6 +296,35 @@ def test_a_leader_that_finds_a_garbled_epoch_on_reconnect_gives_up_in_one_line(
         backend.close()
 
 
+def test_a_leader_whose_epoch_row_was_deleted_says_so_when_it_reconnects(db: str) -> None:
+    """``meta.leader_epoch`` deleted by hand while a controller leads, then its session
+    ends: nobody led meanwhile (a controller that leads writes the row), so the reason it
+    gives up must say what is wrong and how to fix it, not "another controller led
+    meanwhile (epoch None after ours)"."""
+    backend = PostgresBackend(db)
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute("DELETE FROM meta WHERE key = 'leader_epoch'")
+            terminate_leader(db)
+            assert not backend.check_lead()
+            assert backend.lost is not None
+            assert "another controller" not in backend.lost
+            assert backend.lost.startswith("meta.leader_epoch is gone (deleted by hand?)")
+            assert "INSERT INTO meta (key, value) VALUES ('leader_epoch', 'N')" in backend.lost
+            assert "\n" not in backend.lost
+            assert lock_goes(admin)  # the reconnect that found it gone let the lock go
+        # Nothing was written meanwhile; a fresh start leads again.
+        again = PostgresBackend(db)
+        try:
+            assert again.try_lead()
+        finally:
+            again.close()
+    finally:
+        backend.close()
+
+
 async def test_a_standby_facing_a_garbled_epoch_says_so_once_and_leads_once_fixed(
     db: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -68,6 +68,12 @@ class BadLeaderEpoch(RcWorkerError):
 
 _EPOCH = re.compile(r"-?[0-9]+")
 
+_EPOCH_GONE = (
+    "meta.leader_epoch is gone (deleted by hand?), so this controller cannot show that no "
+    "other led meanwhile: put it back, one above any epoch a controller used (INSERT INTO "
+    "meta (key, value) VALUES ('leader_epoch', 'N')), then start this controller again"
+)
+
 
 def parse_epoch(value: object) -> int:
     """``meta.leader_epoch`` as stored (the text of a whole number); :class:`BadLeaderEpoch`,
@@ -205,8 +211,12 @@ class PostgresBackend(SqlBackend):
         conn.commit()
         if not got:
             self._lose(conn, "another controller holds the controllers' lock")
+        if found is None:
+            # Written when this controller took the lock, and by any that led after it:
+            # gone means deleted by hand, and no epoch is left to compare ours with.
+            self._lose(conn, _EPOCH_GONE)
         try:
-            epoch = parse_epoch(found[0]) if found else None
+            epoch = parse_epoch(found[0])
         except BadLeaderEpoch as e:
             # Unreadable, so it cannot be shown to be ours: fail closed.
             self._lose(conn, str(e))
