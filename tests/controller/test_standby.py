@@ -252,6 +252,46 @@ def test_a_leader_that_cannot_reach_the_database_hopes(db: str, tmp_path: Path) 
         backend.close()
 
 
+def test_a_leader_refused_a_new_session_while_a_standby_leads_gives_up(
+    db: str, pg_server: PgServer
+) -> None:
+    """The leader's session ends, and the server refuses its reconnect for want of a free
+    connection (here its role's CONNECTION LIMIT 1: the same FATAL 53300 as a full
+    max_connections). The server answered, and a standby that kept its session takes
+    the lock meanwhile: the leader must give up, not hope as if the database could not
+    be reached (psycopg gives no SQLSTATE for a refused connection attempt)."""
+    role = f"rc_limited_{os.getpid()}"
+    name = db.split("/")[3].split("?")[0]
+    url = db.replace("user=postgres", f"user={role}")
+    with psycopg.connect(db, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 1")
+        admin.execute(f"ALTER DATABASE {name} OWNER TO {role}")
+    backend = PostgresBackend(url)
+    standby: psycopg.Connection[object] | None = None
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        terminate_leader(db)
+        standby = psycopg.connect(url, autocommit=True)  # the role's one connection
+        row = standby.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
+        assert row == (True,)  # the lock went with the leader's session
+        assert not backend.check_lead()
+        assert backend.lost is not None
+        assert backend.lost == (
+            "the database answers but this controller cannot show it still holds the "
+            f'controllers\' lock: it refused a new session (too many connections for role "{role}")'
+        )
+        with pytest.raises(StoreWriteError):
+            backend.write([Batch(generation=1)])
+    finally:
+        backend.close()
+        if standby is not None:
+            standby.close()
+        pg_server.drop_database(db)
+        with psycopg.connect(pg_server.url("postgres"), autocommit=True) as admin:
+            admin.execute(f"DROP ROLE IF EXISTS {role}")
+
+
 def test_a_garbled_epoch_fails_the_try_in_one_line_and_lets_the_lock_go(db: str) -> None:
     first, second = PostgresBackend(db), PostgresBackend(db)
     try:
