@@ -252,6 +252,31 @@ def test_a_leader_that_cannot_reach_the_database_hopes(db: str, tmp_path: Path) 
         backend.close()
 
 
+def test_a_cancelled_check_keeps_the_leaders_session_and_its_lock(db: str) -> None:
+    """The leader's check is cancelled by the server (``statement_timeout``, 57014) on a
+    session that is alive and holds the lock. Closing it let the lock go (a standby could
+    take it before the reconnect) and, with the check cancelled again on the new session,
+    the leader gave up for nothing. It keeps leading, on the same session."""
+
+    class SlowCheck(PostgresBackend):
+        check_statement = "SELECT pg_sleep(30)"  # always past the session's timeout
+
+    backend = SlowCheck(db + "&options=-c%20statement_timeout%3D200")
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        assert backend.conn is not None
+        pid = backend.conn.info.backend_pid
+        with psycopg.connect(db, autocommit=True) as admin:
+            assert backend.check_lead()
+            assert backend.lost is None
+            assert holder(admin) == pid  # the same session, never let go
+        backend.write([Batch(generation=1, hosts=(("kept", "{}"),))])
+        assert backend.conn.info.backend_pid == pid
+    finally:
+        backend.close()
+
+
 def test_a_leader_refused_a_new_session_while_a_standby_leads_gives_up(
     db: str, pg_server: PgServer
 ) -> None:

@@ -264,6 +264,8 @@ class PostgresBackend(SqlBackend):
     blob = "BYTEA"
     ph = "%s"
     errors = (psycopg.Error, OSError, LeadershipLost)
+    check_statement = "SELECT 1"
+    """What :meth:`check_lead` runs on the lock's session to see that it is alive."""
 
     def __init__(self, url: str) -> None:
         super().__init__()
@@ -375,7 +377,9 @@ class PostgresBackend(SqlBackend):
         statement, or is terminated too, or the reconnect is refused: a login refused, no
         connection to spare, the server shutting down), another controller may be leading
         (one that kept its session can take the lock): this one gives up leading
-        (:attr:`lost` is set, for good) rather than claim what it cannot show.
+        (:attr:`lost` is set, for good) rather than claim what it cannot show. A statement
+        that fails on a session still alive (cancelled by a ``statement_timeout``, say)
+        proves nothing lost: that session, and so the lock, is kept.
         """
         if self.lost is not None:
             return False
@@ -385,16 +389,25 @@ class PostgresBackend(SqlBackend):
                 try:
                     conn = self._connect()
                     with conn.cursor() as cur:
-                        cur.execute("SELECT 1")
+                        cur.execute(self.check_statement)
                     conn.commit()
                     return True
                 except LeadershipLost:
                     return False
                 except (psycopg.Error, OSError) as e:
                     failed = e
-                    self._rollback()
-                    if self.conn is not None and not self.conn.closed:
-                        self.conn.close()
+                    self._rollback()  # closes the connection if that fails too
+                    kept = self.conn
+                    if kept is None or kept.closed:
+                        continue
+                    if not kept.broken and self.leader_epoch is not None:
+                        # The statement failed (cancelled by a statement_timeout or an
+                        # administrator, 57014, say) but the session answered the
+                        # rollback: it is alive, and holds the lock, which lasts as long
+                        # as the session does. Closed, the lock would go with it, and a
+                        # standby could take it before this reconnected.
+                        return True
+                    kept.close()
             assert failed is not None
             if unreachable(failed):
                 return True
