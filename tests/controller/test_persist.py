@@ -16,11 +16,14 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rc_worker.controller import StoreConfig, worker_api
 from rc_worker.controller.persist import Backend, StoreOpenError
 from rc_worker.controller.persist.codec import Batch, coalesce_output
 from rc_worker.controller.persist.schema import SCHEMA_VERSION
+from rc_worker.controller.persist.sql import stored_schema_version
 
 from .helpers import FakeWorker
 from .persistkit import Breakable, StorePlace, all_jobs, clients, open_controller
@@ -436,6 +439,70 @@ def test_a_store_newer_than_the_program_is_refused(store_place: StorePlace) -> N
     assert "\n" not in message
     assert f"schema version {SCHEMA_VERSION + 5}" in message
     assert f"this program's {want}" in message
+
+
+def _edit_meta(store_place: StorePlace, sql: str) -> None:
+    """Run ``sql`` on a closed store's database, as an operator editing it by hand."""
+    if store_place.db is not None:
+        _execute(store_place, [sql])
+        return
+    import sqlite3
+
+    assert store_place.state_dir is not None
+    conn = sqlite3.connect(store_place.state_dir / "controller.db")
+    try:
+        conn.execute(sql)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("sql", "said"),
+    [
+        ("UPDATE meta SET value = 'two' WHERE key = 'schema_version'", "'two', not a"),
+        ("UPDATE meta SET value = '-1' WHERE key = 'schema_version'", "'-1', not a"),
+        ("UPDATE meta SET value = '0' WHERE key = 'schema_version'", "'0', not a"),
+        ("UPDATE meta SET value = ' 2' WHERE key = 'schema_version'", "' 2', not a"),
+        ("DELETE FROM meta WHERE key = 'schema_version'", "no schema_version row"),
+    ],
+)
+def test_a_schema_version_edited_by_hand_is_refused_in_one_line(
+    store_place: StorePlace, sql: str, said: str
+) -> None:
+    """Not a traceback (``int()`` of what was there), and no guess: 0 would create the
+    tables again, a wrong version skip or repeat a migration."""
+    store_place.open().close()
+    _edit_meta(store_place, sql)
+    with pytest.raises(StoreOpenError) as caught:
+        store_place.open()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert said in message
+    assert "set it to the version its tables are at" in message
+    assert "key = 'schema_version'" in message or "('schema_version', 'N')" in message
+    # Nothing was changed by the refused start: put right, the store opens as it was.
+    _edit_meta(store_place, "DELETE FROM meta WHERE key = 'schema_version'")
+    _edit_meta(
+        store_place,
+        f"INSERT INTO meta (key, value) VALUES ('schema_version', '{target(store_place)}')",
+    )
+    backend = store_place.open()
+    try:
+        assert backend.schema_version() == target(store_place)  # type: ignore[attr-defined]
+    finally:
+        backend.close()
+
+
+@given(st.one_of(st.none(), st.integers(), st.text()))
+def test_only_a_version_as_written_is_read_as_one(value: object) -> None:
+    if isinstance(value, str) and re.fullmatch(r"[1-9][0-9]*", value):
+        assert stored_schema_version(value, "here") == int(value)
+        return
+    with pytest.raises(StoreOpenError) as caught:
+        stored_schema_version(value, "here")
+    assert "\n" not in str(caught.value)
+    assert str(caught.value).startswith("here has ")
 
 
 async def test_webhook_cursors_survive_a_restart(store_place: StorePlace) -> None:

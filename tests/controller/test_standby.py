@@ -252,6 +252,71 @@ def test_a_leader_that_cannot_reach_the_database_hopes(db: str, tmp_path: Path) 
         backend.close()
 
 
+def test_a_cancelled_check_keeps_the_leaders_session_and_its_lock(db: str) -> None:
+    """The leader's check is cancelled by the server (``statement_timeout``, 57014) on a
+    session that is alive and holds the lock. Closing it let the lock go (a standby could
+    take it before the reconnect) and, with the check cancelled again on the new session,
+    the leader gave up for nothing. It keeps leading, on the same session."""
+
+    class SlowCheck(PostgresBackend):
+        check_statement = "SELECT pg_sleep(30)"  # always past the session's timeout
+
+    backend = SlowCheck(db + "&options=-c%20statement_timeout%3D200")
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        assert backend.conn is not None
+        pid = backend.conn.info.backend_pid
+        with psycopg.connect(db, autocommit=True) as admin:
+            assert backend.check_lead()
+            assert backend.lost is None
+            assert holder(admin) == pid  # the same session, never let go
+        backend.write([Batch(generation=1, hosts=(("kept", "{}"),))])
+        assert backend.conn.info.backend_pid == pid
+    finally:
+        backend.close()
+
+
+def test_a_leader_refused_a_new_session_while_a_standby_leads_gives_up(
+    db: str, pg_server: PgServer
+) -> None:
+    """The leader's session ends, and the server refuses its reconnect for want of a free
+    connection (here its role's CONNECTION LIMIT 1: the same FATAL 53300 as a full
+    max_connections). The server answered, and a standby that kept its session takes
+    the lock meanwhile: the leader must give up, not hope as if the database could not
+    be reached (psycopg gives no SQLSTATE for a refused connection attempt)."""
+    role = f"rc_limited_{os.getpid()}"
+    name = db.split("/")[3].split("?")[0]
+    url = db.replace("user=postgres", f"user={role}")
+    with psycopg.connect(db, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 1")
+        admin.execute(f"ALTER DATABASE {name} OWNER TO {role}")
+    backend = PostgresBackend(url)
+    standby: psycopg.Connection[object] | None = None
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        terminate_leader(db)
+        standby = psycopg.connect(url, autocommit=True)  # the role's one connection
+        row = standby.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
+        assert row == (True,)  # the lock went with the leader's session
+        assert not backend.check_lead()
+        assert backend.lost is not None
+        assert backend.lost == (
+            "the database answers but this controller cannot show it still holds the "
+            f'controllers\' lock: it refused a new session (too many connections for role "{role}")'
+        )
+        with pytest.raises(StoreWriteError):
+            backend.write([Batch(generation=1)])
+    finally:
+        backend.close()
+        if standby is not None:
+            standby.close()
+        pg_server.drop_database(db)
+        with psycopg.connect(pg_server.url("postgres"), autocommit=True) as admin:
+            admin.execute(f"DROP ROLE IF EXISTS {role}")
+
+
 def test_a_garbled_epoch_fails_the_try_in_one_line_and_lets_the_lock_go(db: str) -> None:
     first, second = PostgresBackend(db), PostgresBackend(db)
     try:
@@ -292,6 +357,35 @@ def test_a_leader_that_finds_a_garbled_epoch_on_reconnect_gives_up_in_one_line(
             assert lock_goes(admin)
             with pytest.raises(StoreWriteError, match="leader_epoch"):
                 backend.write([Batch(generation=1)])
+    finally:
+        backend.close()
+
+
+def test_a_leader_whose_epoch_row_was_deleted_says_so_when_it_reconnects(db: str) -> None:
+    """``meta.leader_epoch`` deleted by hand while a controller leads, then its session
+    ends: nobody led meanwhile (a controller that leads writes the row), so the reason it
+    gives up must say what is wrong and how to fix it, not "another controller led
+    meanwhile (epoch None after ours)"."""
+    backend = PostgresBackend(db)
+    try:
+        backend.migrate()
+        assert backend.try_lead()
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute("DELETE FROM meta WHERE key = 'leader_epoch'")
+            terminate_leader(db)
+            assert not backend.check_lead()
+            assert backend.lost is not None
+            assert "another controller" not in backend.lost
+            assert backend.lost.startswith("meta.leader_epoch is gone (deleted by hand?)")
+            assert "INSERT INTO meta (key, value) VALUES ('leader_epoch', 'N')" in backend.lost
+            assert "\n" not in backend.lost
+            assert lock_goes(admin)  # the reconnect that found it gone let the lock go
+        # Nothing was written meanwhile; a fresh start leads again.
+        again = PostgresBackend(db)
+        try:
+            assert again.try_lead()
+        finally:
+            again.close()
     finally:
         backend.close()
 

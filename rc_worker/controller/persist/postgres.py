@@ -21,9 +21,13 @@ so can no longer answer ``200`` for anything that changes state.
 
 Every failure after the lock was taken closes the session, so the lock never
 outlives a try that did not end in leading. The active controller keeps
-claiming to lead without proof only while the database cannot be reached
-(:func:`unreachable`); a database that answers but lets it prove nothing ends
-its leadership (:meth:`PostgresBackend.check_lead`).
+claiming to lead without proof only while the database cannot be reached, or
+has no session at all (starting up, recovering after a crash), so that no other
+controller can lead through it either (:func:`unreachable`); a database that
+answers but lets it prove nothing ends its leadership
+(:meth:`PostgresBackend.check_lead`), a refused reconnect included (a login
+refused, no connection to spare, the server shutting down: psycopg gives those no
+SQLSTATE, and :func:`connect_refusal` reads the server's answer from the message).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import re
 from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
+import attrs
 import psycopg
 
 from rc_worker.controller.persist import StoreOpenError
@@ -40,9 +45,13 @@ from rc_worker.core.errors import RcWorkerError
 
 __all__ = [
     "LOCK_KEY",
+    "MIGRATE_KEY",
     "BadLeaderEpoch",
     "LeadershipLost",
     "PostgresBackend",
+    "Refusal",
+    "connect_failed",
+    "connect_refusal",
     "parse_epoch",
     "redact",
     "unreachable",
@@ -51,6 +60,10 @@ __all__ = [
 CONNECT_TIMEOUT_S = 10
 LOCK_KEY = 0x72635F73  # "rc_s": the one advisory lock the controllers of a database share
 """The key of the session advisory lock the active controller holds."""
+MIGRATE_KEY = 0x72635F6D  # "rc_m"
+"""The key of the transaction advisory lock a controller holds while it creates or migrates
+the schema. Not :data:`LOCK_KEY`: an active controller holds that one for as long as it
+runs, and every other controller checks the schema at start, before it tries to lead."""
 
 
 class LeadershipLost(Exception):
@@ -62,6 +75,12 @@ class BadLeaderEpoch(RcWorkerError):
 
 
 _EPOCH = re.compile(r"-?[0-9]+")
+
+_EPOCH_GONE = (
+    "meta.leader_epoch is gone (deleted by hand?), so this controller cannot show that no "
+    "other led meanwhile: put it back, one above any epoch a controller used (INSERT INTO "
+    "meta (key, value) VALUES ('leader_epoch', 'N')), then start this controller again"
+)
 
 
 def parse_epoch(value: object) -> int:
@@ -78,18 +97,148 @@ def parse_epoch(value: object) -> int:
     )
 
 
+@attrs.frozen
+class Refusal:
+    """What the server answered to a connection attempt, as libpq's message shows it."""
+
+    sqlstate: str
+    """The SQLSTATE the server sent with it, known by its words (libpq's message does not
+    show it); empty for words not known here."""
+    said: str
+    """The server's own words, one line."""
+    fix: str
+    """What an operator does about it."""
+    nobody_in: bool = False
+    """The server has no session at all just now (starting up, recovering after a crash):
+    no other controller can hold the controllers' lock through it."""
+
+
+_NOT_NETWORK = "the server answered, so not a network problem"
+_AUTH_FIX = (
+    f"{_NOT_NETWORK}: check the user and password in --db / RC_DB (or PGPASSWORD, "
+    "~/.pgpass) and the server's pg_hba.conf"
+)
+# The server's words for each refusal at connection start (PostgreSQL's own messages, as
+# written in English: a server set to another lc_messages is not recognised, and its
+# refusals count as no answer, as all of them did before).
+_REFUSALS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
+    (re.compile(pattern), sqlstate, fix)
+    for pattern, sqlstate, fix in [
+        (r"password authentication failed for user", "28P01", _AUTH_FIX),
+        (r"\bauthentication failed for user", "28000", _AUTH_FIX),
+        (r"\bfe_sendauth: no password supplied", "28P01", _AUTH_FIX),
+        (r"no pg_hba\.conf entry for|pg_hba\.conf rejects connection", "28000", _AUTH_FIX),
+        (r"^role \".*\" is not permitted to log in", "28000", _AUTH_FIX),
+        (
+            r"^role \".*\" does not exist",
+            "28000",
+            f"{_NOT_NETWORK}: create the role on the server, or fix the user in --db / RC_DB",
+        ),
+        (
+            r"^database \".*\" does not exist",
+            "3D000",
+            f"{_NOT_NETWORK}: create the database (createdb NAME), or fix its name in --db / RC_DB",
+        ),
+        (
+            r"^permission denied for database",
+            "42501",
+            f"{_NOT_NETWORK}: GRANT CONNECT ON DATABASE NAME TO the user in --db / RC_DB",
+        ),
+        (
+            r"^database \".*\" is not currently accepting connections",
+            "55000",
+            f"{_NOT_NETWORK}: ALTER DATABASE NAME ALLOW_CONNECTIONS true",
+        ),
+        (
+            r"too many clients already|remaining connection slots are reserved"
+            r"|too many connections for (role|database)",
+            "53300",
+            f"{_NOT_NETWORK}: every connection it allows is in use; raise max_connections"
+            " (or the role's or database's CONNECTION LIMIT), or end other sessions",
+        ),
+        (
+            r"^the database system is (starting up|in recovery mode"
+            r"|not yet accepting connections)",
+            "57P03",
+            "the server is starting: try again once it accepts sessions",
+        ),
+        (
+            r"^the database system is shutting down",
+            "57P03",
+            "the server is shutting down: try again once it is back",
+        ),
+    ]
+)
+_NOBODY_IN = re.compile(r"^the database system is (starting up|in recovery mode|not yet)")
+_ATTEMPT = re.compile(r"connection to server .*? failed: (.*)")
+_SERVER_SAID = re.compile(r"\b(?:FATAL|ERROR|PANIC):  (.*)")
+
+
+def connect_refusal(message: str) -> Refusal | None:
+    """What the server answered, in the message of a failed connection attempt; None when
+    the message holds no answer from it (it could not be reached).
+
+    psycopg gives no SQLSTATE for a failed connection attempt, whatever the server said:
+    libpq puts the server's answer into its own message, ``connection to server ...
+    failed: FATAL:  database "x" does not exist``, where only the text tells a refused
+    login or a missing database from a server that is down. Each line is one attempt
+    (psycopg lists every host it tried); the first answer counts.
+    """
+    for line in message.splitlines():
+        attempt = _ATTEMPT.search(line)
+        reason = attempt.group(1) if attempt else line
+        answer = _SERVER_SAID.search(reason)
+        said = (answer.group(1) if answer else reason).strip()
+        for pattern, sqlstate, fix in _REFUSALS:
+            if pattern.search(said):
+                return Refusal(sqlstate, said, fix, nobody_in=bool(_NOBODY_IN.match(said)))
+        if answer:
+            return Refusal("", said, f"{_NOT_NETWORK}: check --db / RC_DB, and the server's log")
+    return None
+
+
 def unreachable(error: BaseException) -> bool:
-    """Whether ``error`` says the database could not be reached, not that it answered.
+    """Whether ``error`` leaves the active controller hoping: the database could not be
+    reached, or has no session at all just now, so no other controller can lead through
+    it either (see :meth:`PostgresBackend.check_lead`).
 
     libpq's own failures carry no SQLSTATE: a connection attempt that failed (psycopg
     raises a bare ``OperationalError`` for every one), a connection that broke under a
-    statement. Whatever the server said carries one, ``OperationalError`` subclasses
-    included: a statement cancelled (``QueryCanceled``, 57014), our session terminated
-    by an administrator (``AdminShutdown``, 57P01). So the class alone does not tell.
+    statement. Whatever the server said on a session carries one, ``OperationalError``
+    subclasses included: a statement cancelled (``QueryCanceled``, 57014), our session
+    terminated by an administrator (``AdminShutdown``, 57P01). So the class alone does
+    not tell. Nor does the SQLSTATE at connection start, where the server's answer is
+    only in the message (:func:`connect_refusal`): a refused login, a missing database,
+    no connection to spare (53300) or a server shutting down is an answer, and other
+    controllers may still have sessions there; a server starting up or recovering after
+    a crash (57P03) has none.
     """
     if isinstance(error, OSError):
         return True
-    return isinstance(error, psycopg.OperationalError) and error.sqlstate is None
+    if not isinstance(error, psycopg.OperationalError) or error.sqlstate is not None:
+        return False
+    refusal = connect_refusal(str(error))
+    return refusal is None or refusal.nobody_in
+
+
+def connect_failed(where: str, error: BaseException) -> str:
+    """One line for a connection to ``where`` that failed with ``error``: what the server
+    answered and the fix, or that it could not be reached."""
+    refusal = connect_refusal(str(error)) if isinstance(error, psycopg.Error) else None
+    if refusal is None:
+        return (
+            f"cannot connect to {where}: the server could not be reached "
+            f"({_one_line(error)}); check the host and port in --db / RC_DB, and that "
+            "the server is running"
+        )
+    return f"cannot connect to {where}: {refusal.said}; {refusal.fix}"
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return text or type(error).__name__
 
 
 def _first_line(error: BaseException) -> str:
@@ -115,6 +264,8 @@ class PostgresBackend(SqlBackend):
     blob = "BYTEA"
     ph = "%s"
     errors = (psycopg.Error, OSError, LeadershipLost)
+    check_statement = "SELECT 1"
+    """What :meth:`check_lead` runs on the lock's session to see that it is alive."""
 
     def __init__(self, url: str) -> None:
         super().__init__()
@@ -128,9 +279,7 @@ class PostgresBackend(SqlBackend):
         try:
             self._connect()
         except psycopg.Error as e:
-            raise StoreOpenError(
-                f"cannot connect to {self.description}: {_first_line(e)}; check --db / RC_DB"
-            ) from e
+            raise StoreOpenError(connect_failed(self.description, e)) from e
 
     def _connect(self) -> psycopg.Connection[Any]:
         if self.lost is not None:
@@ -200,8 +349,12 @@ class PostgresBackend(SqlBackend):
         conn.commit()
         if not got:
             self._lose(conn, "another controller holds the controllers' lock")
+        if found is None:
+            # Written when this controller took the lock, and by any that led after it:
+            # gone means deleted by hand, and no epoch is left to compare ours with.
+            self._lose(conn, _EPOCH_GONE)
         try:
-            epoch = parse_epoch(found[0]) if found else None
+            epoch = parse_epoch(found[0])
         except BadLeaderEpoch as e:
             # Unreadable, so it cannot be shown to be ours: fail closed.
             self._lose(conn, str(e))
@@ -217,12 +370,16 @@ class PostgresBackend(SqlBackend):
         """Whether this controller still leads: the lock's session is alive, or was
         reopened with the lock and our epoch. False once lost, with :attr:`lost` saying why.
 
-        While the database cannot be reached (:func:`unreachable`), True (hoping): no other
-        controller can lead through it either, and the next write reconnects and checks
-        the lock and the epoch before storing anything. When the database answers but
-        the lock cannot be proven (the reopened session fails a statement, or is
-        terminated too), another controller may be leading: this one gives up leading
-        (:attr:`lost` is set, for good) rather than claim what it cannot show.
+        While the database cannot be reached, or has no session at all (:func:`unreachable`),
+        True (hoping): no other controller can lead through it either, and the next write
+        reconnects and checks the lock and the epoch before storing anything. When the
+        database answers but the lock cannot be proven (the reopened session fails a
+        statement, or is terminated too, or the reconnect is refused: a login refused, no
+        connection to spare, the server shutting down), another controller may be leading
+        (one that kept its session can take the lock): this one gives up leading
+        (:attr:`lost` is set, for good) rather than claim what it cannot show. A statement
+        that fails on a session still alive (cancelled by a ``statement_timeout``, say)
+        proves nothing lost: that session, and so the lock, is kept.
         """
         if self.lost is not None:
             return False
@@ -232,22 +389,34 @@ class PostgresBackend(SqlBackend):
                 try:
                     conn = self._connect()
                     with conn.cursor() as cur:
-                        cur.execute("SELECT 1")
+                        cur.execute(self.check_statement)
                     conn.commit()
                     return True
                 except LeadershipLost:
                     return False
                 except (psycopg.Error, OSError) as e:
                     failed = e
-                    self._rollback()
-                    if self.conn is not None and not self.conn.closed:
-                        self.conn.close()
+                    self._rollback()  # closes the connection if that fails too
+                    kept = self.conn
+                    if kept is None or kept.closed:
+                        continue
+                    if not kept.broken and self.leader_epoch is not None:
+                        # The statement failed (cancelled by a statement_timeout or an
+                        # administrator, 57014, say) but the session answered the
+                        # rollback: it is alive, and holds the lock, which lasts as long
+                        # as the session does. Closed, the lock would go with it, and a
+                        # standby could take it before this reconnected.
+                        return True
+                    kept.close()
             assert failed is not None
             if unreachable(failed):
                 return True
+            connecting = isinstance(failed, psycopg.OperationalError) and not failed.sqlstate
+            refusal = connect_refusal(str(failed)) if connecting else None
             self.lost = (
                 "the database answers but this controller cannot show it still holds "
-                f"the controllers' lock: {_first_line(failed)}"
+                "the controllers' lock: "
+                + (f"it refused a new session ({refusal.said})" if refusal else _first_line(failed))
             )
             return False
 
@@ -270,6 +439,13 @@ class PostgresBackend(SqlBackend):
         except psycopg.Error:
             # The connection is broken: drop it, the next call connects again.
             conn.close()
+
+    def _lock_schema(self, cur: Any) -> None:
+        # Controllers started together on a fresh database each found no tables and
+        # created them: all but the first failed on the catalog's unique index. Waiting
+        # here, the next one looks only once the first committed, and finds the schema.
+        # The lock goes with the transaction, committed or rolled back.
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_KEY,))
 
     def _has_schema(self, cur: Any) -> bool:
         cur.execute("SELECT to_regclass('meta') IS NOT NULL")

@@ -8,6 +8,7 @@ batches and the webhook cursors never share a transaction by accident.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -88,18 +89,21 @@ class SqlBackend:
     # --- schema ---------------------------------------------------------------------------------
 
     def schema_version(self) -> int:
+        """The version the store is at: 0 when it has no tables yet. StoreOpenError, in one
+        line naming the fix, when ``meta`` says no version, or one that is not a number."""
         cur = self._cursor()
         if not self._has_schema(cur):
             return 0
         cur.execute(f"SELECT value FROM meta WHERE key = {self.ph}", ("schema_version",))
         row = cur.fetchone()
-        return 0 if row is None else int(row[0])
+        return stored_schema_version(None if row is None else row[0], self.description)
 
     def migrate(self) -> int:
         """Create or upgrade the schema; returns the version found. Raises StoreOpenError."""
         with self._transaction(
             lambda e: StoreOpenError(f"cannot set up the store in {self.description}: {e}")
         ) as cur:
+            self._lock_schema(cur)
             found = self.schema_version()
             target = self.schema_target
             if found > target:
@@ -110,6 +114,9 @@ class SqlBackend:
                 self._migrate_more(cur, found)
                 self._put_meta(cur, [("schema_version", str(target))])
             return found
+
+    def _lock_schema(self, cur: Any) -> None:
+        """Hold off every other controller's migration until this transaction ends."""
 
     def _migrate_more(self, cur: Any, found: int) -> None:
         """A backend's own migration steps from version ``found``, in the same transaction."""
@@ -336,6 +343,34 @@ class SqlBackend:
 
     def _output_deleted(self, job_ids: Sequence[str]) -> None:
         """After the commit that deleted these jobs' output (what lives outside the database)."""
+
+
+_VERSION = re.compile(r"[1-9][0-9]*")
+
+
+def stored_schema_version(value: object, where: str) -> int:
+    """``meta.schema_version`` of the store ``where`` as stored (``None``: no such row).
+
+    It is written, as the text of a version (1 or more), in the transaction that creates
+    the tables, so anything else was put there by hand. Guessing could damage the store
+    (0 creates the tables again; a wrong version skips or repeats a migration), so it is
+    refused: :class:`StoreOpenError`, one line naming the fix.
+    """
+    if isinstance(value, str) and _VERSION.fullmatch(value):
+        return int(value)
+    if value is None:
+        problem = "a meta table with no schema_version row"
+        fix = "INSERT INTO meta (key, value) VALUES ('schema_version', 'N')"
+    else:
+        shown = repr(value)
+        if len(shown) > 40:
+            shown = shown[:37] + "..."
+        problem = f"meta.schema_version {shown}, not a schema version"
+        fix = "UPDATE meta SET value = 'N' WHERE key = 'schema_version'"
+    raise StoreOpenError(
+        f"{where} has {problem}: set it to the version its tables are at ({fix}), "
+        "or restore the store from a backup"
+    )
 
 
 def _many(cur: Any, sql: str, rows: Sequence[Sequence[object]]) -> None:
