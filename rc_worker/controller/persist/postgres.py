@@ -9,13 +9,14 @@ write, so the controller recovers by itself when the server comes back.
 Several controllers may share one database: one is active, holding a session
 advisory lock (:data:`LOCK_KEY`) on its connection; the others are standbys
 that try the lock now and then (:meth:`PostgresBackend.try_lead`). Taking it
-bumps a ``leader_epoch`` kept in the ``meta`` table. A connection that breaks
-loses the lock with it, so every reconnect of the active takes the lock again
-and checks the epoch is still its own: if another controller led in between
-(or leads now), :class:`LeadershipLost` is raised, nothing more is written on
-this connection, and ``rc serve`` stops. A new connection is kept only once
-that check has passed; one whose check failed part-way is closed, so no write
-goes through a session whose epoch was never compared. Writes go through the lock-holding
+bumps a ``leader_epoch`` kept in the ``meta`` table. A session that ends (its
+connection broken, or terminated) loses the lock with it, and the active
+controller then stops leading, at once and for good: the first new session it
+opens raises :class:`LeadershipLost` (saying, from the epoch, whether another
+controller led meanwhile), is closed, and ``rc serve`` stops (status 3), so
+that a service manager starts it again, as a standby or to lead anew. It never
+takes the lock back on a new session, so no write goes through a session that
+did not take the lock as a fresh leader. Writes go through the lock-holding
 session, so a controller that lost the lock can no longer store anything, and
 so can no longer answer ``200`` for anything that changes state.
 
@@ -289,16 +290,13 @@ class PostgresBackend(SqlBackend):
         if self.conn is None or self.conn.closed:
             conn = psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT_S)
             if self.leader_epoch is not None:
-                # The old session, and the lock with it, is gone.
-                try:
-                    self._lead_again(conn)
-                except BaseException:
-                    # Kept only once the check passed: a check cut short by a statement
-                    # error leaves a live session, maybe holding the lock, whose epoch was
-                    # never compared; kept, the next call would write through it unchecked.
-                    # Closed, the lock goes with it and the next call checks afresh.
-                    conn.close()
-                    raise
+                # The session that held the lock has ended, and the lock with it: this
+                # controller stops leading, at once and for good (issue 14: "an active
+                # controller that loses its lock stops serving at once"). It never takes
+                # the lock back on a new session, even with the epoch unchanged: a service
+                # manager starts it again, to lead anew (a fresh epoch, the state loaded
+                # from the database) or as a standby while another leads.
+                self._lose(conn, self._why_the_lock_went(conn))
             self.conn = conn
         return self.conn
 
@@ -335,31 +333,29 @@ class PostgresBackend(SqlBackend):
             self.leader_epoch = epoch
             return True
 
-    def _lead_again(self, conn: psycopg.Connection[Any]) -> None:
-        # The caller (_connect) closes ``conn`` on any exception from here.
-        assert self.leader_epoch is not None
-        with conn.cursor() as cur:
-            cur.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,))
-            row = cur.fetchone()
-            got = bool(row and row[0])
-            found = None
-            if got:
+    def _why_the_lock_went(self, conn: psycopg.Connection[Any]) -> str:
+        """Why this controller lost the lock, for its last line: what the epoch in the
+        database says of who led since (read on ``conn``, a new session, without the lock),
+        best effort."""
+        ended = "its database session ended, and the controllers' lock with it"
+        try:
+            with conn.cursor() as cur:
                 cur.execute("SELECT value FROM meta WHERE key = 'leader_epoch'")
                 found = cur.fetchone()
-        conn.commit()
-        if not got:
-            self._lose(conn, "another controller holds the controllers' lock")
+            conn.rollback()
+        except psycopg.Error as e:
+            return f"{ended} ({_first_line(e)})"
         if found is None:
             # Written when this controller took the lock, and by any that led after it:
             # gone means deleted by hand, and no epoch is left to compare ours with.
-            self._lose(conn, _EPOCH_GONE)
+            return _EPOCH_GONE
         try:
             epoch = parse_epoch(found[0])
         except BadLeaderEpoch as e:
-            # Unreadable, so it cannot be shown to be ours: fail closed.
-            self._lose(conn, str(e))
+            return str(e)
         if epoch != self.leader_epoch:
-            self._lose(conn, f"another controller led meanwhile (epoch {epoch} after ours)")
+            return f"another controller led meanwhile (epoch {epoch} after ours)"
+        return f"{ended}; rc serve stops so that it starts again, as a standby or to lead anew"
 
     def _lose(self, conn: psycopg.Connection[Any], why: str) -> NoReturn:
         self.lost = why
@@ -367,16 +363,16 @@ class PostgresBackend(SqlBackend):
         raise LeadershipLost(why)
 
     def check_lead(self) -> bool:
-        """Whether this controller still leads: the lock's session is alive, or was
-        reopened with the lock and our epoch. False once lost, with :attr:`lost` saying why.
+        """Whether this controller still leads: the lock's session is alive. False once
+        lost, with :attr:`lost` saying why: the session ended (the lock went with it, and a
+        new session gives up leading, :meth:`_connect`).
 
         While the database cannot be reached, or has no session at all (:func:`unreachable`),
-        True (hoping): no other controller can lead through it either, and the next write
-        reconnects and checks the lock and the epoch before storing anything. When the
-        database answers but the lock cannot be proven (the reopened session fails a
-        statement, or is terminated too, or the reconnect is refused: a login refused, no
-        connection to spare, the server shutting down), another controller may be leading
-        (one that kept its session can take the lock): this one gives up leading
+        True (hoping): no other controller can lead through it either, and nothing is stored
+        meanwhile (the first session opened once it answers gives up leading). When the
+        database answers but the lock cannot be proven (the reconnect is refused: a login
+        refused, no connection to spare, the server shutting down), another controller may
+        be leading (one that kept its session can take the lock): this one gives up leading
         (:attr:`lost` is set, for good) rather than claim what it cannot show. A statement
         that fails on a session still alive (cancelled by a ``statement_timeout``, say)
         proves nothing lost: that session, and so the lock, is kept.
@@ -385,7 +381,7 @@ class PostgresBackend(SqlBackend):
             return False
         with self.lock:
             failed: Exception | None = None
-            for _ in range(2):  # a session found dead is reopened (and relocked) at once
+            for _ in range(2):  # a session found dead: the next _connect gives up leading
                 try:
                     conn = self._connect()
                     with conn.cursor() as cur:
