@@ -65,6 +65,16 @@ def pg_server() -> Iterator[PgServer]:
         yield server
 
 
+@pytest.fixture
+def db(pg_server: PgServer) -> Iterator[str]:
+    """The URL of a fresh database on the session's server, dropped after the test."""
+    url = pg_server.new_database()
+    try:
+        yield url
+    finally:
+        pg_server.drop_database(url)
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def store_place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorePlace]:
     """Where a controller keeps its state: a fresh SQLite state dir, or a fresh database."""

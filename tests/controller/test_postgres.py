@@ -7,7 +7,6 @@ Its leadership (the controllers' lock) is tested in test_standby.py.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -28,15 +27,6 @@ from rc_worker.controller.persist.postgres import (
 from .pgserver import PgServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-
-
-@pytest.fixture
-def db(pg_server: PgServer) -> Iterator[str]:
-    url = pg_server.new_database()
-    try:
-        yield url
-    finally:
-        pg_server.drop_database(url)
 
 
 @pytest.mark.parametrize("attempt", range(3))

@@ -51,15 +51,6 @@ from .test_persist_restart import (
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 
-@pytest.fixture
-def db(pg_server: PgServer) -> Iterator[str]:
-    url = pg_server.new_database()
-    try:
-        yield url
-    finally:
-        pg_server.drop_database(url)
-
-
 def terminate_leader(db: str) -> int:
     """End the database session holding the controllers' lock; returns its pid."""
     with psycopg.connect(db, autocommit=True) as conn:
