@@ -4,7 +4,8 @@ Everything lives in the database, job output included, so another controller
 process pointed at the same database can take over. The URL is any libpq
 connection URI; the password comes from the URI, ``PGPASSWORD`` or
 ``~/.pgpass``, as libpq does. A dropped connection is reopened at the next
-write, so the controller recovers by itself when the server comes back.
+call, so a standby recovers by itself when the server comes back; the active
+controller's session held the lock, and it stops (below).
 
 Several controllers may share one database: one is active, holding a session
 advisory lock (:data:`LOCK_KEY`) on its connection; the others are standbys
