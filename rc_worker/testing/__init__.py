@@ -73,7 +73,23 @@ __all__ = [
     "open_fleet",
     "replay",
     "simulate",
+    "wait_until",
 ]
+
+
+async def wait_until(store: Store, predicate: Callable[[], bool]) -> None:
+    """Wait until ``predicate()`` holds, re-checking at every change of the controller's
+    ``store``. A worker's own state changes do not notify the controller, so the check
+    also runs every 50 ms; bound the wait with ``trio.fail_after``."""
+    while not predicate():
+        changed = trio.Event()
+        unsubscribe = store.subscribe(changed.set)
+        try:
+            with trio.move_on_after(0.05):
+                await changed.wait()
+        finally:
+            unsubscribe()
+
 
 TransportWrapper = Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]
 """Given the transport to the controller, returns the one the worker uses."""
@@ -117,19 +133,9 @@ class LocalSystem:
         return self.store.device(self.config.host, name)
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
-        """Wait until ``predicate()`` holds, re-checking at every controller change.
-
-        The worker's own state changes do not notify the controller, so the
-        check also runs every 50 ms; bound the wait with ``trio.fail_after``.
-        """
-        while not predicate():
-            changed = trio.Event()
-            unsubscribe = self.store.subscribe(changed.set)
-            try:
-                with trio.move_on_after(0.05):
-                    await changed.wait()
-            finally:
-                unsubscribe()
+        """Wait until ``predicate()`` holds, re-checking at every controller change
+        (:func:`wait_until`); bound the wait with ``trio.fail_after``."""
+        await wait_until(self.store, predicate)
 
     async def wait_job(self, job_id: str, states: frozenset[str] | None = None) -> JobInfo:
         """Wait for the job to reach one of ``states`` (default: any terminal state)."""

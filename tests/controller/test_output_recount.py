@@ -16,7 +16,7 @@ import httpx
 import trio
 
 from rc_worker.controller.persist.sqlite import OUTPUT_DIR
-from rc_worker.testing import make_config
+from rc_worker.testing import make_config, wait_until
 from rc_worker.worker import Worker
 
 from .helpers import WORKER_TOKEN
@@ -46,29 +46,20 @@ async def test_a_real_worker_resends_what_a_removed_output_file_lost(tmp_path: P
                 assert r.status_code == 200, r.text
                 job = r.json()["job_id"]
 
-                async def job_info() -> dict[str, object]:
-                    info: dict[str, object] = (await user.get(f"/v1/jobs/{job}")).json()
-                    return info
+                def committed_10() -> bool:
+                    return opened.store.job(job).committed_bytes == 10
 
-                async def changed() -> None:
-                    """The controller's next change (or 50 ms: the job's own pace)."""
-                    event = trio.Event()
-                    unsubscribe = opened.store.subscribe(event.set)
-                    try:
-                        with trio.move_on_after(0.05):
-                            await event.wait()
-                    finally:
-                        unsubscribe()
+                def succeeded() -> bool:
+                    info = opened.store.job(job)
+                    assert info.state in ("assigned", "running", "succeeded"), info
+                    return info.state == "succeeded"
 
-                while (await job_info())["committed_bytes"] != 10:
-                    await changed()
+                await wait_until(opened.store, committed_10)
                 await opened.durability.flush()  # those 10 bytes are in the file
                 path = place.state_dir / OUTPUT_DIR / job  # type: ignore[operator]
                 path.unlink()
                 go.touch()
-                while (info := await job_info())["state"] != "succeeded":
-                    assert info["state"] in ("assigned", "running"), info
-                    await changed()
+                await wait_until(opened.store, succeeded)
                 await opened.durability.flush()
                 assert (await user.get(f"/v1/jobs/{job}/output")).content == b"0123456789abc"
                 assert path.read_bytes() == b"0123456789abc"
