@@ -54,13 +54,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 def terminate_leader(db: str) -> int:
     """End the database session holding the controllers' lock; returns its pid."""
     with psycopg.connect(db, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND ((classid::bigint << 32) | objid::bigint) = %s",
-            (LOCK_KEY,),
-        ).fetchone()
-        assert row is not None, "nobody holds the controllers' lock"
-        pid = int(row[0])
+        pid = holder(conn)
+        assert pid is not None, "nobody holds the controllers' lock"
         conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
         # The signal is asynchronous: wait (bounded) until that session is gone, lock and all.
         for _ in range(600):
