@@ -1,11 +1,13 @@
-"""The cancel watch: a long poll kept open while jobs are held, answered early by a cancel.
+"""The host watch: a long poll kept open while jobs are held or a device waits for the
+controller, answered early by a cancel, a clear or an idle behaviour change.
 
 The heartbeat carries cancels too, but only every heartbeat interval (10 s by
 default); the watch (``watch_cancels`` on a poll with an empty ``ready``, see
 docs/protocol.md) brings one to the job within a round trip of the user's
 request. ``known_cancels`` lists what the worker already has (every cancel the
 last answer carried), so a cancel it acted on does not make the controller
-answer again at once while the job winds down.
+answer again at once while the job winds down. ``known_control`` does the same
+for idle behaviours and clears: the token of the last answer's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import trio
 
 from rc_worker.client import ControllerClient
 from rc_worker.core.errors import ControllerError
-from rc_worker.core.protocol import CancelOrder
+from rc_worker.core.protocol import CancelOrder, PollReply
 
 log = logging.getLogger("rc_worker.cancel_watch")
 
@@ -32,13 +34,18 @@ async def watch_cancels(
     changed: Callable[[], trio.Event],
     wait_s: Callable[[], float],
     pause_s: Callable[[], float],
+    waiting: Callable[[], bool] = lambda: False,
+    apply_control: Callable[[PollReply], None] = lambda reply: None,
 ) -> None:
     """Run until cancelled.
 
     ``held``: the attempts the devices hold now; ``apply``: hand a cancel to
     them; ``changed``: the event set at the next change of the devices (a job
     taken, say); ``wait_s``: the long poll's wait; ``pause_s``: how long to
-    wait after the controller refused the watch for good.
+    wait after the controller refused the watch for good. ``waiting``: whether
+    some device waits for the controller (a clear, an idle behaviour); the watch
+    stays open then too, and ``apply_control`` takes each answer's idle
+    behaviours and clears.
     """
     # What the controller listed at its last answer. Not narrowed to the attempts
     # held here: the controller keeps listing the cancel of an attempt that ended
@@ -48,20 +55,25 @@ async def watch_cancels(
     # A cancel whose attempt no device holds yet (offered, the poll's answer not
     # yet read) reaches it by the heartbeat, or by ``start``'s ``409 cancelled``.
     known: set[JobRef] = set()
+    # The controller's token for the idle behaviours and clears last applied: "" at
+    # first (answered at once, with them); None once a controller answered without
+    # one (it does not know the field: asking again would change nothing).
+    control: str | None = ""
     while True:
         wake = changed()
-        holding = held()
-        if not holding:
+        if not held() and not waiting():
             await wake.wait()
             continue
         try:
-            cancels = await client.watch_cancels(sorted(known), wait_s())
+            answer = await client.watch(sorted(known), control, wait_s())
         except ControllerError as e:
             log.error("cancel watch refused: %s; retrying after the heartbeat interval", e)
             await trio.sleep(pause_s())
             continue
         # The answer lists every cancel the controller still has for this host:
         # one it leaves out is done with (its job ended there).
-        known = {(c.job_id, c.attempt) for c in cancels}
-        for cancel in cancels:
+        known = {(c.job_id, c.attempt) for c in answer.cancel}
+        for cancel in answer.cancel:
             apply(cancel)
+        control = answer.control
+        apply_control(answer)

@@ -171,6 +171,14 @@ class ControllerClient:
         """A long poll for no device that answers as soon as a cancel not in ``known``
         exists for this host's jobs (``watch_cancels``, docs/protocol.md): a cancel
         reaches a running job without waiting for the next heartbeat."""
+        return (await self.watch(known, None, wait_s)).cancel
+
+    async def watch(
+        self, known: list[tuple[str, int]], known_control: str | None, wait_s: float
+    ) -> PollReply:
+        """The host watch: :meth:`watch_cancels`, answered also as soon as the host's
+        ``control`` (its idle behaviours and clears) is not ``known_control`` (``""``:
+        none known yet; ``None``: not asked), whose answer carries them."""
         body = await self._call(
             "POST",
             f"/v1/hosts/{self.host}/poll",
@@ -179,10 +187,11 @@ class ControllerClient:
                 wait_s=wait_s,
                 watch_cancels=True,
                 known_cancels=tuple(KnownCancel(j, n) for j, n in known),
+                known_control=known_control,
             ),
             read_timeout=wait_s + POLL_SLACK_S,
         )
-        return _reply("poll", body, PollReply).cancel
+        return _reply("poll", body, PollReply)
 
     async def deregister(self) -> None:
         """Tell the controller this worker is leaving on purpose (after a drain)."""

@@ -124,6 +124,16 @@ class DeviceSupervisor:
             and not self.ctx.outbox.owes(self.name)
         )
 
+    def awaits_controller(self) -> bool:
+        """Whether this device waits for a change only the controller makes: a fault
+        cleared, an idle behaviour back to ``run``, or a linger ended by ``drain``."""
+        lease = self.lease
+        return (
+            bool(lease.faults)
+            or lease.idle_behavior is not IdleBehavior.RUN
+            or lease.state is S.LINGERING
+        )
+
     def can_take(self) -> bool:
         return not self.carries_slices and self.lease.can_take(draining=self.ctx.draining)
 
@@ -293,15 +303,18 @@ class DeviceSupervisor:
         Returns the fault id."""
         return self._quarantine(kind, reason)
 
-    def clear_faults(self, cleared: set[str]) -> None:
-        if cleared & self.lease.faults:
-            log.info("device %s: faults %s cleared", self.name, sorted(cleared & self.lease.faults))
+    def clear_faults(self, cleared: set[str]) -> bool:
+        """Drop the faults in ``cleared`` this device holds; whether it held any."""
+        held = cleared & self.lease.faults
+        if held:
+            log.info("device %s: faults %s cleared", self.name, sorted(held))
         moved = self.lease.clear_faults(cleared)
         for fault_id in cleared:
             self.fault_notes.pop(fault_id, None)
             self._health_parents.pop(fault_id, None)
         if moved is not None:
             self._poke()
+        return bool(held)
 
     def poke(self) -> None:
         self._poke()

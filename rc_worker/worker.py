@@ -57,6 +57,7 @@ from rc_worker.core.protocol import (
     HeartbeatReply,
     LabelsRequest,
     LabelsUpdate,
+    PollReply,
     RegisterRequest,
     SheetsRequest,
     SheetsUpdate,
@@ -118,6 +119,9 @@ class Worker(Polling):
         self._seen_attempts: set[tuple[str, int]] = set()
         self._drained = trio.Event()
         self._heartbeat_interval = config.heartbeat_interval
+        # Set to send the next heartbeat now: a clear was applied, and the controller
+        # assigns nothing to a device while a heartbeat last reported it holding a fault.
+        self._heartbeat_now = trio.Event()
         self._poll_wait = config.poll_wait
         self._reprobe = trio.Event()
         self._prober = Prober(config, host=self.host, environ=self._environ)
@@ -327,6 +331,8 @@ class Worker(Polling):
                         changed=self._poll_wake.watch,
                         wait_s=lambda: self._poll_wait,
                         pause_s=lambda: self._heartbeat_interval,
+                        waiting=self._awaits_controller,
+                        apply_control=self._apply_control,
                     )
                 )
                 if self.health is not None:
@@ -568,7 +574,9 @@ class Worker(Polling):
 
     async def _heartbeat_loop(self, client: ControllerClient) -> None:
         while True:
-            await trio.sleep(self._heartbeat_interval)
+            with trio.move_on_after(self._heartbeat_interval):
+                await self._heartbeat_now.wait()
+            self._heartbeat_now = trio.Event()
             try:
                 # Read afresh at each try: a retried heartbeat must not carry
                 # the states of before the outage.
@@ -584,13 +592,26 @@ class Worker(Polling):
     def _apply_heartbeat(self, answer: HeartbeatReply) -> None:
         for cancel in answer.cancel:
             self._apply_cancel(cancel)
+        self._apply_control(answer)
+
+    def _apply_control(self, answer: HeartbeatReply | PollReply) -> None:
+        """The idle behaviours and clears of a heartbeat's answer or a host watch's."""
         for name, value in answer.idle_behavior.items():
             if name in self.devices:
                 self._set_idle(self.devices[name], value)
         for name, ids in answer.cleared.items():
-            if name in self.devices:
-                self.devices[name].clear_faults(set(ids))
+            if name in self.devices and self.devices[name].clear_faults(set(ids)):
+                # Reported at once: until a heartbeat says the fault is gone, the
+                # controller offers the device nothing (a worker's word is fact).
+                self._heartbeat_now.set()
         self._poke_poller()
+
+    def _awaits_controller(self) -> bool:
+        """Whether a device waits for what only the controller can change: a fault to
+        clear, an idle behaviour other than ``run``, or a linger that ``drain`` ends.
+        The host watch stays open then, so that change arrives at once, not at the
+        next heartbeat."""
+        return any(dev.awaits_controller() for dev in self.devices.values())
 
     def _apply_cancel(self, cancel: CancelOrder) -> None:
         for dev in self.devices.values():

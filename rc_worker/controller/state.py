@@ -163,6 +163,9 @@ class StoreState:
         # The newest long poll that offered each (host, device): an older poll
         # still parked for it has been superseded and gets nothing.
         self._poll_gen: dict[tuple[str, str], int] = {}
+        # Per host, how many idle-behaviour changes and clears it has had here: a host
+        # watch answers at once when the worker's count is not this one.
+        self._control: dict[str, int] = {}
 
     # --- change notification ----------------------------------------------------------------
 
@@ -195,6 +198,18 @@ class StoreState:
 
     def _touch_host(self, name: str) -> None:
         self._touched.add(host_topic(name))
+
+    def _control_changed(self, host: str) -> None:
+        """An idle behaviour or a fault of ``host``'s changed by the controller's side: the
+        worker must hear it now, not at its next heartbeat (its host watch is answered)."""
+        self._control[host] = self._control.get(host, 0) + 1
+        self._touch_host(host)
+
+    def control_token(self, host: str) -> str:
+        """Names the host's idle behaviours and clears as they stand (``control`` of a
+        watch answer). The instance tag keeps a restarted controller's count from
+        matching its predecessor's."""
+        return f"{self.instance}.{self._control.get(host, 0)}"
 
     def _touch_job(self, job: Job) -> None:
         """The job's followers, and the host its current attempt is on."""
@@ -623,7 +638,7 @@ class StoreState:
             return
         self.stats.faults_cleared.update(fault.kind for fault in lifted)
         self.journal.host(d.host)
-        self._touch_host(d.host)
+        self._control_changed(d.host)
         # Listed in heartbeat `cleared` whoever lifted them: a worker may hold an id it
         # learned at an earlier registration, and frees the device only when told.
         for i in ids:

@@ -134,7 +134,7 @@ class DevicesSide(StoredState):
         h, d = self._device(host, name)
         if d.idle_behavior != behavior:
             d.idle_behavior = behavior
-            self._touch_host(host)
+            self._control_changed(host)
             self.journal.host(host)
             if by is not None:
                 self._emit(
@@ -189,7 +189,7 @@ class DevicesSide(StoredState):
                 d.idle_behavior = behavior
                 changed = True
         if changed:
-            self._touch_host(host)
+            self._control_changed(host)
             who = {} if by is None else {"by": by}
             self._emit("host_idle_behavior", host=host, idle_behavior=behavior, **who)
             self._changed()

@@ -32,6 +32,7 @@ from rc_worker.controller.messages import (
     HeartbeatRequest,
     JobInfo,
     LabelsUpdate,
+    PollReply,
     RegisterReply,
     RegisterRequest,
     SheetsUpdate,
@@ -54,6 +55,15 @@ def _check_name(kind: str, name: str) -> None:
 def _stored_worker_view(d: Device) -> tuple[object, ...]:
     """What a heartbeat may change of a device's stored record (``persist/codec.py``)."""
     return (d.worker_state, frozenset(d.worker_faults), tuple(d.cleared_pending.items()))
+
+
+def _orders(h: Host) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """What the controller tells a worker of its devices at each heartbeat and host watch:
+    every present device's idle behaviour, and the fault ids cleared it must still hear."""
+    return (
+        {n: d.idle_behavior for n, d in h.devices.items() if d.present},
+        {n: tuple(d.cleared_pending) for n, d in h.devices.items() if d.cleared_pending},
+    )
 
 
 def _same_process(h: Host, req: RegisterRequest, running: Sequence[tuple[Job, Attempt]]) -> bool:
@@ -191,11 +201,15 @@ class WorkerSide(StoredState):
         h.last_seen = now  # not stored: a restart gives every host a fresh grace anyway
         before = [_stored_worker_view(d) for d in h.devices.values()]
         cancel: dict[tuple[str, int], CancelOrder] = {}
+        unblocked = False
         for name, report in req.devices.items():
             d = h.devices.get(name)
             if d is None:
                 continue
             d.worker_state = report.state
+            # The worker no longer holds a fault (it heard a clear): the device may be
+            # offerable now, and a poll parked for it must look again.
+            unblocked = unblocked or bool(d.worker_faults and not report.faults)
             d.worker_faults = set(report.faults)
             d.held_for_health = report.held_for_health
             self._age_cleared(d, report.faults)
@@ -237,18 +251,29 @@ class WorkerSide(StoredState):
                 cancel[(job.job_id, report.attempt)] = CancelOrder(job.job_id, report.attempt, why)
         if [_stored_worker_view(d) for d in h.devices.values()] != before:
             self.journal.host(h.name)  # what the worker says of its devices is stored
+        if unblocked:
+            self._touch_host(h.name)
+            self._changed()
         for job in self._live_cancelled():
             cur = job.current
             if cur is not None and cur.host == host and job.cancel_reason is not None:
                 cancel[(job.job_id, cur.number)] = CancelOrder(
                     job.job_id, cur.number, job.cancel_reason
                 )
-        return HeartbeatReply(
-            cancel=tuple(cancel.values()),
-            idle_behavior={n: d.idle_behavior for n, d in h.devices.items() if d.present},
-            cleared={
-                n: tuple(d.cleared_pending) for n, d in h.devices.items() if d.cleared_pending
-            },
+        idle, cleared = _orders(h)
+        return HeartbeatReply(cancel=tuple(cancel.values()), idle_behavior=idle, cleared=cleared)
+
+    def watch_answer(self, host: str, session: str) -> PollReply:
+        """What a host watch (a poll with ``watch_cancels``) answers besides its
+        assignments: the cancels, and the heartbeat's idle behaviours and clears with
+        the token that names them."""
+        h = self._session(session, host, mark=False)
+        idle, cleared = _orders(h)
+        return PollReply(
+            cancel=tuple(self.cancels_for(host, session)),
+            control=self.control_token(host),
+            idle_behavior=idle,
+            cleared=cleared,
         )
 
     def cancels_for(self, host: str, session: str) -> list[CancelOrder]:

@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import anyio
+import attrs
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -22,7 +23,7 @@ from rc_worker.controller.context import (
     register_job_ids,
 )
 from rc_worker.controller.errors import ApiError, Conflict, StaleAttempt, TooLarge
-from rc_worker.controller.messages import Assignment, CancelOrder
+from rc_worker.controller.messages import Assignment
 from rc_worker.controller.state import host_topic
 from rc_worker.core.model import PROTOCOL_VERSION
 from rc_worker.core.protocol import (
@@ -90,13 +91,15 @@ async def poll(request: Request) -> Response:
         list(req.withdrawn),
     )
     known = {(c.job_id, c.attempt) for c in req.known_cancels}
-    watch = req.watch_cancels
+    # A host watch: cancels, and (when the worker sent the token it knows) idle
+    # behaviour changes and clears, all answered at once.
+    watch = _Watch(known, req.known_control) if req.watch_cancels else None
     cfg = ctl.store.config
     wait = min(cfg.poll_wait_s if wait_s is None else wait_s, cfg.max_poll_wait_s)
     offers = ctl.store.open_poll(host, ready, withdrawn)
     ctl.store.stats.polls_parked += 1
     try:
-        return await _long_poll(ctl, request, host, session, ready, offers, known, watch, wait)
+        return await _long_poll(ctl, request, host, session, ready, offers, watch, wait)
     finally:
         ctl.store.stats.polls_parked -= 1
         ctl.store.close_poll(host, offers)
@@ -109,13 +112,12 @@ async def _long_poll(
     session: str,
     ready: list[str],
     offers: dict[str, int],
-    known: set[tuple[str, int]],
-    watch: bool,
+    watch: _Watch | None,
     wait: float,
 ) -> Response:
     deadline = ctl.now() + wait
     assignments: list[Assignment] = []
-    cancels: list[CancelOrder] = []
+    answer = PollReply()
     error: ApiError | None = None
     async with anyio.create_task_group() as tg:
         # A worker that hung up must not be handed work nobody will read.
@@ -125,9 +127,10 @@ async def _long_poll(
                 seen = ctl.changes.version
                 now = ctl.tick()
                 assignments = ctl.store.poll(host, session, ready, now=now, offers=offers)
-                if watch:
-                    cancels = ctl.store.cancels_for(host, session)
-                fresh = any((c.job_id, c.attempt) not in known for c in cancels)
+                fresh = False
+                if watch is not None:
+                    answer = ctl.store.watch_answer(host, session)
+                    fresh = watch.news(answer)
                 if assignments or fresh or now >= deadline or ctl.store.superseded(host, offers):
                     # Superseded: the worker polled again with an updated ready set
                     # (a device it listed here stopped being offerable): answer now.
@@ -140,7 +143,23 @@ async def _long_poll(
         tg.cancel_scope.cancel()
     if error is not None:
         raise error
-    return JSONResponse(unstructure(PollReply(tuple(assignments), tuple(cancels))))
+    return JSONResponse(unstructure(attrs.evolve(answer, assignments=tuple(assignments))))
+
+
+@attrs.frozen
+class _Watch:
+    """What a host watch's worker already has: the cancels and the control token it
+    sent. Anything else is news, answered at once."""
+
+    known: set[tuple[str, int]] = attrs.field(hash=False)
+    known_control: str | None
+
+    def news(self, answer: PollReply) -> bool:
+        if any((c.job_id, c.attempt) not in self.known for c in answer.cancel):
+            return True
+        # A worker that sent no token (an older one) hears idle changes and clears at
+        # its heartbeat, as before; answering it at once would answer it again and again.
+        return self.known_control is not None and self.known_control != answer.control
 
 
 async def deregister(request: Request) -> Response:

@@ -157,6 +157,9 @@ class PollRequest:
     withdrawn: tuple[str, ...] = ()
     watch_cancels: bool = False
     known_cancels: tuple[KnownCancel, ...] = ()
+    known_control: str | None = attrs.field(default=None, metadata={OMIT: None})
+    """With ``watch_cancels``: the ``control`` of the last watch answer (``""`` when there
+    was none); a controller whose host control differs answers at once."""
 
 
 @attrs.frozen
@@ -373,6 +376,13 @@ class PollReply:
 
     assignments: tuple[object, ...] = ()
     cancel: tuple[CancelOrder, ...] = ()
+    # With ``watch_cancels`` only (the host watch): the heartbeat's idle behaviour and
+    # clears, and the token that names this state of them.
+    control: str | None = attrs.field(default=None, metadata={OMIT: None})
+    idle_behavior: Mapping[str, str] = attrs.field(factory=dict, hash=False, metadata={OMIT: {}})
+    cleared: Mapping[str, tuple[str, ...]] = attrs.field(
+        factory=dict, hash=False, metadata={OMIT: {}}
+    )
 
 
 @attrs.frozen

@@ -1,0 +1,52 @@
+"""The host watch in virtual time: open while a device waits for the controller, quiet
+while nothing changes, and a clear that arrives through it frees the device at once."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from rc_worker.testing.fleet import Fleet, simulate
+from rc_worker.testing.sim import Script
+
+
+def test_a_quarantined_device_keeps_a_quiet_watch_and_a_clear_frees_it() -> None:
+    watches = 0
+
+    async def main(fleet: Fleet) -> None:
+        nonlocal watches
+        node = fleet.nodes["h0"]
+        hook = node.transport.on_request
+        assert hook is not None
+
+        def counting(endpoint: str, request: httpx.Request) -> httpx.Request:
+            nonlocal watches
+            if endpoint == "poll" and b'"watch_cancels":true' in request.content.replace(b" ", b""):
+                watches += 1
+            return hook(endpoint, request)
+
+        node.transport.on_request = counting
+        fleet.program("short", Script.printing((1, b"a\n")))
+        # Quarantined by its worker once it is up (False until then).
+        await fleet.wait_until(lambda: fleet.quarantine("h0", "gpu0"))
+        await fleet.wait_until(lambda: fleet.store.device("h0", "gpu0").state == "quarantined")
+        watches = 0
+        await trio.sleep(300)
+        # Answered at its wait (poll_wait) or at a change: a handful, never a loop.
+        assert 0 < watches < 30
+        job_id = fleet.submit(["short"])
+        fleet.store.clear("h0", "gpu0")
+        started = trio.current_time()
+        await fleet.wait_until(lambda: fleet.store.job(job_id).terminal, interval=0.01)
+        assert fleet.store.job(job_id).state == "succeeded"
+        # Well within a heartbeat: the watch brought the clear (the job itself takes 1 s).
+        assert trio.current_time() - started < fleet_heartbeat(fleet) / 2
+        await fleet.settle()
+        await fleet.drain()
+        assert fleet.check() == []
+
+    simulate(main, seed=3, hosts=1, devices=("gpu0",), heartbeat_interval=60.0)
+
+
+def fleet_heartbeat(fleet: Fleet) -> float:
+    return fleet.store.config.heartbeat_interval_s
