@@ -3,6 +3,7 @@ is answered at once by an idle behaviour change or a clear, and carries them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -45,49 +46,52 @@ async def test_a_watch_knowing_nothing_is_answered_at_once_with_the_orders(
     assert answer["cancel"] == []
 
 
+async def _answer_to_a_parked_watch(w: FakeWorker, change: Callable[[], object]) -> dict[str, Any]:
+    """Park a watch that knows the host's token, make ``change``, and return the answer
+    (the caller bounds the wait: a change that does not answer the watch times out)."""
+    token = (await _watch(w, "", wait_s=60))["control"]
+    answers: list[dict[str, Any]] = []
+
+    async def parked() -> None:
+        answers.append(await _watch(w, token, wait_s=60))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(parked)
+        await trio.sleep(0.2)  # parked by now, or answered below all the same
+        change()
+    [answer] = answers
+    assert answer["control"] != token
+    return answer
+
+
+async def _fault(w: FakeWorker, fault_id: str) -> None:
+    r = await w.post(
+        f"/v1/hosts/{w.host}/devices/gpu0/fault",
+        {"session": w.session, "fault_id": fault_id, "reason": "dirty"},
+    )
+    assert r.status_code == 200, r.text
+
+
 async def test_an_idle_change_answers_a_parked_watch(
     client: httpx.AsyncClient, store: Store
 ) -> None:
     w = FakeWorker(client, devices=["gpu0"])
-    answers: list[dict[str, Any]] = []
     with trio.fail_after(10):
         await w.register()
-        token = (await _watch(w, "", wait_s=60))["control"]
-
-        async def parked() -> None:
-            answers.append(await _watch(w, token, wait_s=60))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(parked)
-            await trio.sleep(0.2)  # parked by now, or answered below all the same
-            store.set_idle_behavior(w.host, "gpu0", "drain")
-    [answer] = answers
+        answer = await _answer_to_a_parked_watch(
+            w, lambda: store.set_idle_behavior(w.host, "gpu0", "drain")
+        )
     assert answer["idle_behavior"] == {"gpu0": "drain"}
-    assert answer["control"] != token
 
 
 async def test_a_clear_answers_a_parked_watch_with_the_ids(
     client: httpx.AsyncClient, store: Store
 ) -> None:
     w = FakeWorker(client, devices=["gpu0"])
-    answers: list[dict[str, Any]] = []
     with trio.fail_after(10):
         await w.register()
-        r = await w.post(
-            f"/v1/hosts/{w.host}/devices/gpu0/fault",
-            {"session": w.session, "fault_id": "f-1", "reason": "dirty"},
-        )
-        assert r.status_code == 200, r.text
-        token = (await _watch(w, "", wait_s=60))["control"]
-
-        async def parked() -> None:
-            answers.append(await _watch(w, token, wait_s=60))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(parked)
-            await trio.sleep(0.2)
-            assert store.clear(w.host, "gpu0") == ["f-1"]
-    [answer] = answers
+        await _fault(w, "f-1")
+        answer = await _answer_to_a_parked_watch(w, lambda: store.clear(w.host, "gpu0"))
     assert answer["cleared"] == {"gpu0": ["f-1"]}
 
 
@@ -149,11 +153,7 @@ async def test_a_heartbeat_that_no_longer_holds_a_fault_wakes_the_parked_poll(
     got: list[list[dict[str, Any]]] = []
     with trio.fail_after(10):
         await w.register()
-        r = await w.post(
-            f"/v1/hosts/{w.host}/devices/gpu0/fault",
-            {"session": w.session, "fault_id": "f-1", "reason": "dirty"},
-        )
-        assert r.status_code == 200, r.text
+        await _fault(w, "f-1")
         await w.heartbeat({"gpu0": {"state": "quarantined", "faults": ["f-1"]}})
         store.clear(w.host, "gpu0")
         job_id = store.submit(["true"])

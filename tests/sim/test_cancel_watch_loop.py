@@ -11,30 +11,18 @@ these tests failed).
 
 from __future__ import annotations
 
-import httpx
 import trio
 
 from rc_worker.testing.fleet import Fault, Fleet, simulate
 from rc_worker.testing.plans import describe, parse_plan, replay
 from rc_worker.testing.sim import Script
 
+from .watches import WatchCount
+
 
 def test_a_cancel_of_an_attempt_ended_before_a_crash_does_not_make_the_watch_spin() -> None:
-    watches = 0
-
     async def fn(fleet: Fleet) -> None:
-        nonlocal watches
-        node = fleet.nodes["h0"]
-        hook = node.transport.on_request
-        assert hook is not None
-
-        def counting(endpoint: str, request: httpx.Request) -> httpx.Request:
-            nonlocal watches
-            if endpoint == "poll" and b'"watch_cancels":true' in request.content.replace(b" ", b""):
-                watches += 1
-            return hook(endpoint, request)
-
-        node.transport.on_request = counting
+        watches = WatchCount(fleet, "h0")
         fleet.program("short", Script.printing((2, b"a\n")))
         fleet.program("long", Script.printing((1, b"a\n"), (120, b"b\n")))
         await fleet.wait_until(lambda: len(fleet.store.devices()) == 2)
@@ -47,11 +35,11 @@ def test_a_cancel_of_an_attempt_ended_before_a_crash_does_not_make_the_watch_spi
         second = fleet.submit(["long"], device="h0/gpu1")
         await fleet.wait_until(lambda: fleet.store.job(second).state == "running")
         assert fleet.store.job(first).state == "running"  # as the controller sees it
-        watches = 0
+        watches.n = 0
         fleet.cancel(first)
         await trio.sleep(30)
         # A watch a round, each answered at its wait (30 s) or at a change: a few, not hundreds.
-        assert watches < 10
+        assert watches.n < 10
         fleet.restore()
         await fleet.wait_until(lambda: fleet.store.job(first).terminal)
         assert fleet.store.job(first).state == "succeeded"  # the cancel came after its end

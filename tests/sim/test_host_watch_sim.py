@@ -3,37 +3,25 @@ while nothing changes, and a clear that arrives through it frees the device at o
 
 from __future__ import annotations
 
-import httpx
 import trio
 
 from rc_worker.testing.fleet import Fleet, simulate
 from rc_worker.testing.sim import Script
 
+from .watches import WatchCount
+
 
 def test_a_quarantined_device_keeps_a_quiet_watch_and_a_clear_frees_it() -> None:
-    watches = 0
-
     async def main(fleet: Fleet) -> None:
-        nonlocal watches
-        node = fleet.nodes["h0"]
-        hook = node.transport.on_request
-        assert hook is not None
-
-        def counting(endpoint: str, request: httpx.Request) -> httpx.Request:
-            nonlocal watches
-            if endpoint == "poll" and b'"watch_cancels":true' in request.content.replace(b" ", b""):
-                watches += 1
-            return hook(endpoint, request)
-
-        node.transport.on_request = counting
+        watches = WatchCount(fleet, "h0")
         fleet.program("short", Script.printing((1, b"a\n")))
         # Quarantined by its worker once it is up (False until then).
         await fleet.wait_until(lambda: fleet.quarantine("h0", "gpu0"))
         await fleet.wait_until(lambda: fleet.store.device("h0", "gpu0").state == "quarantined")
-        watches = 0
+        watches.n = 0
         await trio.sleep(300)
         # Answered at its wait (poll_wait) or at a change: a handful, never a loop.
-        assert 0 < watches < 30
+        assert 0 < watches.n < 30
         job_id = fleet.submit(["short"])
         fleet.store.clear("h0", "gpu0")
         started = trio.current_time()
