@@ -166,6 +166,10 @@ class StoreState:
         # Per host, how many idle-behaviour changes and clears it has had here: a host
         # watch answers at once when the worker's count is not this one.
         self._control: dict[str, int] = {}
+        # A restart on a stored state keeps ``instance``, so the tokens carry a tag of
+        # this process's own: a count that starts again at 0 never repeats an old token
+        # (seeded, the instance tag, so that a simulation replays byte for byte).
+        self._control_tag = self.instance if rng is not None else secrets.token_hex(4)
 
     # --- change notification ----------------------------------------------------------------
 
@@ -207,9 +211,9 @@ class StoreState:
 
     def control_token(self, host: str) -> str:
         """Names the host's idle behaviours and clears as they stand (``control`` of a
-        watch answer). The instance tag keeps a restarted controller's count from
+        watch answer). The process's tag keeps a restarted controller's count from
         matching its predecessor's."""
-        return f"{self.instance}.{self._control.get(host, 0)}"
+        return f"{self._control_tag}.{self._control.get(host, 0)}"
 
     def _touch_job(self, job: Job) -> None:
         """The job's followers, and the host its current attempt is on."""
