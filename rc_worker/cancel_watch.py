@@ -26,6 +26,33 @@ log = logging.getLogger("rc_worker.cancel_watch")
 JobRef = tuple[str, int]
 
 
+class Orders:
+    """The token (``control``) of the idle behaviours and clears the watch last applied.
+
+    A heartbeat's answer may be older than a watch's (computed before an operator's
+    change, delivered after the watch brought it): applied, it puts the old state back,
+    and a watch that still sent the newer token would wait its whole ``wait_s`` before
+    anybody corrected it. So when a heartbeat changed anything, the worker calls
+    :meth:`forget`: the watch in flight is dropped and asked again at once with ``""``,
+    and the controller answers with what stands now.
+    """
+
+    def __init__(self) -> None:
+        # "" at first: the first watch is answered at once, with the orders.
+        self.token = ""
+        self._asking: trio.CancelScope | None = None
+
+    def forget(self, *, ask_again: bool = True) -> None:
+        """The orders applied may not be the watch's: its next request sends ``""``.
+        ``ask_again``: drop the request in flight, so that the next goes at once. Not
+        from a registration: that may run inside the watch's own request (the client
+        registers again when a request meets an unknown session), and dropping it would
+        drop the registration, again and again."""
+        self.token = ""
+        if ask_again and self._asking is not None:
+            self._asking.cancel()
+
+
 async def watch_cancels(
     client: ControllerClient,
     *,
@@ -35,7 +62,8 @@ async def watch_cancels(
     wait_s: Callable[[], float],
     pause_s: Callable[[], float],
     waiting: Callable[[], bool] = lambda: False,
-    apply_control: Callable[[PollReply], None] = lambda reply: None,
+    apply_control: Callable[[PollReply], object] = lambda reply: None,
+    orders: Orders | None = None,
 ) -> None:
     """Run until cancelled.
 
@@ -45,7 +73,8 @@ async def watch_cancels(
     wait after the controller refused the watch for good. ``waiting``: whether
     some device waits for the controller (a clear, an idle behaviour); the watch
     stays open then too, and ``apply_control`` takes each answer's idle
-    behaviours and clears.
+    behaviours and clears. ``orders``: the token of those last applied, which a
+    heartbeat that changed anything forgets.
     """
     # What the controller listed at its last answer. Not narrowed to the attempts
     # held here: the controller keeps listing the cancel of an attempt that ended
@@ -55,25 +84,30 @@ async def watch_cancels(
     # A cancel whose attempt no device holds yet (offered, the poll's answer not
     # yet read) reaches it by the heartbeat, or by ``start``'s ``409 cancelled``.
     known: set[JobRef] = set()
-    # The controller's token for the idle behaviours and clears last applied: "" at
-    # first (answered at once, with them); None once a controller answered without
-    # one (it does not know the field: asking again would change nothing).
-    control: str | None = ""
+    # An older controller answers with no token and ignores the one sent: sending ""
+    # again costs nothing there, and a newer one taking over answers it at once.
+    orders = orders or Orders()
     while True:
         wake = changed()
         if not held() and not waiting():
             await wake.wait()
             continue
+        answer = None
         try:
-            answer = await client.watch(sorted(known), control, wait_s())
+            with trio.CancelScope() as orders._asking:
+                answer = await client.watch(sorted(known), orders.token, wait_s())
         except ControllerError as e:
             log.error("cancel watch refused: %s; retrying after the heartbeat interval", e)
             await trio.sleep(pause_s())
             continue
+        finally:
+            orders._asking = None
+        if answer is None:
+            continue  # asked again: a heartbeat changed the orders meanwhile
         # The answer lists every cancel the controller still has for this host:
         # one it leaves out is done with (its job ended there).
         known = {(c.job_id, c.attempt) for c in answer.cancel}
         for cancel in answer.cancel:
             apply(cancel)
-        control = answer.control
+        orders.token = answer.control or ""
         apply_control(answer)

@@ -180,10 +180,13 @@ class DeviceSupervisor:
             self._delivery_scope.cancel()
         self._poke()
 
-    def set_idle_behavior(self, behavior: IdleBehavior) -> None:
+    def set_idle_behavior(self, behavior: IdleBehavior) -> bool:
+        """Whether it changed."""
         if self.lease.set_idle_behavior(behavior):
             log.info("device %s: idle behaviour %s", self.name, behavior)
             self._poke()
+            return True
+        return False
 
     def add_fault(
         self, fault_id: str, why: str, *, kind: str = "fault", parent_fault: str | None = None

@@ -36,7 +36,7 @@ import trio
 from prometheus_client import Counter
 
 from rc_worker._version import __version__
-from rc_worker.cancel_watch import watch_cancels
+from rc_worker.cancel_watch import Orders, watch_cancels
 from rc_worker.cgroup import clear_strays, start_containment, state_tag
 from rc_worker.cgroup import remove as remove_cgroup
 from rc_worker.changed import Changed
@@ -122,6 +122,9 @@ class Worker(Polling):
         # Set to send the next heartbeat now: a clear was applied, and the controller
         # assigns nothing to a device while a heartbeat last reported it holding a fault.
         self._heartbeat_now = trio.Event()
+        # The token of the idle behaviours and clears last applied (the watch's and the
+        # heartbeat's, see cancel_watch.Orders).
+        self._orders = Orders()
         self._poll_wait = config.poll_wait
         self._reprobe = trio.Event()
         self._prober = Prober(config, host=self.host, environ=self._environ)
@@ -333,6 +336,7 @@ class Worker(Polling):
                         pause_s=lambda: self._heartbeat_interval,
                         waiting=self._awaits_controller,
                         apply_control=self._apply_control,
+                        orders=self._orders,
                     )
                 )
                 if self.health is not None:
@@ -568,6 +572,10 @@ class Worker(Polling):
                     if fault_id:
                         dev.add_fault(fault_id, info.reason or "controller")
             self._set_idle(dev, info.idle_behavior)
+        # The reply may be older than what a watch brought: the next watch asks afresh,
+        # and is answered at once with what stands. The one in flight is left alone:
+        # this registration may be running inside it (cancel_watch.Orders.forget).
+        self._orders.forget(ask_again=False)
         self.registered.set()
 
     # -- loops ----------------------------------------------------------------
@@ -592,19 +600,26 @@ class Worker(Polling):
     def _apply_heartbeat(self, answer: HeartbeatReply) -> None:
         for cancel in answer.cancel:
             self._apply_cancel(cancel)
-        self._apply_control(answer)
+        if self._apply_control(answer):
+            # Possibly older than what the watch brought (computed before a change, delivered
+            # after): the watch asks again at once, and hears what stands now.
+            self._orders.forget()
 
-    def _apply_control(self, answer: HeartbeatReply | PollReply) -> None:
-        """The idle behaviours and clears of a heartbeat's answer or a host watch's."""
+    def _apply_control(self, answer: HeartbeatReply | PollReply) -> bool:
+        """The idle behaviours and clears of a heartbeat's answer or a host watch's;
+        whether they changed anything here."""
+        changed = False
         for name, value in answer.idle_behavior.items():
             if name in self.devices:
-                self._set_idle(self.devices[name], value)
+                changed = self._set_idle(self.devices[name], value) or changed
         for name, ids in answer.cleared.items():
             if name in self.devices and self.devices[name].clear_faults(set(ids)):
+                changed = True
                 # Reported at once: until a heartbeat says the fault is gone, the
                 # controller offers the device nothing (a worker's word is fact).
                 self._heartbeat_now.set()
         self._poke_poller()
+        return changed
 
     def _awaits_controller(self) -> bool:
         """Whether a device waits for what only the controller can change: a fault to
@@ -622,12 +637,13 @@ class Worker(Polling):
     def _held_jobs(self) -> set[tuple[str, int]]:
         return {dev.lease.job for dev in self.devices.values() if dev.lease.job is not None}
 
-    def _set_idle(self, dev: DeviceSupervisor, value: Any) -> None:
+    def _set_idle(self, dev: DeviceSupervisor, value: Any) -> bool:
+        """Whether the device's idle behaviour changed."""
         try:
             behaviour = IdleBehavior(value)
         except ValueError:
-            return
-        dev.set_idle_behavior(behaviour)
+            return False
+        return dev.set_idle_behavior(behaviour)
 
     def _quarantine_damaged(self, device: str | None, why: str) -> None:
         """Quarantine the device of damaged state (every device when it is unknown): what ran

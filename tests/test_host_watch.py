@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+import pytest
 import trio
 from workerproc import TOKEN, serve_controller, wait_store, worker_process, write_config
 
 from rc_worker.controller.store import Store, StoreConfig
 from rc_worker.core.config import DeviceConfig
+from rc_worker.core.model import IdleBehavior
 from rc_worker.testing import LocalSystem, local_system, make_config
 
 HOUR = 3600.0
@@ -117,3 +120,62 @@ async def test_a_clear_reaches_a_real_worker_process_without_a_heartbeat(tmp_pat
                 store.clear("op-host", "gpu0")
                 await wait_store(store, lambda: store.job(second).state == "succeeded")
             nursery.cancel_scope.cancel()
+
+
+class _LateHeartbeat(httpx.AsyncBaseTransport):
+    """Delivers one heartbeat's answer, computed at once by the controller, only when
+    ``gate`` is set: an answer overtaken by a later change (armed by ``armed``)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.armed = False
+        self.computed = trio.Event()
+        self.gate = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if self.armed and request.url.path.endswith("/heartbeat"):
+            self.armed = False
+            await response.aread()
+            self.computed.set()
+            await self.gate.wait()
+        return response
+
+
+async def test_a_late_heartbeat_answer_does_not_undo_what_the_watch_brought(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A heartbeat answer says ``hold``; before it lands, the operator resumes the device
+    and the watch brings ``run``. Applied late, the answer puts ``hold`` back: the watch
+    must ask again at once, not leave the device held until the next heartbeat."""
+    late: list[_LateHeartbeat] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        late.append(_LateHeartbeat(inner))
+        return late[0]
+
+    with trio.fail_after(60):
+        async with local_system(_config(tmp_path), transport_wrapper=wrap) as system:
+            hb, dev = late[0], system.worker.devices["gpu0"]
+            applied: list[str] = []  # every idle behaviour handed to the device
+            original = dev.set_idle_behavior
+
+            def spy(behavior: IdleBehavior) -> bool:
+                applied.append(str(behavior))
+                return original(behavior)
+
+            monkeypatch.setattr(dev, "set_idle_behavior", spy)
+            system.store.set_idle_behavior("test-host", "gpu0", "hold")
+            system.worker._heartbeat_now.set()  # an idle `run` device keeps no watch
+            await system.wait_until(lambda: dev.lease.idle_behavior == "hold")
+            hb.armed = True
+            system.worker._heartbeat_now.set()
+            await hb.computed.wait()  # its answer says `hold`, and waits
+            system.store.set_idle_behavior("test-host", "gpu0", "run")
+            await system.wait_until(lambda: dev.lease.idle_behavior == "run")
+            mark = len(applied)
+            hb.gate.set()
+            await system.wait_until(lambda: "hold" in applied[mark:])  # put back
+            job_id = system.submit(["true"])
+            assert (await system.wait_job(job_id)).state == "succeeded"
+            assert dev.lease.idle_behavior == "run"

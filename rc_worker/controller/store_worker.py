@@ -263,11 +263,13 @@ class WorkerSide(StoredState):
         idle, cleared = _orders(h)
         return HeartbeatReply(cancel=tuple(cancel.values()), idle_behavior=idle, cleared=cleared)
 
-    def watch_answer(self, host: str, session: str) -> PollReply:
+    def watch_answer(self, host: str, session: str, *, orders: bool = True) -> PollReply:
         """What a host watch (a poll with ``watch_cancels``) answers besides its
-        assignments: the cancels, and the heartbeat's idle behaviours and clears with
-        the token that names them."""
+        assignments: the cancels, and with ``orders`` (the worker sent ``known_control``)
+        the heartbeat's idle behaviours and clears with the token that names them."""
         h = self._session(session, host, mark=False)
+        if not orders:
+            return PollReply(cancel=tuple(self.cancels_for(host, session)))
         idle, cleared = _orders(h)
         return PollReply(
             cancel=tuple(self.cancels_for(host, session)),

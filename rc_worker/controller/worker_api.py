@@ -129,7 +129,9 @@ async def _long_poll(
                 assignments = ctl.store.poll(host, session, ready, now=now, offers=offers)
                 fresh = False
                 if watch is not None:
-                    answer = ctl.store.watch_answer(host, session)
+                    answer = ctl.store.watch_answer(
+                        host, session, orders=watch.known_control is not None
+                    )
                     fresh = watch.news(answer)
                 if assignments or fresh or now >= deadline or ctl.store.superseded(host, offers):
                     # Superseded: the worker polled again with an updated ready set

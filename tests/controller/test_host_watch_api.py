@@ -170,3 +170,15 @@ async def test_a_heartbeat_that_no_longer_holds_a_fault_wakes_the_parked_poll(
             await w.heartbeat({"gpu0": {"state": "free", "faults": []}})
     [[a]] = got
     assert a["job_id"] == job_id
+
+
+async def test_a_watch_without_a_token_is_answered_as_before(
+    client: httpx.AsyncClient, store: Store
+) -> None:
+    """An older worker's watch: the answer it always had, and no early answer to spin on."""
+    w = FakeWorker(client, devices=["gpu0"])
+    with trio.fail_after(10):
+        await w.register()
+        store.set_idle_behavior(w.host, "gpu0", "hold")
+        answer = await _watch(w, None, wait_s=0)
+    assert answer == {"assignments": [], "cancel": []}

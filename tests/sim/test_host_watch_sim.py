@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from rc_worker.testing.fleet import Fleet, simulate
+from rc_worker.testing.fleet import Fault, Fleet, simulate
 from rc_worker.testing.sim import Script
 
 from .watches import WatchCount
@@ -38,3 +38,32 @@ def test_a_quarantined_device_keeps_a_quiet_watch_and_a_clear_frees_it() -> None
 
 def fleet_heartbeat(fleet: Fleet) -> float:
     return fleet.store.config.heartbeat_interval_s
+
+
+def test_a_watch_that_meets_unknown_session_backs_off_and_goes_on() -> None:
+    """Regression (found by the fleet fault plans): the worker registers again from inside
+    the watch's own request when the controller says its session is unknown, and the
+    registration dropped the watch in flight, and with it the client's memory that it had
+    just registered (which makes the next refusal back off): registrations and refusals at
+    one instant, again and again."""
+
+    async def main(fleet: Fleet) -> None:
+        watches = WatchCount(fleet, "h0")
+        fleet.program("short", Script.printing((1, b"a\n")))
+        await fleet.wait_until(lambda: fleet.quarantine("h0", "gpu0"))  # a watch stays open
+        await fleet.wait_until(lambda: fleet.store.device("h0", "gpu0").state == "quarantined")
+        watches.n = 0
+        fleet.outage("poll", Fault.UNKNOWN_SESSION, hosts=["h0"])
+        await trio.sleep(15)
+        fleet.restore("poll")
+        assert watches.n < 100  # backing off between tries: never thousands
+        await trio.sleep(60)
+        fleet.store.clear("h0", "gpu0")
+        job_id = fleet.submit(["short"])
+        await fleet.wait_until(lambda: fleet.store.job(job_id).terminal)
+        assert fleet.store.job(job_id).state == "succeeded"
+        await fleet.settle()
+        await fleet.drain()
+        assert fleet.check() == []
+
+    simulate(main, seed=5, hosts=1, devices=("gpu0",), heartbeat_interval=10.0)
