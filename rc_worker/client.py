@@ -29,7 +29,6 @@ import trio
 from rc_worker.core import boundedjson, protocol
 from rc_worker.core.errors import ControllerError, UnknownSession
 from rc_worker.core.protocol import (
-    CancelOrder,
     DeviceReport,
     ErrorReply,
     HeartbeatReply,
@@ -165,20 +164,13 @@ class ControllerClient:
         )
         return list(_reply("poll", body, PollReply).assignments)
 
-    async def watch_cancels(
-        self, known: list[tuple[str, int]], wait_s: float
-    ) -> tuple[CancelOrder, ...]:
-        """A long poll for no device that answers as soon as a cancel not in ``known``
-        exists for this host's jobs (``watch_cancels``, docs/protocol.md): a cancel
-        reaches a running job without waiting for the next heartbeat."""
-        return (await self.watch(known, None, wait_s)).cancel
-
     async def watch(
         self, known: list[tuple[str, int]], known_control: str | None, wait_s: float
     ) -> PollReply:
-        """The host watch: :meth:`watch_cancels`, answered also as soon as the host's
-        ``control`` (its idle behaviours and clears) is not ``known_control`` (``""``:
-        none known yet; ``None``: not asked), whose answer carries them."""
+        """The host watch: a long poll for no device (``watch_cancels``, docs/protocol.md)
+        answered as soon as a cancel not in ``known`` exists for this host's jobs, or the
+        host's ``control`` (its idle behaviours and clears) is not ``known_control``
+        (``""``: none known yet; ``None``: not asked), whose answer then carries them."""
         body = await self._call(
             "POST",
             f"/v1/hosts/{self.host}/poll",

@@ -32,6 +32,7 @@ from rc_worker.controller import Store, StoreConfig, create_app
 from rc_worker.controller.serve import hypercorn_config
 from rc_worker.core.config import WORKER_ENV_VARS
 from rc_worker.host import LinuxHost
+from rc_worker.testing import wait_until
 
 HOST = "crash-host"
 RC_WORKER = Path(sys.executable).with_name("rc-worker")
@@ -93,18 +94,6 @@ class OutputGate:
             )
             return
         await self.app(scope, receive, send)
-
-
-async def wait_store(store: Store, predicate: Callable[[], bool]) -> None:
-    """Wait until ``predicate()`` holds, re-checked at every change and every 50 ms."""
-    while not predicate():
-        changed = trio.Event()
-        unsubscribe = store.subscribe(changed.set)
-        try:
-            with trio.move_on_after(0.05):
-                await changed.wait()
-        finally:
-            unsubscribe()
 
 
 async def poll_until(predicate: Callable[[], bool]) -> None:
@@ -234,7 +223,7 @@ async def crash_mid_job(h: Harness) -> tuple[str, list[int]]:
     )
     h.job_ids.append(job_id)
     worker = await h.start_worker()
-    await wait_store(h.store, lambda: h.store.committed(job_id) == len(b"one\n"))
+    await wait_until(h.store, lambda: h.store.committed(job_id) == len(b"one\n"))
     # The journal was on disk before the job's process existed.
     journal = json.loads((h.state / "jobs" / f"{job_id}.1" / "journal.json").read_text())
     assert journal["job_id"] == job_id
@@ -276,7 +265,7 @@ async def test_a_sigkilled_workers_leftover_is_removed_and_its_device_freed(
         async with crash_harness(tmp_path) as h:
             job_id, leftovers = await crash_mid_job(h)
             worker = await h.start_worker()
-            await wait_store(h.store, lambda: h.store.job(job_id).terminal)
+            await wait_until(h.store, lambda: h.store.job(job_id).terminal)
             info = h.store.job(job_id)
             assert info.state == "lost"
             assert info.sweep is not None
@@ -284,13 +273,13 @@ async def test_a_sigkilled_workers_leftover_is_removed_and_its_device_freed(
             assert info.sweep["remaining"] == []
             assert job_pids(job_id) == []
             # Every byte written before the crash, once, in order.
-            await wait_store(h.store, lambda: h.store.committed(job_id) == len(b"one\ntwo\n"))
+            await wait_until(h.store, lambda: h.store.committed(job_id) == len(b"one\ntwo\n"))
             assert h.store.output(job_id) == b"one\ntwo\n"
             # Claim gone: the device is free, and takes work again.
             assert device(h).state == "free"
             after = h.store.submit(["echo", "after"])
             h.job_ids.append(after)
-            await wait_store(h.store, lambda: h.store.job(after).terminal)
+            await wait_until(h.store, lambda: h.store.job(after).terminal)
             assert h.store.job(after).state == "succeeded"
             assert h.store.job(after).device == "gpu0"
             assert not [e for e in h.store.events() if e.type == "device_quarantined"]
@@ -309,7 +298,7 @@ async def test_after_a_sigkill_an_empty_cgroup_proves_the_job_gone(tmp_path: Pat
                     os.kill(pid, signal.SIGKILL)
             await poll_until(lambda: job_pids(job_id) == [])
             worker = await h.start_worker()
-            await wait_store(h.store, lambda: h.store.job(job_id).terminal)
+            await wait_until(h.store, lambda: h.store.job(job_id).terminal)
             info = h.store.job(job_id)
             assert info.state == "lost"
             assert info.sweep is not None
@@ -326,14 +315,14 @@ async def test_with_manual_clear_the_device_stays_quarantined_until_cleared(
         async with crash_harness(tmp_path) as h:
             job_id, leftovers = await crash_mid_job(h)
             worker = await h.start_worker(RC_REQUIRE_MANUAL_CLEAR="1")
-            await wait_store(h.store, lambda: h.store.job(job_id).terminal)
+            await wait_until(h.store, lambda: h.store.job(job_id).terminal)
             info = h.store.job(job_id)
             assert info.state == "lost"
             # It still looked and removed what it found; it just claims nothing.
             assert info.sweep is not None
             assert set(leftovers) <= set(info.sweep["found"])  # type: ignore[call-overload]
             assert job_pids(job_id) == []
-            await wait_store(h.store, lambda: h.store.committed(job_id) == len(b"one\ntwo\n"))
+            await wait_until(h.store, lambda: h.store.committed(job_id) == len(b"one\ntwo\n"))
             assert h.store.output(job_id) == b"one\ntwo\n"
             assert device(h).state == "quarantined"
             assert device(h).reason == "interrupted"
@@ -341,9 +330,9 @@ async def test_with_manual_clear_the_device_stays_quarantined_until_cleared(
             h.job_ids.append(waiting)
             # The worker has told the controller it holds the quarantine; no
             # offer was made, and none will be while the fault stands.
-            await wait_store(h.store, lambda: device(h).worker_state == "quarantined")
+            await wait_until(h.store, lambda: device(h).worker_state == "quarantined")
             assert h.store.job(waiting).state == "queued"
             h.store.clear(HOST, "gpu0")
-            await wait_store(h.store, lambda: h.store.job(waiting).terminal)
+            await wait_until(h.store, lambda: h.store.job(waiting).terminal)
             assert h.store.job(waiting).state == "succeeded"
             await stop_cleanly(h, worker)

@@ -268,11 +268,12 @@ class WorkerSide(StoredState):
         assignments: the cancels, and with ``orders`` (the worker sent ``known_control``)
         the heartbeat's idle behaviours and clears with the token that names them."""
         h = self._session(session, host, mark=False)
+        cancel = tuple(self.cancels_for(host, session))
         if not orders:
-            return PollReply(cancel=tuple(self.cancels_for(host, session)))
+            return PollReply(cancel=cancel)
         idle, cleared = _orders(h)
         return PollReply(
-            cancel=tuple(self.cancels_for(host, session)),
+            cancel=cancel,
             control=self.control_token(host),
             idle_behavior=idle,
             cleared=cleared,
