@@ -297,6 +297,9 @@ def echo_server() -> Iterator[int]:
         yield listener.getsockname()[1]
     finally:
         stop.set()
+        # close() alone leaves the accept thread blocked for good; shutdown wakes it.
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
         listener.close()
 
 

@@ -11,22 +11,26 @@ job: whatever the controller and worker do beyond this only adds to it.
 1. **One request**: sequential small JSON POSTs over one keep-alive connection, the
    wall time and each side's CPU per request, interleaved with the raw loop of
    ``bench_hotpath.py`` (spawn ``true``, two write+fsync, two loopback round
-   trips), 1 loop and 8 in threads.
+   trips), 1 loop and 8. Eight run as threads (as ``bench_hotpath.py`` runs them)
+   and as processes (no shared GIL), each round in new directories.
 2. **Ceilings for one device**: a job on one device is serial: at least the raw
    loop's spawn and fsyncs, plus ``k`` requests on its critical path (today
    ``start``, ``finish`` and the next ``poll``: 3; a ``finish`` whose answer carries
    the next job would make 2). The ceiling is the raw loop's time per job over
-   (its time less its two raw round trips, plus ``k`` bare requests).
+   (its time less its two raw round trips, plus ``k`` bare requests). For eight
+   devices, which share the cores, a job costs at least the raw loop's CPU a job
+   plus its ``k`` requests' CPU on both sides: the ceiling is the cores over that,
+   against the faster of the two eight-loop figures.
 3. **Output**: 1 GiB (``--bytes``) streamed up to a server that drops it, and
    streamed down from a server to a client that drops it, each side's CPU per
    GiB, against ``head -c`` through a pipe into a file. Worker → controller →
    ``rc logs -f`` passes every byte through both, so on ``os.cpu_count()`` cores
    the rate can be at most cores / (the four sides' CPU per GiB), with perfect
-   overlap and nothing else to do. With the files durability needs besides (the
-   worker's spool written and read back, the controller's store written and read
-   back for the follower, the file ``rc logs`` writes, as the raw pipe's reader
-   does), measured here as plain writes and reads of the same size, the ceiling is
-   lower again.
+   overlap and nothing else to do. Counting also the job's pipe (``head -c``
+   writing, a 64 KiB reader) and the files durability needs (the worker's spool
+   written and read back, the controller's store written and read back for the
+   follower, the file ``rc logs`` writes, as the raw pipe's reader does),
+   measured as plain writes and reads of the same size, the ceiling is lower again.
 
     python bench/bench_http_floor.py [--requests N] [--jobs N] [--bytes SIZE] [--json]
 """
@@ -48,10 +52,27 @@ from typing import Any
 
 import httpx
 import trio
-from bench_hotpath import cpu_seconds, raw_pipe, raw_rate
+from bench_hotpath import cpu_seconds, durability_loop, echo_server, raw_pipe, raw_rate
 
 PIECE = bytes(1 << 20)  # what the client sends and the server streams, 1 MiB at a time
 SMALL_PIECE = PIECE[: 64 * 1024]
+
+
+async def pieces(size: int) -> AsyncIterator[bytes]:
+    """``size`` bytes, 1 MiB at a time, from one buffer (nothing to read or copy)."""
+    left = size
+    while left > 0:
+        yield PIECE[: min(left, len(PIECE))]
+        left -= len(PIECE)
+
+
+def per_gib(size: int, wall: float, client_cpu: float, server_cpu: float) -> dict[str, float]:
+    gib = size / float(1 << 30)
+    return {
+        "gib_s": gib / wall,
+        "client_cpu_s_per_gib": client_cpu / gib,
+        "server_cpu_s_per_gib": server_cpu / gib,
+    }
 
 
 # -- the server, run as ``bench_http_floor.py --serve PORT [--down BYTES]`` ---------------
@@ -83,14 +104,7 @@ def serve(port: int) -> None:
 
     async def download(request: Request) -> StreamingResponse:
         size = int(request.query_params["bytes"])
-
-        async def pieces() -> AsyncIterator[bytes]:
-            left = size
-            while left > 0:
-                yield PIECE[: min(left, len(PIECE))]
-                left -= len(PIECE)
-
-        return StreamingResponse(pieces(), media_type="application/octet-stream")
+        return StreamingResponse(pieces(size), media_type="application/octet-stream")
 
     app = Starlette(
         routes=[
@@ -138,24 +152,13 @@ async def requests(url: str, server_pid: int, n: int) -> dict[str, float]:
 
 
 async def upload(url: str, server_pid: int, size: int) -> dict[str, float]:
-    async def body() -> AsyncIterator[bytes]:
-        left = size
-        while left > 0:
-            yield PIECE[: min(left, len(PIECE))]
-            left -= len(PIECE)
-
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         s0, c0, t0 = cpu_seconds(server_pid), own_cpu(), time.monotonic()
-        r = await client.post("/upload", content=body())
+        r = await client.post("/upload", content=pieces(size))
         wall = time.monotonic() - t0
         if r.json()["received"] != size:
             raise RuntimeError(f"the server received {r.json()['received']} of {size}")
-    gib = size / float(1 << 30)
-    return {
-        "gib_s": gib / wall,
-        "client_cpu_s_per_gib": (own_cpu() - c0) / gib,
-        "server_cpu_s_per_gib": (cpu_seconds(server_pid) - s0) / gib,
-    }
+    return per_gib(size, wall, own_cpu() - c0, cpu_seconds(server_pid) - s0)
 
 
 async def download(url: str, server_pid: int, size: int) -> dict[str, float]:
@@ -171,12 +174,7 @@ async def download(url: str, server_pid: int, size: int) -> dict[str, float]:
         wall = time.monotonic() - t0
         if got != size:
             raise RuntimeError(f"the client received {got} of {size}")
-    gib = size / float(1 << 30)
-    return {
-        "gib_s": gib / wall,
-        "client_cpu_s_per_gib": (own_cpu() - c0) / gib,
-        "server_cpu_s_per_gib": (cpu_seconds(server_pid) - s0) / gib,
-    }
+    return per_gib(size, wall, own_cpu() - c0, cpu_seconds(server_pid) - s0)
 
 
 async def wait_ready(url: str) -> None:
@@ -231,10 +229,26 @@ def file_costs(tmp: Path, size: int) -> dict[str, float]:
     return {"write_cpu_s_per_gib": written / gib, "read_cpu_s_per_gib": read / gib}
 
 
+def pipe_costs(size: int) -> float:
+    """CPU per GiB of a job's pipe: ``head -c`` writing into it and a 64 KiB reader.
+
+    The worker reads each job's output from a pipe as the raw baseline's reader does,
+    so both ends count towards any design's output floor.
+    """
+    c0 = own_cpu()
+    head = subprocess.Popen(["head", "-c", str(size), "/dev/zero"], stdout=subprocess.PIPE)
+    assert head.stdout is not None
+    while os.read(head.stdout.fileno(), 65536):
+        pass
+    head.stdout.close()
+    _, _, usage = os.wait4(head.pid, 0)
+    head.returncode = 0
+    reader = own_cpu() - c0
+    return (reader + usage.ru_utime + usage.ru_stime) / (size / float(1 << 30))
+
+
 def raw_round_trip_ms(n: int = 2000) -> float:
     """One 200-byte round trip over loopback TCP to an echo thread, as the raw loop has."""
-    from bench_hotpath import echo_server
-
     with echo_server() as port, socket.create_connection(("127.0.0.1", port)) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = time.monotonic()
@@ -244,6 +258,66 @@ def raw_round_trip_ms(n: int = 2000) -> float:
             while got < 200:
                 got += len(conn.recv(4096))
         return 1000 * (time.monotonic() - t0) / n
+
+
+def raw_loop_process(directory: str, n: int) -> None:
+    """One raw loop in this process, with its own echo thread (``--raw-loop``): it says
+    ``ready`` once started, and runs when a line arrives on its stdin."""
+    with echo_server() as port:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        durability_loop(Path(directory), port, n)
+
+
+def raw_rate_processes(tmp: Path, loops: int, n: int) -> float:
+    """The raw loop of bench_hotpath.py, ``loops`` of them as processes (no shared GIL),
+    timed from a common start once every interpreter is up."""
+    procs = []
+    try:
+        for k in range(loops):
+            d = tmp / f"proc{loops}.{k}"
+            d.mkdir()
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--raw-loop", str(d), str(n)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a raw loop process did not start")
+        t0 = time.monotonic()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.close()
+        failed = [p.args for p in procs if p.wait() != 0]
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed:
+        raise RuntimeError(f"raw loops failed: {failed}")
+    return loops * n / elapsed
+
+
+def raw_cpu_ms(tmp: Path, loops: int, n: int) -> tuple[float, float]:
+    """bench_hotpath.py's raw loops in threads: their rate, and the CPU a job took (this
+    process's and its children's, ``true`` included)."""
+
+    def both() -> float:
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    c0 = both()
+    rate = raw_rate(tmp, loops, n)
+    return rate, 1000 * (both() - c0) / (loops * n)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -256,17 +330,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="rc-bench-floor-") as name:
             tmp = Path(name)
             runs = []
-            for _ in range(3):  # interleaved: raw, HTTP, raw, HTTP, ...
-                raw_1 = raw_rate(tmp, 1, args.jobs)
-                raw_8 = raw_rate(tmp, 8, args.jobs)
-                rtt = raw_round_trip_ms()
-                http = trio.run(requests, url, server.pid, args.requests)
-                runs.append({"raw_1": raw_1, "raw_8": raw_8, "raw_rtt_ms": rtt, **http})
+            for k in range(3):  # interleaved: raw, HTTP, raw, HTTP, ...
+                # New directories each round: the raw loops' files are created, as a
+                # job's are, never overwritten.
+                round_dir = tmp / f"round{k}"
+                round_dir.mkdir()
+                raw_8, raw_8_cpu_ms = raw_cpu_ms(round_dir, 8, args.jobs)
+                run = {
+                    "raw_1": raw_rate(round_dir, 1, args.jobs),
+                    "raw_8": raw_8,
+                    "raw_cpu_ms": raw_8_cpu_ms,
+                    "raw_1_process": raw_rate_processes(round_dir, 1, args.jobs),
+                    "raw_8_processes": raw_rate_processes(round_dir, 8, args.jobs),
+                    "raw_rtt_ms": raw_round_trip_ms(),
+                }
+                run.update(trio.run(requests, url, server.pid, args.requests))
+                runs.append(run)
             results["requests"] = runs
             results["raw_pipe_1"] = raw_pipe(tmp, args.bytes)
             results["upload"] = trio.run(upload, url, server.pid, args.bytes)
             results["download"] = trio.run(download, url, server.pid, args.bytes)
             results["files"] = file_costs(tmp, args.bytes)
+            results["pipe_cpu_s_per_gib"] = pipe_costs(args.bytes)
             results["raw_pipe_2"] = raw_pipe(tmp, args.bytes)
     finally:
         server.kill()
@@ -285,19 +370,37 @@ def report(results: dict[str, Any]) -> None:
         per_job = 1000 / run["raw_1"]
         print(
             f"  {run['wall_ms']:.3f} ms wall, CPU client {run['client_cpu_ms']:.3f} ms +"
-            f" server {run['server_cpu_ms']:.3f} ms; raw loop {run['raw_1']:.0f} jobs/s"
-            f" ({per_job:.3f} ms a job), 8 raw loops {run['raw_8']:.0f}/s"
-            f" ({run['raw_8'] / run['raw_1']:.2f}x one), raw round trip"
-            f" {run['raw_rtt_ms']:.3f} ms"
+            f" server {run['server_cpu_ms']:.3f} ms; raw round trip {run['raw_rtt_ms']:.3f} ms"
+        )
+        print(
+            f"    raw loop {run['raw_1']:.0f} jobs/s ({per_job:.3f} ms a job; as a process"
+            f" {run['raw_1_process']:.0f}/s); 8 raw loops {run['raw_8']:.0f}/s in threads"
+            f" ({run['raw_8'] / run['raw_1']:.2f}x one), {run['raw_8_processes']:.0f}/s as"
+            f" processes ({run['raw_8_processes'] / run['raw_1']:.2f}x one)"
         )
         marks = ", ".join(
             f"k={k}: {ceiling(per_job, run['raw_rtt_ms'], run['wall_ms'], k):.2f}x"
             for k in (3, 2, 1)
         )
         print(f"    ceiling for 1 device with k bare requests a job: {marks} (target 0.5x)")
+        # Eight devices share the cores: each job costs at least a raw job's CPU plus
+        # its k requests' (both sides), so the rate is at most cores / that.
+        request_cpu = run["client_cpu_ms"] + run["server_cpu_ms"]
+        marks8 = ", ".join(
+            f"k={k}: {results['cores'] * 1000 / (run['raw_cpu_ms'] + k * request_cpu) / best:.2f}x"
+            for k in (3, 2, 1)
+            for best in [max(run["raw_8"], run["raw_8_processes"])]
+        )
         print(
-            "    8 devices at >= 4x one device and one device at >= 0.5x need"
-            f" {2 * run['raw_1']:.0f} jobs/s, against {run['raw_8']:.0f}/s for 8 raw loops"
+            f"    a raw job's CPU {run['raw_cpu_ms']:.3f} ms; ceiling for 8 devices on"
+            f" {results['cores']} cores with k bare requests a job: {marks8} of the faster 8 raw"
+            " loops (target 0.5x)"
+        )
+        need = 2 * run["raw_1"]
+        best8 = max(run["raw_8"], run["raw_8_processes"])
+        print(
+            f"    8 devices at >= 4x one device and one device at >= 0.5x need {need:.0f} jobs/s;"
+            f" 8 raw loops reached {best8:.0f}/s ({best8 / need:.2f}x that)"
         )
     raw = (results["raw_pipe_1"] + results["raw_pipe_2"]) / 2 / float(1 << 30)
     up, down = results["upload"], results["download"]
@@ -318,23 +421,26 @@ def report(results: dict[str, Any]) -> None:
         f"  the four sides: {sides:.2f} CPU s/GiB; on {results['cores']} cores at most"
         f" {best:.3f} GiB/s = {best / raw:.2f}x the raw pipe (target 0.3x)"
     )
-    files = results["files"]
-    # The worker spools every byte and reads it back, the controller appends it to its
-    # store and reads it back for the follower, rc logs writes it out (as the raw pipe's
-    # reader does): three writes and two reads besides the bare stack.
-    durable = sides + 3 * files["write_cpu_s_per_gib"] + 2 * files["read_cpu_s_per_gib"]
+    files, pipe = results["files"], results["pipe_cpu_s_per_gib"]
+    # The job writes into a pipe the worker reads; the worker spools every byte and reads
+    # it back, the controller appends it to its store and reads it back for the follower,
+    # rc logs writes it out (as the raw pipe's reader does).
+    durable = sides + pipe + 3 * files["write_cpu_s_per_gib"] + 2 * files["read_cpu_s_per_gib"]
     best = results["cores"] / durable
     print(
-        f"  a file write {files['write_cpu_s_per_gib']:.2f} CPU s/GiB, a read back"
-        f" {files['read_cpu_s_per_gib']:.2f}; with the worker's spool, the controller's store"
-        f" and rc logs' file: {durable:.2f} CPU s/GiB, at most {best:.3f} GiB/s ="
-        f" {best / raw:.2f}x the raw pipe"
+        f"  the job's pipe (both ends) {pipe:.2f} CPU s/GiB; a file write"
+        f" {files['write_cpu_s_per_gib']:.2f}, a read back {files['read_cpu_s_per_gib']:.2f}"
+    )
+    print(
+        f"  with the pipe, the worker's spool, the controller's store and rc logs' file:"
+        f" {durable:.2f} CPU s/GiB, at most {best:.3f} GiB/s = {best / raw:.2f}x the raw pipe"
     )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-loop", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, default=2000, help="requests a run (2000)")
     parser.add_argument("--jobs", type=int, default=200, help="raw loop jobs a run (200)")
     parser.add_argument(
@@ -344,6 +450,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.serve is not None:
         serve(args.serve)
+        return 0
+    if args.raw_loop is not None:
+        raw_loop_process(args.raw_loop[0], int(args.raw_loop[1]))
         return 0
     results = measure(args)
     if args.json:
