@@ -12,8 +12,9 @@ for idle behaviours and clears: the token of the last answer's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -51,6 +52,16 @@ class Orders:
         self.token = ""
         if ask_again and self._asking is not None:
             self._asking.cancel()
+
+    @contextlib.contextmanager
+    def asking(self) -> Iterator[trio.CancelScope]:
+        """The scope of one watch request, which :meth:`forget` cancels while it runs."""
+        with trio.CancelScope() as scope:
+            self._asking = scope
+            try:
+                yield scope
+            finally:
+                self._asking = None
 
 
 async def watch_cancels(
@@ -94,14 +105,12 @@ async def watch_cancels(
             continue
         answer = None
         try:
-            with trio.CancelScope() as orders._asking:
+            with orders.asking():
                 answer = await client.watch(sorted(known), orders.token, wait_s())
         except ControllerError as e:
             log.error("cancel watch refused: %s; retrying after the heartbeat interval", e)
             await trio.sleep(pause_s())
             continue
-        finally:
-            orders._asking = None
         if answer is None:
             continue  # asked again: a heartbeat changed the orders meanwhile
         # The answer lists every cancel the controller still has for this host:
