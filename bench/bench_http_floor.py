@@ -241,8 +241,10 @@ def pipe_costs(size: int) -> float:
     while os.read(head.stdout.fileno(), 65536):
         pass
     head.stdout.close()
-    _, _, usage = os.wait4(head.pid, 0)
-    head.returncode = 0
+    _, status, usage = os.wait4(head.pid, 0)  # wait4: head's own CPU
+    head.returncode = os.waitstatus_to_exitcode(status)
+    if head.returncode != 0:
+        raise RuntimeError(f"head -c {size} exited {head.returncode}")
     reader = own_cpu() - c0
     return (reader + usage.ru_utime + usage.ru_stime) / (size / float(1 << 30))
 
