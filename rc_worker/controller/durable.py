@@ -32,13 +32,14 @@ import logging
 import re
 import time
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import anyio
 import anyio.to_thread
 
 from rc_worker.controller.errors import NotFound, StoreUnavailable
 from rc_worker.controller.job_filter import JobFilter
+from rc_worker.controller.journal import Marks
 from rc_worker.controller.messages import Event, JobInfo
 from rc_worker.controller.persist import Backend, OutputRecounted, StoreWriteError
 from rc_worker.controller.persist.codec import batch_of, stored_job
@@ -110,8 +111,8 @@ class Durability:
         self._committing = anyio.Event()
         try:
             marks, generation = self.store.journal.take()
-            batch = batch_of(self.store, marks, generation)
             try:
+                batch = batch_of(self.store, marks, generation)
                 # Shielded: a request cancelled mid-commit must not leave the outcome unknown.
                 with anyio.CancelScope(shield=True):
                     began = time.perf_counter()
@@ -119,14 +120,13 @@ class Durability:
                     self.last_commit_s = time.perf_counter() - began
                     self.store.stats.commit_latency.observe(self.last_commit_s)
             except StoreWriteError as e:
-                # Written next time, re-read from the records: batches never pile up.
-                self.store.journal.put_back(marks)
-                if self.failed is None:
-                    log.error("%s; answering 503 until it works again", e)
-                self.failed = str(e)
-                message = f"the controller could not store this change ({e}); retry later"
-                self._failed_commit = (generation, message)
-                raise StoreUnavailable(message) from None
+                self._fail(marks, generation, str(e))
+            except Exception as e:
+                # Not a store error: a bug (in the backend, in building the batch). Failed
+                # all the same: marks dropped here were never written, and a waiter that
+                # saw no failure would take the next commit, made without them, for its own.
+                log.exception("a commit failed unexpectedly")
+                self._fail(marks, generation, f"unexpected error: {e!r}")
             if self.failed is not None:
                 log.warning("the store works again (%s)", self.backend.description)
             self.failed = None
@@ -149,6 +149,17 @@ class Durability:
         finally:
             ending, self._committing = self._committing, None
             ending.set()
+
+    def _fail(self, marks: Marks, generation: int, why: str) -> NoReturn:
+        """A commit failed: its marks go back into the journal (written next time, re-read
+        from the records: batches never pile up), and the requests it held are answered 503."""
+        self.store.journal.put_back(marks)
+        if self.failed is None:
+            log.error("%s; answering 503 until it works again", why)
+        self.failed = why
+        message = f"the controller could not store this change ({why}); retry later"
+        self._failed_commit = (generation, message)
+        raise StoreUnavailable(message) from None
 
     # --- finished jobs, read from the backend -----------------------------------------------
 

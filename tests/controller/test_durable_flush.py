@@ -137,3 +137,56 @@ async def test_a_job_whose_commit_is_in_flight_stays_in_memory_until_it_is_store
         await d.flush()  # the retry
     assert backend.writes[-1] == [job]  # its end is stored
     assert not store.in_memory(job)  # stored: now it may leave (keep_finished=0)
+
+
+class BuggyBackend(GatedBackend):
+    """Fails its first write with an error that is not a :class:`StoreWriteError` (a bug
+    in a backend, a driver raising something unexpected)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bug = True
+
+    def write(self, batches: list[Any]) -> dict[str, int]:
+        written = super().write(batches)
+        if self.bug:
+            self.bug = False
+            raise RuntimeError("a bug in the backend")
+        return written
+
+
+async def test_a_commit_that_fails_unexpectedly_answers_no_request_as_stored() -> None:
+    """A commit that raised anything but StoreWriteError lost its marks and left no failure
+    for its waiters to see: each of them then wrote a commit of its own, without the lost
+    changes, and returned as if its change were stored; the change never was."""
+    store = Store(StoreConfig())
+    backend = BuggyBackend()
+    d = Durability(store, backend)  # type: ignore[arg-type]
+    job = store.submit(["true"])
+    outcomes: dict[str, str] = {}
+
+    async def flush(name: str) -> None:
+        try:
+            await d.flush()
+        except StoreUnavailable:
+            outcomes[name] = "503"
+        except RuntimeError:
+            outcomes[name] = "bug"
+        else:
+            outcomes[name] = "stored"
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush, "leader")
+            await writing(backend, 1)  # the commit holding the job, at the gate
+            nursery.start_soon(flush, "waiter")  # its change is in that commit
+            await trio.sleep(0.05)
+            for _ in range(3):
+                backend.gate.release()  # the buggy write, and any that follow it
+    assert outcomes == {"leader": "503", "waiter": "503"}
+    assert d.dirty()  # the job's change is still owed
+    with trio.fail_after(30):
+        backend.gate.release()
+        await d.flush()
+    assert [job] in backend.writes[1:]  # stored by the retry: its marks were put back
+    assert not d.dirty()
