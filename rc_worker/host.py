@@ -40,6 +40,7 @@ from rc_worker.procfs import (
     StatPin,
     boot_ticks,
     parse_environ,
+    read_environ,
     read_pid_mark,
     read_proc_stat,
 )
@@ -503,14 +504,8 @@ class LinuxHost:
         return PidfdPin(fd)
 
     def environ(self, pid: int) -> Mapping[str, str]:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ESRCH):
-                raise ProcessLookupError(e.errno, f"process {pid} has exited") from e
-            raise
-        return parse_environ(raw)
+        # Through a thread that still runs when the first has exited (procfs.py).
+        return parse_environ(read_environ(pid))
 
     def own_pid(self) -> int:
         return os.getpid()

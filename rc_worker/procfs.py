@@ -6,6 +6,7 @@ real host makes of ``/proc``; :mod:`rc_worker.host` builds ``LinuxHost`` on them
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -27,6 +28,9 @@ class ProcessInfo:
     ``/proc/<pid>/stat``, the clock of :meth:`Host.boot_ticks`). With the pid
     it names one process for good: a recycled pid has a later start time.
     ``uid``: its owner (the owner of its ``/proc/<pid>/stat``), or -1 unknown.
+    ``threads``: how many of its threads have not exited (field 20). The row's
+    state is its first thread's: a process whose first thread exited while
+    others run on reads ``Z`` and is alive all the same.
     """
 
     pid: int
@@ -36,11 +40,17 @@ class ProcessInfo:
     state: str  # the one-letter state: R, S, D, T, Z, ...
     start_time: int = 0
     uid: int = -1
+    threads: int = 1
 
     @property
     def alive(self) -> bool:
-        """Whether it still runs; a zombie has exited and holds nothing but its pid."""
-        return self.state not in _DEAD_STATES
+        """Whether it still runs; a zombie has exited and holds nothing but its pid.
+
+        Not a zombie: a process whose first thread is one (``pthread_exit`` in
+        ``main``, an ``exit(2)`` of that thread alone) while others still run.
+        It can go on holding a device, and must be found and ended as any other.
+        """
+        return self.state not in _DEAD_STATES or self.threads > 1
 
 
 def read_proc_stat(pid: int) -> ProcessInfo | None:
@@ -179,9 +189,50 @@ def parse_proc_stat(raw: bytes, uid: int = -1) -> ProcessInfo | None:
             # Field 22 of the whole line; the tail starts at field 3.
             start_time=int(fields[19]),
             uid=uid,
+            threads=int(fields[17]),
         )
     except (ValueError, IndexError):
         return None
+
+
+def read_environ(pid: int) -> bytes:
+    """The raw environment of process ``pid``; ``ProcessLookupError`` when it has gone.
+
+    A process whose first thread has exited while others run on (see
+    :attr:`ProcessInfo.alive`) has no environment under its own pid: the kernel
+    answers ESRCH (Linux 6.x) or nothing (older). Its threads share one address
+    space, so any of them that still runs answers for the process instead.
+    """
+    try:
+        raw = _read_environ(f"/proc/{pid}/environ")
+    except ProcessLookupError:
+        raw = None
+    if raw:
+        return raw
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        raise ProcessLookupError(errno.ESRCH, f"process {pid} has exited") from None
+    for tid in tids:
+        if tid == str(pid):
+            continue
+        try:
+            return _read_environ(f"/proc/{pid}/task/{tid}/environ")
+        except ProcessLookupError:
+            continue  # that thread exited meanwhile: ask the next
+    if raw is None:
+        raise ProcessLookupError(errno.ESRCH, f"process {pid} has exited")
+    return raw  # empty: a kernel thread, an `env -i` process
+
+
+def _read_environ(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ESRCH):
+            raise ProcessLookupError(e.errno, f"{path}: the process has exited") from e
+        raise
 
 
 def parse_environ(raw: bytes) -> dict[str, str]:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -41,6 +42,16 @@ def test_parse_proc_stat_rejects_garbage() -> None:
 def test_zombie_is_not_alive() -> None:
     assert not ProcessInfo(1, 0, 1, 1, "Z").alive
     assert ProcessInfo(1, 0, 1, 1, "D").alive
+
+
+def test_a_process_whose_first_thread_exited_is_alive_while_others_run() -> None:
+    # Its row says Z (the first thread's state) but counts the threads still running.
+    raw = b"4242 (job) Z 1 4242 4242 0 -1 4227084 0 0 0 0 0 0 0 0 20 0 3 0 123 0 0\n"
+    info = parse_proc_stat(raw)
+    assert info is not None
+    assert info.threads == 3
+    assert info.alive
+    assert not attrs.evolve(info, threads=1).alive
 
 
 def test_parse_environ() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -429,6 +431,37 @@ async def test_real_zombie_is_never_reported(children: list[subprocess.Popen[byt
     assert report.found == ()
     assert report.clean
     assert zombie.wait(timeout=10) == 0
+
+
+# exit(2) of one thread (glibc's exit() ends them all): its number where the
+# test knows it.
+THREAD_EXIT = {"x86_64": 60, "aarch64": 93}.get(platform.machine())
+
+
+async def test_real_process_whose_first_thread_exited_is_found_and_removed(
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    """A process whose first thread exited while another runs on shows ``Z`` in its
+    /proc row and has no environment under its own pid; it had been taken for a zombie
+    and left running, and the device offered as clean."""
+    if THREAD_EXIT is None:
+        pytest.skip(f"no exit(2) number known for {platform.machine()}")
+    job_id = new_id()
+    script = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,)).start()\n"
+        f"ctypes.CDLL(None).syscall({THREAD_EXIT}, 0)\n"
+    )
+    escaped = start(children, [sys.executable, "-c", script], job_id, start_new_session=True)
+    with trio.fail_after(GUARD):
+        for _ in range(3000):  # until its first thread has exited
+            if _state(escaped.pid) == "Z":
+                break
+            await trio.sleep(0.01)
+        report = await sweep_job_survivors(job_id, grace=1)
+    assert report.found == (escaped.pid,)
+    assert report.clean
+    assert escaped.wait(timeout=10) == -signal.SIGTERM
 
 
 @attrs.define
