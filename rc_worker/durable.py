@@ -35,7 +35,9 @@ Ordering guarantees (what callers may rely on):
    (a bug) fails every write of its group (``EIO``): a caller is never told
    a file is durable that may not be.
 5. Two writes of the same path in one flush: the one issued later wins, and
-   both callers return once it is durable.
+   both callers return once it is durable. It is renamed at the place of the
+   first (whose ``before`` may make the directory of writes issued between
+   them), so it may be visible before those: the exception to 2.
 6. Cancelling a caller does not cancel its write: a flush, once begun, always
    completes (the blocking calls cannot be interrupted anyway), so a group's
    other callers are never left waiting on an abandoned flush.
