@@ -599,28 +599,19 @@ class DeviceSupervisor:
         except OSError as e:
             raise _NotJournaled(str(e)) from e
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool, device=self.name)
-        self.lease.job_started()
-        self._started_at = time.time()
-        handle = JobHandle()
-        self._handle = handle
-        if self._cancel_text is not None:
-            handle.stop(_cancel_reason(self._cancel_text))
-        spec = JobSpec(
-            command=list(a.command),
-            cwd=a.cwd,
-            env=self.ctx.job_env(self.name, a),
-            grace_ceiling=self._grace(a),
-            max_runtime=effective_limit(self.config.max_runtime, a.max_runtime_s),
-            idle_timeout=a.idle_timeout_s,
-            stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
-            sweep_job_id=a.job_id,
-            pty=a.pty,
-            run_as=self._run_as,
-            cgroup=cgroup,
-            cgroup_limits=self.ctx.cgroup_limits(self.config),
-        )
-        began = trio.current_time()
+        # From here the outbox ships this spool until it is closed, and sends the finish
+        # only then: every way out of the run, a spec that cannot be built included (a
+        # probe's label the environment cannot carry), must close it, or the delivery
+        # waits for more output for ever and the controller never hears the outcome.
         try:
+            self.lease.job_started()
+            self._started_at = time.time()
+            handle = JobHandle()
+            self._handle = handle
+            if self._cancel_text is not None:
+                handle.stop(_cancel_reason(self._cancel_text))
+            spec = self._job_spec(a, cgroup)
+            began = trio.current_time()
             result = await run_job(spec, spool, host=self.ctx.host, handle=handle)
         finally:
             self._handle = None
@@ -655,6 +646,22 @@ class DeviceSupervisor:
         if decision.fault_kind is not None:
             fault_id = self._quarantine(decision.fault_kind, decision.reason, report=False)
         return result, verify, fault_id, spool.size
+
+    def _job_spec(self, a: Assignment, cgroup: str | None) -> JobSpec:
+        return JobSpec(
+            command=list(a.command),
+            cwd=a.cwd,
+            env=self.ctx.job_env(self.name, a),
+            grace_ceiling=self._grace(a),
+            max_runtime=effective_limit(self.config.max_runtime, a.max_runtime_s),
+            idle_timeout=a.idle_timeout_s,
+            stdin=self.ctx.client.stdin(a.stdin_url) if a.stdin_url else None,
+            sweep_job_id=a.job_id,
+            pty=a.pty,
+            run_as=self._run_as,
+            cgroup=cgroup,
+            cgroup_limits=self.ctx.cgroup_limits(self.config),
+        )
 
     def _grace(self, a: Assignment) -> float:
         # max_grace lets shutdown_grace and a service manager's stop timeout
