@@ -109,6 +109,13 @@ class ControllerClient:
         self._register_lock = trio.Lock()
 
     @property
+    def generation(self) -> int:
+        """How many times this client has registered. A change means the controller may
+        be another process now (a restart that lost its store): what it said before, a
+        job's committed output offset say, may no longer hold."""
+        return self._generation
+
+    @property
     def origin(self) -> str | None:
         """The controller's ``scheme://host[:port]``: the only place the token is sent."""
         base = self._http.base_url

@@ -69,6 +69,9 @@ class _Delivery:
     report: dict[str, Any] | None = None
     """The finish this process made (on disk too, if the disk took it); ``None`` for
     one a previous process left on disk, read from there."""
+    asked_under: int | None = None
+    """The client's registration (:attr:`ControllerClient.generation`) under which the
+    last output request went: the controller's word on the committed offset holds for it."""
 
 
 class Outbox:
@@ -444,6 +447,18 @@ class Outbox:
         try:
             committed = await self._ship_output(d)
             await d.finish_ready.wait()
+            while committed and d.asked_under != self._client.generation:
+                # Registered again since the controller last said where this output stands:
+                # a controller that lost its store adopts a running attempt with none of its
+                # output (docs/protocol.md, register). A job that wrote nothing since would
+                # otherwise get its finish in with the bytes sent before never there.
+                log.warning(
+                    "job %s: the worker registered again since %d bytes of output were "
+                    "committed; asking the controller where they stand",
+                    d.job_dir.key,
+                    committed,
+                )
+                committed = await self._ship_output(d, ask=True)
             report = (
                 d.report if d.report is not None else read_json(d.job_dir.finish, self._store) or {}
             )
@@ -479,21 +494,25 @@ class Outbox:
             self._deliveries.pop(d.job_dir.key, None)
             self._on_change()
 
-    async def _ship_output(self, d: _Delivery) -> int | None:
+    async def _ship_output(self, d: _Delivery, *, ask: bool = False) -> int | None:
         """Ship output until the job is done writing and all of it is committed.
 
         Returns the committed offset, or None when the controller refused
-        the output for good (the finish is still sent).
+        the output for good (the finish is still sent). ``ask``: begin by asking
+        where the controller stands, even for an attempt this process started.
         """
         stalled = Backoff(
             base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S, rng=self._rng
         )
+        if d.asked_under is None:
+            d.asked_under = self._client.generation
         try:
-            if d.fresh:
+            if d.fresh and not ask:
                 # An attempt this process started: the controller cannot hold
                 # any of its output yet, so no round trip to ask.
                 committed = 0
             else:
+                d.asked_under = self._client.generation
                 # An empty append asks where the controller is: after a
                 # restart the worker resumes there instead of resending from zero.
                 committed = await self._client.output(d.job_id, d.attempt, 0, b"")
@@ -515,6 +534,7 @@ class Outbox:
                     return committed
                 if committed < size:
                     backlog = min(size - committed, REQUEST_MAX)
+                    d.asked_under = self._client.generation
                     try:
                         answer = await self._client.output(
                             d.job_id,

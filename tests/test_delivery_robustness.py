@@ -132,6 +132,8 @@ class Flapping:
     """A controller (two behind a balancer, say) that holds at most 100 bytes and answers
     every other output request with 0; it ends the test after ``limit`` requests."""
 
+    generation = 1  # registered once, never again
+
     def __init__(self, limit: int) -> None:
         self.calls, self.limit = 0, limit
 
