@@ -130,7 +130,8 @@ class WorkerContext:
         except OSError as e:
             # A full or failing disk costs this report its file, never its delivery.
             log.error("job %s: cannot write its report (%s); sending it from memory", job_id, e)
-            self.outbox.hold_report(job_dir, job_id, attempt, report, device)
+            # Never ran, so the controller holds none of its output: no need to ask.
+            self.outbox.hold_report(job_dir, job_id, attempt, report, device, fresh=True)
         self.metrics.jobs_finished.labels(str(report["outcome"])).inc()
 
     def child_env(self, device: str, job_id: str | None) -> dict[str, str]:

@@ -176,10 +176,15 @@ class Outbox:
         attempt: int,
         report: Mapping[str, Any],
         device: str | None = None,
+        *,
+        fresh: bool = False,
     ) -> None:
-        """Deliver a finish the disk would not take, from memory."""
+        """Deliver a finish the disk would not take, from memory; ``fresh`` only for
+        an attempt this process started or reports as never run. One a previous
+        process left (recovery's) may have output the controller holds already: its
+        delivery asks where that stands rather than resend it from offset 0."""
         self._spawn(
-            _Delivery(job_dir, job_id, attempt, report=dict(report), device=device, fresh=True)
+            _Delivery(job_dir, job_id, attempt, report=dict(report), device=device, fresh=fresh)
         )
 
     def owes(self, device: str) -> bool:

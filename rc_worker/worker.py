@@ -305,7 +305,9 @@ class Worker(Polling):
                         and d.job_id is not None
                         and d.attempt is not None
                     ):
-                        outbox.hold_report(d.job_dir, d.job_id, d.attempt, d.report)
+                        # A previous process's attempt: the controller may hold some
+                        # of its output already, so the delivery asks (not fresh).
+                        outbox.hold_report(d.job_dir, d.job_id, d.attempt, d.report, fresh=False)
                     self._quarantine_damaged(d.device, d.why)
                 if self.host.containment is not None:
                     kept = {job_key(r.job_id, r.attempt) for r in self.recovered}

@@ -224,3 +224,71 @@ async def test_a_spool_that_cannot_be_stat_ed_ends_its_shipping_not_the_worker(
             info = await system.wait_job(job_id)
     assert info.state == "succeeded"  # the finish went
     assert any("cannot stat its spooled output" in r.getMessage() for r in caplog.records)
+
+
+class Holding:
+    """A controller that already holds ``holds`` bytes of the job's output (sent by a
+    previous worker process); it records every output request and the finish."""
+
+    generation = 1  # registered once, never again
+
+    def __init__(self, holds: int) -> None:
+        self.holds = holds
+        self.requests: list[tuple[int, bytes]] = []
+        self.finished = trio.Event()
+
+    async def output(
+        self, job_id: str, attempt: int, offset: int, data: Any, length: int | None = None
+    ) -> int:
+        body = b""
+        if callable(data):
+            async for piece in data():
+                body += piece
+        else:
+            body = bytes(data)
+        self.requests.append((offset, body))
+        await trio.lowlevel.checkpoint()
+        if offset <= self.holds:
+            self.holds = max(self.holds, offset + len(body))
+        return self.holds
+
+    async def finish(self, job_id: str, report: Any) -> None:
+        self.finished.set()
+
+
+async def deliver_held(tmp_path: Path, client: Holding, **kwargs: Any) -> None:
+    """Hold a finish for a job whose 300 bytes of output are spooled, and deliver it."""
+    jd = JobDir(ensure_state_dir(tmp_path), "j-1.1")
+    jd.create()
+    jd.output.write_bytes(b"x" * 300)
+    outbox = Outbox(tmp_path, client)  # type: ignore[arg-type]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            report = {"outcome": "interrupted", "output_bytes": 300}
+            outbox.hold_report(jd, "j-1", 1, report, "gpu0", **kwargs)
+            await nursery.start(outbox.run)
+            await client.finished.wait()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_held_report_of_a_recovered_job_asks_where_its_output_stands(
+    tmp_path: Path,
+) -> None:
+    """Recovery holds a finish it cannot write for a job a previous process ran: the
+    controller may hold its output already (docs/protocol.md, one job's reports in order),
+    so the delivery begins with an empty append at offset 0. Before, it was taken for an
+    attempt this process started and resent every byte from 0 without asking."""
+    client = Holding(holds=300)
+    await deliver_held(tmp_path, client)  # as the worker's recovery holds it
+    assert client.requests[0] == (0, b"")
+    assert client.requests == [(0, b"")]  # all 300 bytes were there: nothing resent
+
+
+async def test_a_held_report_of_an_attempt_that_never_ran_starts_at_zero_unasked(
+    tmp_path: Path,
+) -> None:
+    """An attempt this process reports as never run: nothing of it can be at the
+    controller, so no round trip to ask."""
+    client = Holding(holds=0)
+    await deliver_held(tmp_path, client, fresh=True)
+    assert client.requests == [(0, b"x" * 300)]
