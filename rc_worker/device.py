@@ -600,8 +600,8 @@ class DeviceSupervisor:
             raise _NotJournaled(str(e)) from e
         self.ctx.outbox.track(job_dir, a.job_id, a.attempt, spool, device=self.name)
         # From here the outbox ships this spool until it is closed, and sends the finish
-        # only then: every way out of the run, a spec that cannot be built included (a
-        # probe's label the environment cannot carry), must close it, or the delivery
+        # only then: every way out of the run, a spec that cannot be built included (an
+        # environment it cannot carry), must close it, or the delivery
         # waits for more output for ever and the controller never hears the outcome.
         try:
             self.lease.job_started()

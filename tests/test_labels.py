@@ -288,6 +288,8 @@ def test_dropin_empty_object_is_fine() -> None:
         (b'{"gpu0.a.b": "1"}', "invalid key: "),
         (b'{"GPU0.a": "1"}', "invalid key: "),
         (b'{"gpu9.a": "1"}', "names undeclared device gpu9"),
+        (b'{"gpu0.uuid": "GPU-\\u0000bad"}', "key 'gpu0.uuid' holds a NUL byte"),
+        (b'{"rack": "\\u0000"}', "key 'rack' holds a NUL byte"),
         (b'{"a": "1", "a": "2"}', "ambiguous output: key 'a' appears twice"),
         (b"{" + b" " * DROPIN_STDOUT_CAP + b"}", "output over the 65536-byte cap"),
     ],
@@ -314,7 +316,16 @@ _VALUE = (
         _VALUE,
     )
 )
+@example({"gpu0.uuid": "GPU-\0bad"})
 def test_dropin_round_trip(obj: dict[str, Any]) -> None:
+    """Every value comes back as its text, unless a string holds a NUL byte (no label
+    value can: a uuid becomes CUDA_VISIBLE_DEVICES): then the whole output is refused."""
+    nul = [k for k, v in obj.items() if isinstance(v, str) and "\0" in v]
+    if nul:
+        with pytest.raises(ValueError, match=r"^key .* holds a NUL byte") as caught:
+            parse_dropin_output(json.dumps(obj).encode(), DECLARED)
+        assert repr(nul[0]) in str(caught.value)  # the first offending key, named
+        return
     host, device = parse_dropin_output(json.dumps(obj).encode(), DECLARED)
     flat = dict(host)
     for dev, facts in device.items():

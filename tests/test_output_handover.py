@@ -10,6 +10,8 @@ import trio
 from test_delivery import finished_events, left_on_disk, steady_store
 
 from rc_worker import client as client_module
+from rc_worker.context import WorkerContext
+from rc_worker.core.model import Assignment
 from rc_worker.testing import local_system, make_config
 
 
@@ -20,18 +22,22 @@ def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_a_job_that_cannot_be_spawned_after_its_spool_opened_still_gets_its_finish(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A drop-in's GPU uuid holding a NUL byte makes the job's environment invalid: the
-    run fails after the spool was opened and handed to the outbox, before anything is
-    spawned. Before, that spool was never closed, its delivery waited on it for ever,
-    and the finish never went: the job stayed running at the controller and a drain
-    never ended."""
+    """An environment the job's spec cannot carry (a NUL byte in it) makes the run fail
+    after the spool was opened and handed to the outbox, before anything is spawned.
+    Before, that spool was never closed, its delivery waited on it for ever, and the
+    finish never went: the job stayed running at the controller and a drain never ended.
+
+    A probe's uuid holding a NUL once led here; probes are refused such a value now
+    (tests/test_probe.py), so the bad environment is put in directly."""
+    real_job_env = WorkerContext.job_env
+
+    def job_env(self: WorkerContext, device: str, a: Assignment) -> dict[str, str]:
+        return {**real_job_env(self, device, a), "CUDA_VISIBLE_DEVICES": "GPU-\0bad"}
+
+    monkeypatch.setattr(WorkerContext, "job_env", job_env)
     config = make_config(tmp_path)
-    probe = Path(config.probe_dir) / "10-uuid"
-    probe.parent.mkdir(parents=True, exist_ok=True)
-    probe.write_text('#!/bin/sh\necho \'{"gpu0.uuid": "GPU-\\u0000bad"}\'\n')
-    probe.chmod(0o755)
     store = steady_store()
     job_id = store.submit(["sh", "-c", "echo never"])
     with trio.fail_after(30):

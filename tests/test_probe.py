@@ -7,6 +7,7 @@ test touches ``os.environ``; the PATH in it holds only the fake nvidia-smi
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -310,6 +311,10 @@ FAILING = {
     "null": ("""echo '{"a": null}'""", "key 'a' holds null"),
     "bad-key": ("""echo '{"a b": 1}'""", "invalid key: "),
     "undeclared": ("""echo '{"gpu9.x": 1}'""", "names undeclared device gpu9"),
+    "nul": (
+        """printf '%s' '{"gpu0.uuid": "GPU-\\u0000bad"}'""",
+        "key 'gpu0.uuid' holds a NUL byte",
+    ),
 }
 
 
@@ -345,6 +350,37 @@ async def test_a_dropin_that_named_gpu0_then_breaks_leaves_only_gpu0_unconfirmed
     assert payload["host"]["disk_free_bytes"] == "3000000000"
     assert "rack" not in payload["host"]
     assert payload["devices"] == {"gpu1": {"fine": "yes"}}
+
+
+async def test_a_dropin_uuid_with_a_nul_byte_keeps_the_previous_one_and_says_why(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A uuid becomes a job's CUDA_VISIBLE_DEVICES, which cannot carry a NUL. Before, such
+    a value was taken as the device's uuid, and every job on it then failed at spawn
+    (ending ``error`` and quarantining the device). Now the probe fails this pass: the
+    device keeps the uuid it had, and one line names the probe, the key and the problem."""
+    bad = env.root / "bad"
+    env.dropin(
+        "10-uuid",
+        f"""if [ -e "{bad}" ]; then printf '%s' '{{"gpu0.uuid": "GPU-\\u0000bad"}}'; """
+        """else printf '{"gpu0.uuid": "GPU-good"}'; fi""",
+    )
+    prober = Prober(env.config(), host=FakeHost(), environ=env.environ)
+    with trio.fail_after(30):
+        first = await prober.gather()
+        bad.touch()
+        caplog.set_level(logging.WARNING, logger="rc_worker.probe")
+        second = await prober.gather()
+    assert first.result.device["gpu0"] == {"uuid": "GPU-good"}
+    assert not outcome(second, "probe.d/10-uuid").ok
+    assert second.result.unconfirmed == {"gpu0"}  # so the controller keeps GPU-good
+    assert "gpu0" not in labels_payload(second.result)["devices"]
+    assert all("\0" not in v for facts in second.result.device.values() for v in facts.values())
+    lines = [r.getMessage() for r in caplog.records if "10-uuid" in r.getMessage()]
+    assert lines == [
+        "probe probe.d/10-uuid failed: key 'gpu0.uuid' holds a NUL byte; "
+        "a label value must be text without NUL bytes"
+    ]
 
 
 async def test_a_dropin_that_fails_from_the_start_unconfirms_nothing(env: Env) -> None:

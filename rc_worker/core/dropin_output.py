@@ -6,7 +6,7 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from rc_worker.core.names import split_label_key
+from rc_worker.core.names import label_value_problem, split_label_key
 
 DROPIN_PREFIX = "probe.d/"
 DROPIN_STDOUT_CAP = 64 * 1024
@@ -47,7 +47,8 @@ def parse_dropin_output(
     """One drop-in's stdout as ``(host facts, device facts)``.
 
     It must be ONE JSON object of flat keys to strings, numbers or booleans:
-    ``true`` becomes ``"true"`` and a number keeps its JSON text. A bare key
+    ``true`` becomes ``"true"`` and a number keeps its JSON text; a string
+    must be a valid label value (``label_value_problem``: no NUL byte). A bare key
     is host-scoped, ``<device>.<label>`` device-scoped, and that device must
     be declared. Raises ``ValueError`` with a short reason otherwise; the
     caller then uses none of the output.
@@ -89,6 +90,9 @@ def parse_dropin_output(
             raise ValueError(
                 f"key {key!r} holds {_kind(value)}; values must be strings, numbers or booleans"
             )
+        problem = label_value_problem(text_value)
+        if problem is not None:
+            raise ValueError(f"key {key!r} {problem}")
         try:
             dev, label = split_label_key(key)
         except ValueError as e:

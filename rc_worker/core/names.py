@@ -1,7 +1,8 @@
-"""The shapes of device names and label keys (sans-IO).
+"""The shapes of device names, label keys and label values (sans-IO).
 
 A label key is flat: a bare ``label`` is host-scoped and ``<device>.<label>``
-is device-scoped, so device names never contain a dot.
+is device-scoped, so device names never contain a dot. A label value is any
+text but a NUL byte (``label_value_problem``).
 """
 
 from __future__ import annotations
@@ -39,3 +40,16 @@ def split_label_key(key: str) -> tuple[str | None, str]:
             f"where a device name is {DEVICE_NAME_HELP} and a label name is {LABEL_NAME_HELP}"
         )
     return device, label
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a label value, or None when it can.
+
+    Any text but a NUL byte: a device's ``uuid`` or ``mig_uuid`` label becomes a
+    job's ``CUDA_VISIBLE_DEVICES``, and no environment variable (a C string) can
+    carry a NUL. Accepted, it failed every job on the device at spawn and got the
+    device quarantined; rejected where the value comes in, the source fails instead.
+    """
+    if "\0" in value:
+        return "holds a NUL byte; a label value must be text without NUL bytes"
+    return None
