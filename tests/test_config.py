@@ -1296,3 +1296,17 @@ def test_a_slice_of_a_plain_device_loads_with_gpu_health_off(tmp_path: Path) -> 
         "gpu_health:\n  enabled: false\n",
     )
     assert config.device("a100-mig0").mig_of == "a100"
+
+
+def test_a_declared_label_value_with_a_nul_byte_is_refused_where_it_is_written(
+    tmp_path: Path,
+) -> None:
+    # A declared uuid overrides the probes' and becomes the job's CUDA_VISIBLE_DEVICES:
+    # accepted, it failed every job on the device at spawn and got it quarantined.
+    path = _write(tmp_path, 'devices:\n  - name: gpu0\n    labels: {uuid: "GPU-\\0bad"}\n')
+    with pytest.raises(
+        ConfigError,
+        match=r":3:20: devices\[0\]\.labels\.uuid: label 'uuid' holds a NUL byte; "
+        r"a label value must be text without NUL bytes$",
+    ):
+        load_config(path, environ={})

@@ -43,7 +43,12 @@ from rc_worker.core.config_yaml import (
 from rc_worker.core.durations import DURATION_HELP, SIZE_HELP, parse_duration, parse_size
 from rc_worker.core.errors import ConfigError
 from rc_worker.core.gpu_query import gpu_index, mig_parent_name
-from rc_worker.core.names import DEVICE_NAME_HELP, is_device_name, split_label_key
+from rc_worker.core.names import (
+    DEVICE_NAME_HELP,
+    is_device_name,
+    label_value_problem,
+    split_label_key,
+)
 
 _DURATION_FIELDS = {
     "heartbeat_interval": True,  # True: must be positive
@@ -389,6 +394,11 @@ def _check(loc: Locator, config: Config, machine: ConfigMachine) -> None:
         for key in dev.labels:
             label_at: PathKey = ("devices", i, "labels", key)
             label = _check_label(loc, label_at, dev.name, key)
+            # The probes' rule too: a declared uuid overrides theirs and becomes a job's
+            # CUDA_VISIBLE_DEVICES, which no environment can carry with a NUL in it.
+            problem = label_value_problem(dev.labels[key])
+            if problem is not None:
+                loc.fail_at(label_at, f"label {key!r} {problem}")
             if label in labels:
                 loc.fail_at(
                     label_at,
