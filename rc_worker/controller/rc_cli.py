@@ -31,6 +31,7 @@ from rc_worker.controller.rc_follow import (
     EXIT_CONTROLLER_GONE,
     CliError,
     Reconnect,
+    StdoutClosed,
     raise_for,
 )
 from rc_worker.core import boundedjson
@@ -546,6 +547,14 @@ def _translate(group: BaseExceptionGroup[CliError | httpx.HTTPError]) -> CliErro
 
 
 async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
+    try:
+        return await _print_logs(client, args)
+    except BrokenPipeError:
+        # The truncation marker, printed after the reader of stdout closed it.
+        raise StdoutClosed(0) from None
+
+
+async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
     sink = rc_follow.json_lines if args.json else rc_follow.to_stream(sys.stdout)
     if args.follow:
         reconnect = Reconnect(args.reconnect, str(client.base_url), args.job)
@@ -693,6 +702,10 @@ async def amain(
             base_url=url, headers=headers, transport=transport, timeout=timeout
         ) as client:
             return await _cmd_client(client, args)
+    except StdoutClosed:
+        # `rc logs J | head -c 10`: the reader has what it wanted; nothing to report.
+        rc_follow.quiet_stdout()
+        return 0
     except CliError as e:
         print(f"rc: {e}", file=sys.stderr)
         return e.status

@@ -47,6 +47,29 @@ class ControllerGone(CliError):
         super().__init__(message, EXIT_CONTROLLER_GONE)
 
 
+class StdoutClosed(CliError):
+    """Whoever read stdout closed it (``rc logs J | head -c 10``): it has what it wanted.
+
+    ``rc logs`` then stops quietly with status 0 (``rc_cli.amain``), as ``rc-worker``'s
+    commands do; ``rc run`` still reports it, since its status is the job's."""
+
+    def __init__(self, unwritten: int) -> None:
+        super().__init__(
+            f"cannot write the output to stdout (Broken pipe); {unwritten} bytes were not written"
+        )
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone, so that the interpreter's last
+    flush of what is still buffered there cannot fail again (no "Exception ignored")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass  # not a real file (captured in tests): nothing to flush at exit
+
+
 def raise_for(r: httpx.Response) -> None:
     if r.is_success:
         return
@@ -181,18 +204,18 @@ def write_all(stream: Any, data: bytes) -> None:
     Straight to the descriptor, in a loop: a pipe whose reader set it non-blocking makes a
     buffered write stop short (``BlockingIOError``), and the rest would be lost unnoticed.
     """
-    stream.flush()
     try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        fd = None  # not a real file (captured in tests): its buffer takes all or raises
-    if fd is None:
-        written = stream.buffer.write(data)
-        if written is not None and written != len(data):
-            raise CliError(f"wrote {written} of {len(data)} bytes to stdout")
+        stream.flush()
+        fd = _fileno(stream)
+        if fd is None:
+            written = stream.buffer.write(data)
+            if written is not None and written != len(data):
+                raise CliError(f"wrote {written} of {len(data)} bytes to stdout")
+            stream.buffer.flush()
+            return
         stream.buffer.flush()
-        return
-    stream.buffer.flush()
+    except BrokenPipeError:
+        raise StdoutClosed(len(data)) from None
     view = memoryview(data)
     while view:
         try:
@@ -200,12 +223,21 @@ def write_all(stream: Any, data: bytes) -> None:
         except BlockingIOError:
             select.select([], [fd], [])
             continue
+        except BrokenPipeError:
+            raise StdoutClosed(len(view)) from None
         except OSError as e:
             raise CliError(
                 f"cannot write the output to stdout ({e.strerror or e}); "
                 f"{len(view)} bytes were not written"
             ) from None
         view = view[n:]
+
+
+def _fileno(stream: Any) -> int | None:
+    try:
+        return int(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None  # not a real file (captured in tests): its buffer takes all or raises
 
 
 def discard(offset: int, data: bytes) -> None:
@@ -221,5 +253,11 @@ def json_lines(offset: int, data: bytes) -> None:
             "length": len(piece),
             "data": base64.b64encode(piece).decode("ascii"),
         }
-        sys.stdout.write(json.dumps(line) + "\n")
-    sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps(line) + "\n")
+        except BrokenPipeError:
+            raise StdoutClosed(len(data) - i) from None
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise StdoutClosed(0) from None

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
-from rc_worker.controller import Store, create_app
+from rc_worker.controller import Store, StoreConfig, create_app
 from rc_worker.controller.serve import serve
 
 from .helpers import USER_TOKEN, USER_TOKENS, WORKER_TOKENS, FakeWorker
@@ -84,3 +85,52 @@ def test_rc_logs_fails_loudly_when_stdout_refuses(tmp_path: Path) -> None:
         )
     assert proc.returncode == 1
     assert b"cannot write the output to stdout (No space left on device)" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["logs", "{job}"],
+        ["logs", "--follow", "{job}"],
+        ["logs", "--json", "{job}"],
+        ["logs", "--json", "--follow", "{job}"],
+        # Nothing from that offset: only the last line saying the output was capped.
+        ["logs", "{job}", "--offset", "2000000"],
+        ["logs", "--json", "--follow", "{job}", "--offset", "2000000"],
+    ],
+)
+async def test_rc_logs_into_a_closed_pipe_stops_quietly(argv: list[str]) -> None:
+    # `rc logs J | head -c 10`: once the reader has gone, rc stops with status 0 and says
+    # nothing (it used to say "cannot write the output to stdout" and exit 1, or with
+    # --json print "[Errno 32] Broken pipe").
+    store = Store(StoreConfig(max_output_bytes=1 << 20), instance="t")
+    app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://rc"
+        ) as http:
+            w = FakeWorker(http)
+            await w.register()
+            job = store.submit(["x"])
+            # 1 MiB kept (more than a pipe holds), then the job's output is capped.
+            await w.run_one(b"z" * (3 << 20))
+        assert store.job(job).output_truncated
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            [url] = await nursery.start(serve, app, "127.0.0.1:0")
+            read_end, write_end = os.pipe()
+            os.close(read_end)  # the reader is gone before rc writes anything
+            env = {**os.environ, "RC_URL": url, "RC_USER_TOKEN": USER_TOKEN}
+            try:
+                proc = await trio.run_process(
+                    [RC, *(arg.format(job=job) for arg in argv)],
+                    stdout=write_end,
+                    capture_stderr=True,
+                    env=env,
+                    check=False,
+                )
+            finally:
+                os.close(write_end)
+            nursery.cancel_scope.cancel()
+    assert proc.stderr == b""
+    assert proc.returncode == 0
