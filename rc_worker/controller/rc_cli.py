@@ -77,6 +77,18 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _byte_offset(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{value} is negative; give a byte of the output, 0 (the start) or more"
+        )
+    return value
+
+
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
@@ -293,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("logs", parents=[common], help="print a job's output")
     p.add_argument("job", help="job id")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
-    p.add_argument("--offset", type=int, default=0, metavar="N", help="start at byte N (default 0)")
+    p.add_argument(
+        "--offset", type=_byte_offset, default=0, metavar="N", help="start at byte N (default 0)"
+    )
     p.add_argument(
         "--reconnect",
         type=_duration,

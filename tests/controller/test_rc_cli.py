@@ -223,6 +223,13 @@ async def test_client_errors_in_process(
         err = capsys.readouterr().err
         assert "HOST/DEVICE" in err
         assert "Traceback" not in err
+        # A negative offset is bad usage (2), said before asking the controller (which
+        # answered 400, and rc exited 1 as if the controller had refused something).
+        for follow in ([], ["--follow"]):
+            assert await rc("logs", "j-1", "--offset", "-5", *follow, transport=transport) == 2
+            err = capsys.readouterr().err
+            assert "--offset: -5 is negative" in err
+            assert "Traceback" not in err
         # A bare name is a HOST (issue 15: `rc clear HOST`); an unknown one says so.
         assert await rc("clear", "nohost", token=USER_TOKEN, transport=transport) == 1
         err = capsys.readouterr().err
