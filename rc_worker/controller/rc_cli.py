@@ -32,6 +32,7 @@ from rc_worker.controller.rc_follow import (
     CliError,
     Reconnect,
     StdoutClosed,
+    job_path,
     raise_for,
 )
 from rc_worker.core import boundedjson
@@ -406,7 +407,7 @@ async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
             yield data
 
     try:
-        await _json(client.put(f"/v1/jobs/{job_id}/stdin", content=chunks(), timeout=None))
+        await _json(client.put(job_path(job_id, "stdin"), content=chunks(), timeout=None))
     except httpx.TransportError:
         # Not resumable (a second upload is refused): the job has seen end of file.
         print(
@@ -578,7 +579,7 @@ async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     # Streamed in chunks: a job's output may be larger than this machine's memory.
     offset = args.offset
     async with client.stream(
-        "GET", f"/v1/jobs/{args.job}/output", params={"offset": args.offset}
+        "GET", job_path(args.job, "output"), params={"offset": args.offset}
     ) as r:
         if not r.is_success:
             await r.aread()
@@ -586,7 +587,7 @@ async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         async for chunk in r.aiter_raw():
             sink(offset, chunk)
             offset += len(chunk)
-    _truncation_marker(await _json(client.get(f"/v1/jobs/{args.job}")), json_mode=args.json)
+    _truncation_marker(await _json(client.get(job_path(args.job))), json_mode=args.json)
     return 0
 
 
@@ -623,11 +624,11 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         body = {"jobs": await _jobs(client, args)}
         text = fmt.jobs_table(body["jobs"])
     elif c == "show":
-        body = await _json(client.get(f"/v1/jobs/{args.job}"))
+        body = await _json(client.get(job_path(args.job)))
         text = fmt.job_details(body)
     elif c == "cancel":
         payload = {"reason": args.reason} if args.reason else {}
-        body = await _json(client.post(f"/v1/jobs/{args.job}/cancel", json=payload))
+        body = await _json(client.post(job_path(args.job, "cancel"), json=payload))
         text = fmt.cancel_result(body)
     elif c == "devices":
         body = {"devices": await _devices(client, args)}

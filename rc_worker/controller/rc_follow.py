@@ -17,6 +17,7 @@ import select
 import sys
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import trio
@@ -68,6 +69,14 @@ def quiet_stdout() -> None:
         os.close(devnull)
     except (AttributeError, OSError, ValueError):
         pass  # not a real file (captured in tests): nothing to flush at exit
+
+
+def job_path(job_id: str, *rest: str) -> str:
+    """``/v1/jobs/{job_id}[/rest...]`` with the id escaped as one path segment: an id
+    holding ``?``, ``#`` or ``%`` (a typo, or an adopted job's id, which comes from a
+    worker) must name that job, never cut the path short (``rc logs 'J?x'`` printed
+    J's record as its output)."""
+    return "/".join(("/v1/jobs", quote(job_id, safe=""), *rest))
 
 
 def raise_for(r: httpx.Response) -> None:
@@ -130,7 +139,7 @@ class Reconnect:
 async def get_job(client: httpx.AsyncClient, job_id: str, reconnect: Reconnect) -> Any:
     while True:
         try:
-            r = await client.get(f"/v1/jobs/{job_id}")
+            r = await client.get(job_path(job_id))
         except httpx.TransportError as e:
             await reconnect.failed(e)
             continue
@@ -168,7 +177,7 @@ async def follow_output(
     while True:
         try:
             async with client.stream(
-                "GET", f"/v1/jobs/{job_id}/output", params={"offset": offset, "follow": "true"}
+                "GET", job_path(job_id, "output"), params={"offset": offset, "follow": "true"}
             ) as r:
                 if not r.is_success:
                     await r.aread()

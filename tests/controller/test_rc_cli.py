@@ -6,6 +6,7 @@ import json
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -235,6 +236,54 @@ async def test_client_errors_in_process(
         err = capsys.readouterr().err
         assert "unknown_host" in err
         assert "Traceback" not in err
+
+
+async def test_a_job_id_is_one_path_segment_whatever_it_holds(
+    transport: httpx.ASGITransport,
+    client: httpx.AsyncClient,
+    store: Store,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # An adopted job's id comes from its worker; `?`, `#` and `%` in it cut the path
+    # short (GET /v1/jobs/j?...), so rc read another job, or another resource, than the
+    # one named: `rc logs 'J?offset=5'` printed J's record as its output, status 0.
+    w = FakeWorker(client)
+    odd = "j-9?offset=5#x%41"
+    with trio.fail_after(10):
+        await w.register()
+        r = await w.heartbeat({"gpu0": {"state": "running", "job_id": odd, "attempt": 1}})
+        assert r.status_code == 200
+        r = await client.post(
+            f"/v1/jobs/{quote(odd, safe='')}/output",
+            params={"attempt": 1, "offset": 0},
+            content=b"adopted output\n",
+            headers=w.headers,
+        )
+        assert r.json() == {"committed": 15}
+        body = {
+            "session": w.session,
+            "attempt": 1,
+            "device": "gpu0",
+            "outcome": "succeeded",
+            "exit_code": 0,
+            "output_bytes": 15,
+        }
+        r = await client.post(
+            f"/v1/jobs/{quote(odd, safe='')}/finish", json=body, headers=w.headers
+        )
+        assert r.status_code == 200, r.text
+        capsys.readouterr()
+        for follow in ([], ["--follow"]):
+            assert await rc("logs", odd, *follow, token=USER_TOKEN, transport=transport) == 0
+            assert capsys.readouterr().out == "adopted output\n"
+        assert await rc("show", odd, "--json", token=USER_TOKEN, transport=transport) == 0
+        assert json.loads(capsys.readouterr().out)["job_id"] == odd
+        # A known job's id with a query after it names no job.
+        known = store.submit(["x"])
+        assert await rc("logs", f"{known}?offset=5", token=USER_TOKEN, transport=transport) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert f"no job '{known}?offset=5'" in captured.err
 
 
 @pytest.mark.parametrize(
