@@ -15,9 +15,10 @@ import argparse
 import io
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import httpx
@@ -35,6 +36,7 @@ from rc_worker.controller.rc_follow import (
     job_path,
     raise_for,
 )
+from rc_worker.controller.rc_input import path_segment, token_problem, url_problem
 from rc_worker.core import boundedjson
 from rc_worker.core.durations import DURATION_HELP, parse_duration, parse_size
 
@@ -97,6 +99,25 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_duration(text: str) -> float:
+    value = _duration(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not more than 0; give e.g. 10s")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of 0 or more (per second; 0: no target)"
+        )
+    return value
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -124,6 +145,24 @@ def _address_or_host(text: str) -> tuple[str, str | None]:
             raise argparse.ArgumentTypeError("expected HOST/DEVICE or HOST (e.g. box1/gpu0)")
         return text, None
     return _address(text)
+
+
+def _named(what: str) -> Any:
+    """An argparse type for a job id or host name: one that can be a request path's segment."""
+
+    def check(text: str) -> str:
+        try:
+            path_segment(what, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return check
+
+
+def _seg(text: str) -> str:
+    """``text`` (checked by the parser) as one segment of a request path."""
+    return path_segment("name", text)
 
 
 def parse_worker_token(text: str) -> tuple[str, str]:
@@ -184,14 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--heartbeat-interval",
-        type=_duration,
+        type=_positive_duration,
         default=10.0,
         metavar="D",
         help="the heartbeat interval workers are told to keep (default 10s)",
     )
     p.add_argument(
         "--heartbeat-rate",
-        type=float,
+        type=_rate,
         default=0.0,
         metavar="N",
         help="aim at N heartbeats per second across the fleet: with many hosts each is "
@@ -199,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--poll-wait",
-        type=_duration,
+        type=_positive_duration,
         default=30.0,
         metavar="D",
         help="the long-poll wait workers are told to use (default 30s)",
@@ -302,9 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--select", metavar="SELECTOR", help="only jobs placed on a device this selector matches"
     )
     p = sub.add_parser("show", parents=[common], help="show one job")
-    p.add_argument("job", help="job id")
+    p.add_argument("job", type=_named("job id"), help="job id")
     p = sub.add_parser("logs", parents=[common], help="print a job's output")
-    p.add_argument("job", help="job id")
+    p.add_argument("job", type=_named("job id"), help="job id")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
     p.add_argument(
         "--offset", type=_byte_offset, default=0, metavar="N", help="start at byte N (default 0)"
@@ -318,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1m)",
     )
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")
-    p.add_argument("job", help="job id")
+    p.add_argument("job", type=_named("job id"), help="job id")
     p.add_argument("--reason", default="", help="why (shown in the job's record)")
     p = sub.add_parser("devices", parents=[common], help="list devices (every one by default)")
     p.add_argument(
@@ -365,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="drain: no new work on its devices; resume: take work again; "
         "retire: forget a host gone for good (its jobs' records stay)",
     )
-    p.add_argument("host", help="the host's name")
+    p.add_argument("host", type=_named("host"), help="the host's name")
     p.add_argument(
         "--force",
         action="store_true",
@@ -382,13 +421,75 @@ def build_parser() -> argparse.ArgumentParser:
 # --- client plumbing ------------------------------------------------------------------------
 
 
-async def _json(r: Awaitable[httpx.Response]) -> Any:
-    response = await r
-    raise_for(response)
+ANSWER_MAX_BYTES: Final = 256 << 20
+"""The largest answer ``rc`` reads (a page of 1,000 jobs is a few MiB): past it the other end
+is not a controller answering one request, and reading on would only fill this machine's
+memory."""
+ANSWER_TIMEOUT_S: Final = 60.0
+"""How long ``rc`` waits for the next byte of an answer that is not a followed stream (a
+controller answers in milliseconds; a long-poll of events waits 30 s): one that never
+answers is reported rather than waited on for ever."""
+ANSWER_TIMEOUT: Final = httpx.Timeout(ANSWER_TIMEOUT_S, connect=10.0)
+
+UNREADABLE: Final = (KeyError, IndexError, TypeError, AttributeError, ValueError)
+"""What reading an answer of the wrong shape raises (a field missing, a list where an
+object belongs): such an answer is one line (:func:`_unreadable`), never a traceback."""
+
+
+async def _call(
+    client: httpx.AsyncClient,
+    method: str,
+    path: str,
+    **kw: Any,
+) -> Any:
+    """One request (``kw`` as for httpx; its ``timeout`` defaults to :data:`ANSWER_TIMEOUT`);
+    its answer, a JSON object read up to :data:`ANSWER_MAX_BYTES`."""
+    data = bytearray()
+    kw.setdefault("timeout", ANSWER_TIMEOUT)
+    async with client.stream(method, path, **kw) as r:
+        async for chunk in r.aiter_bytes():
+            data += chunk
+            if len(data) > ANSWER_MAX_BYTES:
+                raise CliError(
+                    f"the answer to {method} {path} from {client.base_url} is larger than "
+                    f"{ANSWER_MAX_BYTES >> 20} MiB, which no rc controller sends; check that "
+                    "--url / RC_URL is an rc controller (rc serve)"
+                )
+        status = r.status_code
+    raise_for(httpx.Response(status, content=bytes(data)))
     try:
-        return boundedjson.loads(response.content)
+        body = boundedjson.loads(bytes(data))
     except ValueError as e:
-        raise CliError(f"the controller answered with JSON rc cannot read ({e})") from None
+        raise CliError(
+            f"the controller answered with JSON rc cannot read ({e}); check that "
+            "--url / RC_URL is an rc controller (rc serve)"
+        ) from None
+    if not isinstance(body, dict):
+        raise CliError(
+            f"the controller answered {method} {path} with a JSON {_json_kind(body)}, not an "
+            "object; check that --url / RC_URL is an rc controller (rc serve)"
+        )
+    return body
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "array" if isinstance(value, list) else "string"
+
+
+def _unreadable(error: BaseException, url: str) -> CliError:
+    """An answer ``rc`` could not read (``error`` is one of :data:`UNREADABLE`)."""
+    what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return CliError(
+        f"the controller at {url} answered something rc cannot read ({what}); check that "
+        f"--url / RC_URL is an rc controller (rc serve) of a version that speaks to rc "
+        f"{__version__}"
+    )
 
 
 def _out(text: str) -> None:
@@ -407,7 +508,7 @@ async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
             yield data
 
     try:
-        await _json(client.put(job_path(job_id, "stdin"), content=chunks(), timeout=None))
+        await _call(client, "PUT", job_path(job_id, "stdin"), content=chunks(), timeout=None)
     except httpx.TransportError:
         # Not resumable (a second upload is refused): the job has seen end of file.
         print(
@@ -469,7 +570,7 @@ async def _devices(client: httpx.AsyncClient, args: argparse.Namespace) -> list[
     while True:
         want = DEVICES_PAGE if args.limit is None else min(DEVICES_PAGE, args.limit - len(out))
         page = {**params, "limit": want, **({} if after is None else {"after": after})}
-        body = await _json(client.get("/v1/devices", params=page))
+        body = await _call(client, "GET", "/v1/devices", params=page)
         out += body["devices"]
         after = body.get("next")
         if after is None or (args.limit is not None and len(out) >= args.limit):
@@ -487,15 +588,15 @@ async def _jobs(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any
         k: v for k in ("state", "host", "select") if (v := getattr(args, k)) is not None
     }
     if not args.all:
-        body = await _json(
-            client.get("/v1/jobs", params={**params, "limit": args.limit, "order": "desc"})
+        body = await _call(
+            client, "GET", "/v1/jobs", params={**params, "limit": args.limit, "order": "desc"}
         )
         return list(reversed(body["jobs"]))  # the most recent, shown oldest first
     out: list[Any] = []
     after = None
     while True:
         page = {**params, "limit": JOBS_PAGE, **({} if after is None else {"after": after})}
-        body = await _json(client.get("/v1/jobs", params=page))
+        body = await _call(client, "GET", "/v1/jobs", params=page)
         out += body["jobs"]
         after = body.get("next")
         if after is None:
@@ -503,7 +604,7 @@ async def _jobs(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any
 
 
 async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
-    submitted = await _json(client.post("/v1/jobs", json=_submit_body(args)))
+    submitted = await _call(client, "POST", "/v1/jobs", json=_submit_body(args))
     job_id: str = submitted["job_id"]
     if submitted.get("pending_code") == "no_match":
         print(
@@ -529,8 +630,8 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
                 nursery.start_soon(_feed_stdin, client, job_id)
             job = await rc_follow.follow_output(client, job_id, 0, sink, reconnect)
             nursery.cancel_scope.cancel()
-    except* (CliError, httpx.HTTPError) as group:
-        raise _translate(group) from group
+    except* (CliError, httpx.HTTPError, *UNREADABLE) as group:
+        raise _translate(group, str(client.base_url)) from group
     except* KeyboardInterrupt:
         print(
             f"\nrc: job {job_id} keeps running; stop it with: rc cancel {job_id}", file=sys.stderr
@@ -548,13 +649,16 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     return status
 
 
-def _translate(group: BaseExceptionGroup[CliError | httpx.HTTPError]) -> CliError:
-    """One CliError (the first one's message and status) for a group of them."""
+def _translate(group: BaseExceptionGroup[Exception], url: str = "") -> CliError:
+    """One CliError (the first one's message and status) for a group of them; ``url`` is the
+    controller's, for an answer rc could not read."""
     first: BaseException = group
     while isinstance(first, BaseExceptionGroup):
         first = first.exceptions[0]
     if isinstance(first, CliError):
         return CliError(str(first), first.status)
+    if isinstance(first, UNREADABLE):
+        return _unreadable(first, url)
     what = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
     if isinstance(first, httpx.TransportError):
         return CliError(f"cannot reach the controller: {what}", EXIT_CONTROLLER_GONE)
@@ -578,16 +682,17 @@ async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         return 0
     # Streamed in chunks: a job's output may be larger than this machine's memory.
     offset = args.offset
-    async with client.stream(
-        "GET", job_path(args.job, "output"), params={"offset": args.offset}
-    ) as r:
+    path = job_path(args.job, "output")
+    params = {"offset": args.offset}
+    async with client.stream("GET", path, params=params, timeout=ANSWER_TIMEOUT) as r:
         if not r.is_success:
             await r.aread()
             raise_for(r)
         async for chunk in r.aiter_raw():
             sink(offset, chunk)
             offset += len(chunk)
-    _truncation_marker(await _json(client.get(job_path(args.job))), json_mode=args.json)
+    job = await _call(client, "GET", job_path(args.job))
+    _truncation_marker(job, json_mode=args.json)
     return 0
 
 
@@ -624,34 +729,37 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         body = {"jobs": await _jobs(client, args)}
         text = fmt.jobs_table(body["jobs"])
     elif c == "show":
-        body = await _json(client.get(job_path(args.job)))
+        body = await _call(client, "GET", job_path(args.job))
         text = fmt.job_details(body)
     elif c == "cancel":
         payload = {"reason": args.reason} if args.reason else {}
-        body = await _json(client.post(job_path(args.job, "cancel"), json=payload))
+        body = await _call(client, "POST", job_path(args.job, "cancel"), json=payload)
         text = fmt.cancel_result(body)
     elif c == "devices":
         body = {"devices": await _devices(client, args)}
         text = fmt.devices_table(body["devices"])
     elif c == "sheet":
-        body = await _json(client.get("/v1/devices/{}/{}/sheet".format(*args.device)))
+        body = await _call(client, "GET", "/v1/devices/{}/{}/sheet".format(*map(_seg, args.device)))
         text = fmt.sheet(body)
     elif c == "clear" and args.device[1] is None:
-        body = await _json(client.post(f"/v1/hosts/{args.device[0]}/clear"))
+        body = await _call(client, "POST", f"/v1/hosts/{_seg(args.device[0])}/clear")
         text = fmt.clear_host_result(body)
     elif c == "clear":
-        body = await _json(client.post("/v1/devices/{}/{}/clear".format(*args.device)))
+        body = await _call(
+            client, "POST", "/v1/devices/{}/{}/clear".format(*map(_seg, args.device))
+        )
         text = fmt.clear_result(body)
     elif c == "idle":
-        path = "/v1/devices/{}/{}/idle-behavior".format(*args.device)
-        body = await _json(client.post(path, json={"idle_behavior": args.behavior}))
+        path = "/v1/devices/{}/{}/idle-behavior".format(*map(_seg, args.device))
+        body = await _call(client, "POST", path, json={"idle_behavior": args.behavior})
         text = f"{body['address']}: idle behavior {body['idle_behavior']}"
     elif c == "pool":
-        body = await _json(client.get("/v1/pool", params={"class": args.class_label}))
+        body = await _call(client, "GET", "/v1/pool", params={"class": args.class_label})
         text = fmt.pool_summary(body)
     elif c == "host":
         payload = {"force": True} if args.force else {}
-        body = await _json(client.post(f"/v1/hosts/{args.host}/{args.action}", json=payload))
+        path = f"/v1/hosts/{_seg(args.host)}/{args.action}"
+        body = await _call(client, "POST", path, json=payload)
         text = fmt.host_result(args.action, args.host, body)
     elif c == "events":
         return await _cmd_events(client, args)
@@ -665,7 +773,7 @@ async def _cmd_events(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     after = args.after
     while True:
         params = {"after": after, "wait_s": 30 if args.follow else 0}
-        body = await _json(client.get("/v1/events", params=params, timeout=60.0))
+        body = await _call(client, "GET", "/v1/events", params=params)
         for event in body["events"]:
             _out(json.dumps(event) if args.json else fmt.event_line(event))
             after = event["seq"]
@@ -706,8 +814,7 @@ async def amain(
             # Opened here, before any nursery, so a store that cannot be used is one line.
             backend = await open_serve_backend(args, env)
             return await _serve_until_signalled(argv[1:], env, backend)
-        url = args.url or env.get("RC_URL") or DEFAULT_URL
-        token = args.token or env.get("RC_USER_TOKEN", "")
+        url, token = _where_and_who(args, env)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # Connecting is bounded well inside the default reconnect window; reading is not
         # (a followed job can be silent for hours).
@@ -716,7 +823,10 @@ async def amain(
         async with httpx.AsyncClient(
             base_url=url, headers=headers, transport=transport, timeout=timeout
         ) as client:
-            return await _cmd_client(client, args)
+            try:
+                return await _cmd_client(client, args)
+            except UNREADABLE as e:
+                raise _unreadable(e, url) from e
     except StdoutClosed:
         # `rc logs J | head -c 10`: the reader has what it wanted; nothing to report.
         rc_follow.quiet_stdout()
@@ -724,10 +834,23 @@ async def amain(
     except CliError as e:
         print(f"rc: {e}", file=sys.stderr)
         return e.status
+    except httpx.TimeoutException as e:
+        where = args.url or env.get("RC_URL") or DEFAULT_URL
+        print(
+            f"rc: the controller at {where} did not answer in time ({type(e).__name__}); "
+            "check that --url / RC_URL is an rc controller (rc serve) and that it is not "
+            "stopped (SIGSTOP) or overloaded",
+            file=sys.stderr,
+        )
+        return EXIT_CONTROLLER_GONE
     except httpx.TransportError as e:
         where = args.url or env.get("RC_URL") or DEFAULT_URL
         what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        print(f"rc: cannot reach the controller at {where}: {what}", file=sys.stderr)
+        print(
+            f"rc: cannot reach the controller at {where}: {what}; check that rc serve runs "
+            "there, or set --url / RC_URL",
+            file=sys.stderr,
+        )
         return EXIT_CONTROLLER_GONE
     except httpx.HTTPError as e:
         print(f"rc: {type(e).__name__}: {e}", file=sys.stderr)
@@ -735,6 +858,34 @@ async def amain(
     except OSError as e:
         print(f"rc: {e}", file=sys.stderr)
         return 1
+
+
+def _where_and_who(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str]:
+    """The controller's URL and the user token, checked (CliError, status 2). An empty
+    ``$RC_URL`` or ``$RC_USER_TOKEN`` counts as unset; an empty ``--url`` or ``--token`` was
+    meant to say something, so it is refused rather than quietly replaced by the default."""
+    if args.url is not None:
+        url, url_from = args.url, "--url"
+    elif env.get("RC_URL"):
+        url, url_from = env["RC_URL"], "RC_URL"
+    else:
+        url, url_from = DEFAULT_URL, "--url"
+    problem = url_problem(url)
+    if problem:
+        raise CliError(f"{url_from}: {problem}", 2)
+    if args.token is not None:
+        token, token_from = args.token, "--token"
+        if not token:
+            raise CliError(
+                "--token is empty; give the user token, or leave --token out to use $RC_USER_TOKEN",
+                2,
+            )
+    else:
+        token, token_from = env.get("RC_USER_TOKEN", ""), "RC_USER_TOKEN"
+    problem = token_problem(token)
+    if problem:
+        raise CliError(f"{token_from}: {problem}", 2)
+    return url, token
 
 
 def main(argv: Sequence[str] | None = None) -> int:

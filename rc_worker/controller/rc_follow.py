@@ -17,12 +17,12 @@ import select
 import sys
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 import trio
 
 from rc_worker.controller.messages import TERMINAL_STATES
+from rc_worker.controller.rc_input import path_segment
 from rc_worker.core import boundedjson
 from rc_worker.core.durations import format_duration
 
@@ -76,7 +76,7 @@ def job_path(job_id: str, *rest: str) -> str:
     holding ``?``, ``#`` or ``%`` (a typo, or an adopted job's id, which comes from a
     worker) must name that job, never cut the path short (``rc logs 'J?x'`` printed
     J's record as its output)."""
-    return "/".join(("/v1/jobs", quote(job_id, safe=""), *rest))
+    return "/".join(("/v1/jobs", path_segment("job id", job_id), *rest))
 
 
 def raise_for(r: httpx.Response) -> None:

@@ -32,6 +32,7 @@ from rc_worker.controller.rc_cli import (
     build_parser,
     parse_worker_token,
 )
+from rc_worker.controller.rc_input import url_problem
 from rc_worker.controller.serve import serve
 from rc_worker.controller.standby import Leader, guard_lead, wait_to_lead
 from rc_worker.controller.state import StoreConfig
@@ -46,6 +47,13 @@ def serve_settings(
 ) -> tuple[dict[str, str], dict[str, User]]:
     worker: dict[str, str] = {}
     for text in [*_split_list(env.get("RC_WORKER_TOKENS", "")), *args.worker_token]:
+        if not text.strip() or (text.startswith("=") and text.count("=") == 1 and text != "="):
+            # '' would let any request without a token in; '=HOST' is a TOKEN=HOST whose
+            # TOKEN went missing (an empty $(cat file)), not a token that starts with '='.
+            raise CliError(
+                f"rc serve: --worker-token {text!r}: the token is empty; write TOKEN or TOKEN=HOST",
+                2,
+            )
         token, host = parse_worker_token(text)
         worker[token] = host
     users: dict[str, User] = {}
@@ -61,6 +69,10 @@ def serve_settings(
             "(or set RC_WORKER_TOKENS and RC_USER_TOKENS)",
             2,
         )
+    for url in args.webhook:
+        problem = url_problem(url, "webhook", "give an http:// or https:// URL to POST events to")
+        if problem:
+            raise CliError(f"rc serve: --webhook: {problem}", 2)
     host, sep, port = args.listen.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise CliError(
