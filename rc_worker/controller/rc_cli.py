@@ -70,26 +70,22 @@ __all__ = [
 # --- argument parsing -----------------------------------------------------------------------
 
 
-def _at_least_one(text: str) -> int:
+def _whole_number(text: str, least: int, below: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is less than 1; give N >= 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} {below}")
     return value
+
+
+def _at_least_one(text: str) -> int:
+    return _whole_number(text, 1, "is less than 1; give N >= 1")
 
 
 def _byte_offset(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(
-            f"{value} is negative; give a byte of the output, 0 (the start) or more"
-        )
-    return value
+    return _whole_number(text, 0, "is negative; give a byte of the output, 0 (the start) or more")
 
 
 def _duration(text: str) -> float:
