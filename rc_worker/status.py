@@ -19,8 +19,9 @@ import json
 import os
 import stat
 import sys
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import httpx
 import trio
@@ -154,6 +155,22 @@ def configure(subparsers: Any) -> None:
     parser.set_defaults(func=status_main)
 
 
+ANSWER_MAX_BYTES: Final = 16 << 20
+"""A worker's ``/status`` is a few KiB per device; an answer this large is something else,
+and reading on would hold all of it in memory."""
+ANSWER_TIMEOUT_S: Final = 10.0
+"""How long the whole answer may take: httpx's read timeout is per read, so a peer that
+sends a byte now and then would otherwise keep ``rc-worker status`` waiting for ever."""
+
+
+class NotAWorker(ValueError):
+    """What answered is not an rc-worker's status endpoint; the message says how it showed."""
+
+
+class _TooSlow(Exception):
+    """The answer did not arrive, whole, within :data:`ANSWER_TIMEOUT_S`."""
+
+
 def status_main(args: argparse.Namespace) -> int:
     url = args.url
     if url is None:
@@ -171,28 +188,167 @@ def status_main(args: argparse.Namespace) -> int:
             return 2
         url = config.status_listen
         token = config.status_token
+        check = (
+            "check that status_listen in the config is the address this host's rc-worker "
+            "serves (restart the worker after changing it) and that no other service uses it"
+        )
     else:
         token = args.token
+        check = (
+            "check that --url is the address in the worker's status_listen "
+            "(e.g. 127.0.0.1:9100 or unix:/run/rc-worker/status.sock)"
+        )
+    if not url.startswith(("unix:", "http://", "https://")):
+        url = "http://" + url
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        if url.startswith("unix:"):
-            transport = httpx.HTTPTransport(uds=url[len("unix:") :])
-            with httpx.Client(transport=transport, base_url="http://worker") as client:
-                response = client.get("/status", headers=headers, timeout=10.0)
-        else:
-            if not url.startswith(("http://", "https://")):
-                url = "http://" + url
-            response = httpx.get(url.rstrip("/") + "/status", headers=headers, timeout=10.0)
-        response.raise_for_status()
-        data: Any = boundedjson.loads(response.content)
+        code, body = _fetch(url, headers)
+        data = read_answer(code, body)
+    except httpx.InvalidURL as e:
+        print(
+            f"rc-worker: {url!r} is not a usable address ({_one_line(e)}); give HOST:PORT, "
+            "http://HOST:PORT or unix:/path/to/socket, as in status_listen",
+            file=sys.stderr,
+        )
+        return 2
+    except (httpx.TimeoutException, _TooSlow):
+        print(
+            f"rc-worker: what listens at {url} did not answer within {ANSWER_TIMEOUT_S:g}s; "
+            f"{check}, and that the worker is not stopped (SIGSTOP) or overloaded",
+            file=sys.stderr,
+        )
+        return 1
+    except NotAWorker as e:
+        print(
+            f"rc-worker: what answered at {url} is not an rc-worker ({e}); {check}", file=sys.stderr
+        )
+        return 1
     except (httpx.HTTPError, ValueError) as e:
-        print(f"rc-worker: cannot read the worker's status at {url}: {e}", file=sys.stderr)
+        print(
+            f"rc-worker: cannot read the worker's status at {url}: {_one_line(e)}",
+            file=sys.stderr,
+        )
         return 1
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
         print(format_status(data))
     return 0
+
+
+def _fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """``GET /status`` at ``url`` (``http(s)://…`` or ``unix:/path``): the
+    status code and at most :data:`ANSWER_MAX_BYTES` of the body, within
+    :data:`ANSWER_TIMEOUT_S` in all."""
+    if url.startswith("unix:"):
+        transport: httpx.HTTPTransport | None = httpx.HTTPTransport(uds=url[len("unix:") :])
+        base = "http://worker"
+    else:
+        transport = None
+        base = url
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    data = bytearray()
+    with (
+        httpx.Client(transport=transport, base_url=base, timeout=ANSWER_TIMEOUT_S) as client,
+        client.stream("GET", "/status", headers=headers) as response,
+    ):
+        for chunk in response.iter_bytes():
+            data += chunk
+            if len(data) > ANSWER_MAX_BYTES:
+                raise NotAWorker(
+                    f"its /status answer is larger than {ANSWER_MAX_BYTES >> 20} MiB, "
+                    "which no worker sends"
+                )
+            if time.monotonic() > deadline:
+                raise _TooSlow
+        return response.status_code, bytes(data)
+
+
+def read_answer(code: int, body: bytes) -> dict[str, Any]:
+    """The status in an answer to ``GET /status``, or :class:`NotAWorker` saying why it
+    is not a worker's: :func:`format_status` can show whatever this returns."""
+    if not 200 <= code < 300:
+        raise NotAWorker(f"it answered GET /status with HTTP {code}")
+    try:
+        data = boundedjson.loads(body)
+    except ValueError as e:
+        raise NotAWorker(f"its /status answer is not JSON: {_one_line(e)}") from None
+    problem = status_problem(data)
+    if problem is not None:
+        raise NotAWorker(f"its /status answer {problem}")
+    return cast(dict[str, Any], data)
+
+
+def status_problem(data: object) -> str | None:
+    """What keeps ``data`` from being what a worker's ``GET /status`` says
+    (:meth:`rc_worker.worker.Worker.status`), or None. Only what ``rc-worker status`` reads
+    is checked, so that a newer worker's additions still show."""
+    if not isinstance(data, dict):
+        return f"is a JSON {_json_kind(data)}, not an object"
+    for key in ("version", "host"):
+        if not isinstance(data.get(key), str):
+            return f'has no "{key}" string'
+    problem = _kinds(data, {"session": str, "not_ready_reason": str}, nullable=True)
+    if problem is None:
+        problem = _kinds(data, {"reports_pending": int})
+    if problem is not None:
+        return f"has {problem}"
+    devices = data.get("devices")
+    if not isinstance(devices, dict):
+        return 'has no "devices" object'
+    for name, dev in devices.items():
+        where = f"device {_quote(name)}"
+        if not isinstance(dev, dict):
+            return f"has {where} as a JSON {_json_kind(dev)}, not an object"
+        for key in ("state", "idle_behavior"):
+            if not isinstance(dev.get(key), str):
+                return f'has no "{key}" string for {where}'
+        problem = _kinds(
+            dev, {"job_id": str, "attempt": int, "held_for_health": str}, nullable=True
+        )
+        faults = dev.get("faults", [])
+        if problem is None and not (
+            isinstance(faults, list) and all(isinstance(f, str) for f in faults)
+        ):
+            problem = '"faults" that is not a list of strings'
+        if problem is not None:
+            return f"has {problem} for {where}"
+    return None
+
+
+def _kinds(data: dict[str, Any], kinds: dict[str, type], *, nullable: bool = False) -> str | None:
+    """Which of ``kinds`` (key: type) ``data`` holds with another type; absent is fine."""
+    for key, kind in kinds.items():
+        if key not in data or (nullable and data[key] is None):
+            continue
+        value = data[key]
+        # bool is an int to Python, never to a worker.
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f'"{key}" as a JSON {_json_kind(value)}'
+    return None
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, dict):
+        return "object"
+    return "array" if isinstance(value, list) else "string"
+
+
+def _quote(name: str) -> str:
+    # JSON escapes newlines and control characters: the message stays one line.
+    text = json.dumps(name)
+    return text if len(text) <= 40 else text[:36] + '..."'
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
 
 
 def format_status(data: dict[str, Any]) -> str:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import attrs
 import httpx
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
+from rc_worker import status as status_module
 from rc_worker.cli import main
 from rc_worker.status import format_status
 from rc_worker.testing import local_system, make_config
@@ -230,3 +236,256 @@ async def test_spool_bytes_count_what_the_controller_has_not_taken(tmp_path: Pat
         if line.startswith("rc_worker_spool_bytes ")
     ]
     assert size >= 10  # the output, and the journal beside it
+
+
+# -- what answers at the address might not be a worker -----------------------------
+
+Peer = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+@asynccontextmanager
+async def _peer(handle: Peer, unix: Path | None = None) -> AsyncIterator[str]:
+    """Serve ``handle`` on 127.0.0.1 (or the Unix socket ``unix``) while the block runs;
+    the address to give ``rc-worker status``."""
+    async with trio.open_nursery() as nursery:
+        if unix is None:
+            listeners = await nursery.start(trio.serve_tcp, handle, 0)
+            address = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        else:
+            sock = trio.socket.socket(trio.socket.AF_UNIX)
+            await sock.bind(str(unix))
+            sock.listen()
+            await nursery.start(trio.serve_listeners, handle, [trio.SocketListener(sock)])
+            address = f"unix:{unix}"
+        yield address
+        nursery.cancel_scope.cancel()
+
+
+async def _read_head(stream: trio.SocketStream) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some()
+        if not chunk:
+            return
+        data += chunk
+
+
+def _answering(body: bytes, status: str = "200 OK") -> Peer:
+    async def handle(stream: trio.SocketStream) -> None:
+        await _read_head(stream)
+        await stream.send_all(
+            f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+            + body
+        )
+
+    return handle
+
+
+async def _status_cli(argv: list[str]) -> int:
+    # A thread, as the command is synchronous; abandoned if it hangs, so the guard fails it.
+    with trio.fail_after(60):
+        code: int = await trio.to_thread.run_sync(main, argv, abandon_on_cancel=True)
+    return code
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+WORKER_LIKE = {"version": "1.0", "host": "h1", "devices": {}}
+
+NOT_WORKER_ANSWERS = {
+    "array": (b"[]", "200 OK", "is a JSON array, not an object"),
+    "empty object": (b"{}", "200 OK", 'has no "version" string'),
+    "null": (b"null", "200 OK", "is a JSON null"),
+    "html": (b"<html>hello</html>", "200 OK", "is not JSON"),
+    "not found": (b'{"detail": "Not Found"}', "404 Not Found", "with HTTP 404"),
+    "devices a list": (
+        json.dumps({**WORKER_LIKE, "devices": []}).encode(),
+        "200 OK",
+        'has no "devices" object',
+    ),
+    "device without state": (
+        json.dumps({**WORKER_LIKE, "devices": {"gpu0": {"idle_behavior": "run"}}}).encode(),
+        "200 OK",
+        'has no "state" string for device "gpu0"',
+    ),
+    "faults not a list": (
+        json.dumps(
+            {
+                **WORKER_LIKE,
+                "devices": {"gpu0": {"state": "free", "idle_behavior": "run", "faults": 3}},
+            }
+        ).encode(),
+        "200 OK",
+        '"faults" that is not a list of strings for device "gpu0"',
+    ),
+}
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
+@pytest.mark.parametrize("case", list(NOT_WORKER_ANSWERS))
+async def test_an_answer_that_is_not_a_worker_is_one_line(
+    case: str, json_flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another service at the address: one line saying so and what to check, exit 1 (as for
+    a worker that cannot be reached), never a traceback or an empty table with exit 0."""
+    body, status, problem = NOT_WORKER_ANSWERS[case]
+    async with _peer(_answering(body, status)) as address:
+        code = await _status_cli(["status", "--url", address, *json_flag])
+    captured = capsys.readouterr()
+    line = _one_line(captured.err)
+    assert code == 1
+    assert f"what answered at {address} is not an rc-worker" in line
+    assert problem in line
+    assert "check that --url is the address in the worker's status_listen" in line
+    assert captured.out == ""
+
+
+async def test_a_unix_socket_peer_from_the_config_names_status_listen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock = tmp_path / "s.sock"
+    path = tmp_path / "w.yaml"
+    path.write_text(f"devices: [gpu0]\nstatus_listen: unix:{sock}\n")
+    async with _peer(_answering(b"[1, 2]"), unix=sock):
+        code = await _status_cli(["status", "--config", str(path)])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 1
+    assert f"what answered at unix:{sock} is not an rc-worker" in line
+    assert "check that status_listen in the config is the address" in line
+
+
+async def test_an_answer_of_a_worker_shape_is_shown(capsys: pytest.CaptureFixture[str]) -> None:
+    body = {
+        **WORKER_LIKE,
+        "session": None,
+        "reports_pending": 0,
+        "devices": {"gpu0": {"state": "free", "idle_behavior": "run", "job_id": None}},
+        "jobs_hidden": True,
+    }
+    async with _peer(_answering(json.dumps(body).encode())) as address:
+        code = await _status_cli(["status", "--url", address])
+    assert code == 0
+    assert "gpu0" in capsys.readouterr().out
+
+
+async def test_an_endless_answer_is_cut_at_the_limit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Read up to ANSWER_MAX_BYTES, not until memory runs out. The peer stops by itself at
+    32 times the limit so that a client reading without one ends too."""
+    limit = 1 << 20
+    monkeypatch.setattr(status_module, "ANSWER_MAX_BYTES", limit, raising=False)
+    sent = 0
+
+    async def endless(stream: trio.SocketStream) -> None:
+        nonlocal sent
+        await _read_head(stream)
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        chunk = b"0," * 32768
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while sent < 32 * limit:
+                await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+
+    async with _peer(endless) as address:
+        code = await _status_cli(["status", "--url", address])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 1
+    assert "answer is larger than 1 MiB" in line
+    assert "is not an rc-worker" in line
+    assert sent < 32 * limit  # it hung up early
+
+
+@pytest.mark.parametrize("kind", ["silent", "trickle"])
+async def test_a_peer_that_does_not_answer_in_time_is_one_line(
+    kind: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A peer that accepts and says nothing, or sends a byte now and then (so that no single
+    read times out): bounded by ANSWER_TIMEOUT_S over the whole answer. Each peer gives up
+    by itself after 20 s so that a client without the bound ends too."""
+    monkeypatch.setattr(status_module, "ANSWER_TIMEOUT_S", 0.5, raising=False)
+
+    async def slow(stream: trio.SocketStream) -> None:
+        await _read_head(stream)
+        with trio.move_on_after(20), contextlib.suppress(trio.BrokenResourceError):
+            if kind == "silent":
+                await trio.sleep_forever()
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            while True:
+                await stream.send_all(b"1\r\n \r\n")
+                await trio.sleep(0.05)
+
+    async with _peer(slow) as address:
+        code = await _status_cli(["status", "--url", address])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 1
+    assert f"what listens at {address} did not answer within 0.5s" in line
+    assert "not stopped (SIGSTOP) or overloaded" in line
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://h:abc"])
+def test_an_unusable_url_is_bad_usage(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--url", url]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "is not a usable address" in line
+    assert "give HOST:PORT, http://HOST:PORT or unix:/path/to/socket" in line
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=10,
+)
+_device = st.fixed_dictionaries(
+    {"state": st.text() | _json, "idle_behavior": st.text() | _json},
+    optional={
+        "job_id": st.none() | st.text() | _json,
+        "attempt": st.none() | st.integers() | _json,
+        "faults": st.lists(st.text()) | _json,
+        "held_for_health": st.none() | st.text() | _json,
+    },
+)
+_statusish = st.fixed_dictionaries(
+    {
+        "version": st.text() | _json,
+        "host": st.text() | _json,
+        "devices": st.dictionaries(st.text(), _device | _json, max_size=3) | _json,
+    },
+    optional={
+        "session": st.none() | st.text() | _json,
+        "reports_pending": st.integers() | _json,
+        "not_ready_reason": st.none() | st.text() | _json,
+        "ready": _json,
+        "draining": _json,
+    },
+)
+
+
+@given(st.one_of(_json, _statusish), st.sampled_from([200, 204, 302, 404, 500]))
+def test_an_answer_is_refused_in_one_line_or_shown(value: object, code: int) -> None:
+    """Whatever answers: either NotAWorker with a one-line reason, or a status that
+    format_status shows without failing."""
+    from rc_worker.status import NotAWorker, read_answer
+
+    body = json.dumps(value).encode()
+    try:
+        data = read_answer(code, body)
+    except NotAWorker as e:
+        problem = str(e)
+    else:
+        assert 200 <= code < 300
+        assert format_status(data).startswith("host ")
+        return
+    assert problem
+    assert "\n" not in problem
