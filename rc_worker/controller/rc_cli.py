@@ -489,8 +489,15 @@ def _unreadable(error: BaseException, url: str) -> CliError:
 
 
 def _out(text: str) -> None:
-    sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    sys.stdout.flush()
+    """Print ``text`` (a line is added) on stdout: every command's output but the bytes of a
+    job's own (:mod:`rc_follow`'s sinks). A reader that closed stdout (``rc ps | head -1``)
+    is :class:`StdoutClosed`, which ``amain`` turns into a quiet exit 0."""
+    line = text if text.endswith("\n") else text + "\n"
+    try:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise StdoutClosed(len(line.encode())) from None
 
 
 async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
@@ -635,7 +642,15 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         raise
     status = run_exit_status(job)
     if args.json:
-        _out(json.dumps(job, indent=2))  # output_truncated is in it
+        try:
+            _out(json.dumps(job, indent=2))  # output_truncated is in it
+        except StdoutClosed:
+            # As without --json (the job's output there), a closed stdout is reported, not
+            # a quiet 0: rc run's status is the job's, and nothing on stdout says rc failed.
+            raise CliError(
+                f"cannot write the record of job {job_id} to stdout (Broken pipe); it ended "
+                f"{job['state']}: rc show --json {job_id}"
+            ) from None
     elif job.get("output_truncated") and not args.quiet:
         # On stderr: stdout is the job's own output, as it was kept.
         print(f"rc: {_truncated_message(job)}", file=sys.stderr)
@@ -662,11 +677,7 @@ def _translate(group: BaseExceptionGroup[Exception], url: str = "") -> CliError:
 
 
 async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
-    try:
-        return await _print_logs(client, args)
-    except BrokenPipeError:
-        # The truncation marker, printed after the reader of stdout closed it.
-        raise StdoutClosed(0) from None
+    return await _print_logs(client, args)
 
 
 async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
@@ -701,8 +712,7 @@ def _truncation_marker(job: Any, *, json_mode: bool) -> None:
     message = _truncated_message(job)
     if json_mode:
         line = {"output_truncated": True, "committed_bytes": kept, "message": message}
-        sys.stdout.write(json.dumps(line) + "\n")
-        sys.stdout.flush()
+        _out(json.dumps(line))
     else:
         _out(f"\n[rc: {message}]")
 
@@ -792,9 +802,10 @@ async def amain(
         args = build_parser().parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
-    if args.command == "completion":
-        return completion.print_script(build_parser, args.shell)
     try:
+        if args.command == "completion":
+            _out(completion.render(build_parser(), args.shell))
+            return 0
         if args.command == "serve":
             # The server stack (Starlette, hypercorn, the stores) loads only for `rc serve`:
             # every other command is a short-lived client, and starts in a fraction of the time.
@@ -824,7 +835,8 @@ async def amain(
             except UNREADABLE as e:
                 raise _unreadable(e, url) from e
     except StdoutClosed:
-        # `rc logs J | head -c 10`: the reader has what it wanted; nothing to report.
+        # `rc logs J | head -c 10`, `rc ps | head -1`: the reader has what it wanted; nothing
+        # to report. (`rc run` turned it into a CliError: its status is the job's.)
         rc_follow.quiet_stdout()
         return 0
     except CliError as e:

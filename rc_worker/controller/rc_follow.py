@@ -51,8 +51,9 @@ class ControllerGone(CliError):
 class StdoutClosed(CliError):
     """Whoever read stdout closed it (``rc logs J | head -c 10``): it has what it wanted.
 
-    ``rc logs`` then stops quietly with status 0 (``rc_cli.amain``), as ``rc-worker``'s
-    commands do; ``rc run`` still reports it, since its status is the job's."""
+    Every ``rc`` command then stops quietly with status 0 (``rc_cli.amain``), as
+    ``rc-worker``'s commands do, except ``rc run`` (``--json`` or not), which still reports
+    it: its status is the job's, and a quiet 0 would say the job succeeded."""
 
     def __init__(self, unwritten: int) -> None:
         super().__init__(

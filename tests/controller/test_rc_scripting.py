@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 from collections.abc import AsyncIterator
 
@@ -43,6 +44,89 @@ async def rc_run(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
         [RC, *argv], env=rc_env(url), capture_stdout=True, capture_stderr=True, check=False
     )
+
+
+async def rc_into_closed_pipe(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    """``rc ARGV | head -c 0``: stdout a pipe whose reader is gone before rc writes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return await trio.run_process(
+            [RC, *argv], env=rc_env(url), stdout=write_end, capture_stderr=True, check=False
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ps"],
+        ["ps", "--json"],
+        ["ps", "--all"],
+        ["show", "{job}"],
+        ["show", "--json", "{job}"],
+        ["events"],
+        ["events", "--json"],
+        ["devices"],
+        ["devices", "--json"],
+        ["pool"],
+        ["sheet", "box1/gpu0"],
+        ["idle", "box1/gpu0", "run"],
+        ["host", "resume", "box1"],
+        ["submit", "--", "x"],
+        ["submit", "--json", "--", "x"],
+        ["cancel", "{job}"],
+        ["completion", "bash"],
+    ],
+    ids=" ".join,
+)
+async def test_every_command_into_a_closed_pipe_stops_quietly(served: str, argv: list[str]) -> None:
+    # `rc ps --json | head -1`: as `rc logs`, every command but `rc run` stops with status 0
+    # and says nothing (they said "rc: [Errno 32] Broken pipe" and exited 1; `rc completion`
+    # printed a traceback).
+    async with httpx.AsyncClient(base_url=served) as http:
+        with trio.fail_after(60):
+            await FakeWorker(http, token=WORKER).register()
+            submitted = await rc_run(served, "submit", "--", "x")
+            job = submitted.stdout.decode().strip()
+            done = await rc_into_closed_pipe(served, *(arg.format(job=job) for arg in argv))
+    assert done.stderr == b""
+    assert done.returncode == 0
+
+
+@pytest.mark.parametrize("json_mode", [False, True])
+async def test_rc_run_into_a_closed_pipe_says_so(served: str, json_mode: bool) -> None:
+    # rc run's status is the job's: a quiet 0 would say it succeeded. So a closed stdout is
+    # one line and status 1, whether it was to carry the output or (--json) the record.
+    async with httpx.AsyncClient(base_url=served) as http:
+        w = FakeWorker(http, token=WORKER)
+        with trio.fail_after(60):
+            await w.register()
+            async with trio.open_nursery() as nursery:
+                done: list[subprocess.CompletedProcess[bytes]] = []
+
+                async def run() -> None:
+                    argv = ["run", *(["--json"] if json_mode else []), "--", "x"]
+                    done.append(await rc_into_closed_pipe(served, *argv))
+
+                nursery.start_soon(run)
+                a = await w.run_one(output=b"out\n")
+    [proc] = done
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    job = a["job_id"]
+    assert err.splitlines()[0] == f"rc: job {job}"
+    if json_mode:
+        assert err.splitlines()[1:] == [
+            "out",  # the job's output, on stderr with --json
+            f"rc: cannot write the record of job {job} to stdout (Broken pipe); it ended "
+            f"succeeded: rc show --json {job}",
+        ]
+    else:
+        assert err.splitlines()[1:] == [
+            "rc: cannot write the output to stdout (Broken pipe); 4 bytes were not written"
+        ]
 
 
 async def test_run_json_prints_only_the_final_record(served: str) -> None:
