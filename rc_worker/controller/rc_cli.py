@@ -29,6 +29,9 @@ from rc_worker._version import __version__
 from rc_worker.controller import rc_follow
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.rc_follow import (
+    ANSWER_MAX_BYTES,
+    ANSWER_TIMEOUT,
+    ANSWER_TIMEOUT_S,
     EXIT_CONTROLLER_GONE,
     CliError,
     Reconnect,
@@ -37,7 +40,6 @@ from rc_worker.controller.rc_follow import (
     raise_for,
 )
 from rc_worker.controller.rc_input import path_segment, token_problem, url_problem
-from rc_worker.core import boundedjson
 from rc_worker.core.durations import DURATION_HELP, parse_duration, parse_size
 
 log = logging.getLogger("rc_worker.controller")
@@ -55,6 +57,9 @@ EXIT_LOST_LEAD = 3
 DEFAULT_RECONNECT_S = 60.0
 
 __all__ = [
+    "ANSWER_MAX_BYTES",
+    "ANSWER_TIMEOUT",
+    "ANSWER_TIMEOUT_S",
     "EXIT_CONTROLLER_GONE",
     "EXIT_KILLED",
     "EXIT_NOT_RUN",
@@ -417,65 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
 # --- client plumbing ------------------------------------------------------------------------
 
 
-ANSWER_MAX_BYTES: Final = 256 << 20
-"""The largest answer ``rc`` reads (a page of 1,000 jobs is a few MiB): past it the other end
-is not a controller answering one request, and reading on would only fill this machine's
-memory."""
-ANSWER_TIMEOUT_S: Final = 60.0
-"""How long ``rc`` waits for the next byte of an answer that is not a followed stream (a
-controller answers in milliseconds; a long-poll of events waits 30 s): one that never
-answers is reported rather than waited on for ever."""
-ANSWER_TIMEOUT: Final = httpx.Timeout(ANSWER_TIMEOUT_S, connect=10.0)
-
 UNREADABLE: Final = (KeyError, IndexError, TypeError, AttributeError, ValueError)
 """What reading an answer of the wrong shape raises (a field missing, a list where an
 object belongs): such an answer is one line (:func:`_unreadable`), never a traceback."""
 
 
-async def _call(
-    client: httpx.AsyncClient,
-    method: str,
-    path: str,
-    **kw: Any,
-) -> Any:
-    """One request (``kw`` as for httpx; its ``timeout`` defaults to :data:`ANSWER_TIMEOUT`);
-    its answer, a JSON object read up to :data:`ANSWER_MAX_BYTES`."""
-    data = bytearray()
-    kw.setdefault("timeout", ANSWER_TIMEOUT)
-    async with client.stream(method, path, **kw) as r:
-        async for chunk in r.aiter_bytes():
-            data += chunk
-            if len(data) > ANSWER_MAX_BYTES:
-                raise CliError(
-                    f"the answer to {method} {path} from {client.base_url} is larger than "
-                    f"{ANSWER_MAX_BYTES >> 20} MiB, which no rc controller sends; check that "
-                    "--url / RC_URL is an rc controller (rc serve)"
-                )
-        status = r.status_code
-    raise_for(httpx.Response(status, content=bytes(data)))
-    try:
-        body = boundedjson.loads(bytes(data))
-    except ValueError as e:
-        raise CliError(
-            f"the controller answered with JSON rc cannot read ({e}); check that "
-            "--url / RC_URL is an rc controller (rc serve)"
-        ) from None
-    if not isinstance(body, dict):
-        raise CliError(
-            f"the controller answered {method} {path} with a JSON {_json_kind(body)}, not an "
-            "object; check that --url / RC_URL is an rc controller (rc serve)"
-        )
-    return body
-
-
-def _json_kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    return "array" if isinstance(value, list) else "string"
+async def _call(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> Any:
+    """One request's answer, a JSON object read up to :data:`ANSWER_MAX_BYTES` within
+    :data:`ANSWER_TIMEOUT` (:func:`rc_follow.call`, which following a job uses too)."""
+    return await rc_follow.call(client, method, path, **kw)
 
 
 def _unreadable(error: BaseException, url: str) -> CliError:
@@ -693,8 +648,7 @@ async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     params = {"offset": args.offset}
     async with client.stream("GET", path, params=params, timeout=ANSWER_TIMEOUT) as r:
         if not r.is_success:
-            await r.aread()
-            raise_for(r)
+            raise_for(await rc_follow.read_answer(client, r, "GET", path))
         async for chunk in r.aiter_raw():
             sink(offset, chunk)
             offset += len(chunk)

@@ -16,7 +16,7 @@ import os
 import select
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import trio
@@ -30,6 +30,16 @@ EXIT_CONTROLLER_GONE = 3
 RETRY_FIRST_S = 0.25
 RETRY_MAX_S = 2.0
 LOG_CHUNK = 64 * 1024
+
+ANSWER_MAX_BYTES: Final = 256 << 20
+"""The largest answer ``rc`` reads (a page of 1,000 jobs is a few MiB): past it the other end
+is not a controller answering one request, and reading on would only fill this machine's
+memory."""
+ANSWER_TIMEOUT_S: Final = 60.0
+"""How long ``rc`` waits for the next byte of an answer that is not a followed stream (a
+controller answers in milliseconds; a long-poll of events waits 30 s): one that never
+answers is reported rather than waited on for ever."""
+ANSWER_TIMEOUT: Final = httpx.Timeout(ANSWER_TIMEOUT_S, connect=10.0)
 
 Sink = Callable[[int, bytes], None]
 """Takes ``(offset, data)`` for each chunk of output, in order."""
@@ -91,6 +101,58 @@ def raise_for(r: httpx.Response) -> None:
     raise CliError(f"the controller answered {r.status_code}: {message}")
 
 
+async def read_answer(
+    client: httpx.AsyncClient, r: httpx.Response, method: str, path: str
+) -> httpx.Response:
+    """The whole of the streamed answer ``r`` (to ``method path``), read up to
+    :data:`ANSWER_MAX_BYTES`, as a response that holds it; :class:`CliError` past that.
+
+    Every answer ``rc`` reads whole goes through here (its JSON, and the error answer to a
+    streamed request): an endless one would otherwise grow this process until killed."""
+    data = bytearray()
+    async for chunk in r.aiter_bytes():
+        data += chunk
+        if len(data) > ANSWER_MAX_BYTES:
+            raise CliError(
+                f"the answer to {method} {path} from {client.base_url} is larger than "
+                f"{ANSWER_MAX_BYTES >> 20} MiB, which no rc controller sends; check that "
+                "--url / RC_URL is an rc controller (rc serve)"
+            )
+    return httpx.Response(r.status_code, content=bytes(data))
+
+
+async def call(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> Any:
+    """One request (``kw`` as for httpx; its ``timeout`` defaults to :data:`ANSWER_TIMEOUT`);
+    its answer, a JSON object read up to :data:`ANSWER_MAX_BYTES` (:func:`read_answer`)."""
+    kw.setdefault("timeout", ANSWER_TIMEOUT)
+    async with client.stream(method, path, **kw) as r:
+        answer = await read_answer(client, r, method, path)
+    raise_for(answer)
+    try:
+        body = boundedjson.loads(answer.content)
+    except ValueError as e:
+        raise CliError(
+            f"the controller answered with JSON rc cannot read ({e}); check that "
+            "--url / RC_URL is an rc controller (rc serve)"
+        ) from None
+    if not isinstance(body, dict):
+        raise CliError(
+            f"the controller answered {method} {path} with a JSON {_json_kind(body)}, not an "
+            "object; check that --url / RC_URL is an rc controller (rc serve)"
+        )
+    return body
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "array" if isinstance(value, list) else "string"
+
+
 class Reconnect:
     """How long ``rc`` keeps trying while the controller does not answer.
 
@@ -138,16 +200,21 @@ class Reconnect:
 
 
 async def get_job(client: httpx.AsyncClient, job_id: str, reconnect: Reconnect) -> Any:
+    """The job's record, bounded as every answer (:func:`read_answer`); a request that
+    fails in transport, or gets no answer within :data:`ANSWER_TIMEOUT`, is tried again
+    within ``reconnect``'s window."""
+    path = job_path(job_id)
     while True:
         try:
-            r = await client.get(job_path(job_id))
+            async with client.stream("GET", path, timeout=ANSWER_TIMEOUT) as r:
+                answer = await read_answer(client, r, "GET", path)
         except httpx.TransportError as e:
             await reconnect.failed(e)
             continue
         reconnect.answered()
-        reconnect.forgotten(r)
-        raise_for(r)
-        return r.json()
+        reconnect.forgotten(answer)
+        raise_for(answer)
+        return boundedjson.loads(answer.content)
 
 
 def read_up_to_a_mebibyte() -> None:
@@ -181,9 +248,10 @@ async def follow_output(
                 "GET", job_path(job_id, "output"), params={"offset": offset, "follow": "true"}
             ) as r:
                 if not r.is_success:
-                    await r.aread()
-                    reconnect.forgotten(r)
-                    raise_for(r)
+                    path = job_path(job_id, "output")
+                    answer = await read_answer(client, r, "GET", path)
+                    reconnect.forgotten(answer)
+                    raise_for(answer)
                 reconnect.answered()
                 async for chunk in r.aiter_raw():
                     sink(offset, chunk)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from rc_worker.controller import rc_cli
+from rc_worker.controller import rc_cli, rc_follow
 from rc_worker.controller.rc_input import path_segment, token_problem, url_problem
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -166,7 +166,7 @@ async def test_an_answer_of_the_wrong_shape_is_one_line(
 async def test_an_endless_answer_is_refused_not_read_into_memory(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(rc_cli, "ANSWER_MAX_BYTES", 1 << 20)
+    monkeypatch.setattr(rc_follow, "ANSWER_MAX_BYTES", 1 << 20)
 
     async def endless() -> AsyncIterator[bytes]:
         yield b'{"jobs": ['
@@ -179,6 +179,66 @@ async def test_an_endless_answer_is_refused_not_read_into_memory(
     status, err = await rc(capsys, "ps", handler=handler)
     assert status == 1
     assert "is larger than 1 MiB" in err
+
+
+# httpx leaves its inner generators to the collector when a stream is left unfinished.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(
+    ("argv", "large"),
+    [
+        # The job's record, read when the followed output ends.
+        (["logs", "--follow", "j-1"], "record"),
+        (["run", "--", "x"], "record"),
+        # An error answer to the request for the output.
+        (["logs", "j-1"], "error"),
+        (["logs", "--follow", "j-1"], "error"),
+        (["run", "--", "x"], "error"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v,
+)
+async def test_every_answer_rc_reads_whole_is_bounded(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    large: str,
+) -> None:
+    # Following a job read its record with an unbounded r.json(), and error answers to the
+    # output request with an unbounded aread(): an endless answer grew rc until killed.
+    monkeypatch.setattr(rc_follow, "ANSWER_MAX_BYTES", 1 << 20, raising=False)
+    record_timeouts: list[object] = []
+
+    async def too_large() -> AsyncIterator[bytes]:
+        # Endless but for a test that must end even where rc reads it all: 3 MiB.
+        for _ in range(3 * 1024):
+            yield b" " * 1024
+
+    async def nothing() -> AsyncIterator[bytes]:
+        return
+        yield b""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(200, json={"job_id": "j-1"})
+        if request.url.path.endswith("/output"):
+            if large == "error":
+                return httpx.Response(500, content=too_large())
+            return httpx.Response(200, content=nothing())  # no output; the job has ended
+        record_timeouts.append(request.extensions["timeout"]["read"])
+        return httpx.Response(200, content=too_large())
+
+    env = {"RC_URL": "http://rc", "RC_USER_TOKEN": "ut"}
+    status = await rc_cli.amain(argv, env=env, transport=httpx.MockTransport(handler))
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rc: the answer to GET /v1/jobs/j-1"), err
+    assert last.endswith(
+        "is larger than 1 MiB, which no rc controller sends; check that "
+        "--url / RC_URL is an rc controller (rc serve)"
+    ), err
+    # A record that never comes is reported too (or retried while following), not waited on.
+    assert record_timeouts in ([], [rc_follow.ANSWER_TIMEOUT_S])
 
 
 async def test_an_answer_that_never_comes_is_reported(
