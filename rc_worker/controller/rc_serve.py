@@ -90,6 +90,35 @@ def check_listen(args: argparse.Namespace) -> None:
         raise CliError(f"rc serve: {problem}; stop what holds it, or choose another --listen", 1)
 
 
+class _Reporting(trio.TaskStatus[list[str]]):
+    """Passes ``started`` on to ``inner``, and remembers whether it was called: a failure
+    before it is one line (``rc serve`` has not said it listens), one after it is not
+    turned into a startup error."""
+
+    def __init__(self, inner: trio.TaskStatus[list[str]]) -> None:
+        self.inner = inner
+        self.called = False
+
+    def started(self, value: list[str] | None = None) -> None:
+        self.called = True
+        self.inner.started(value if value is not None else [])
+
+
+def _listen_failed(listen: str, group: BaseExceptionGroup[OSError]) -> CliError:
+    """The address was free when :func:`check_listen` asked, but not by the bind (taken
+    meanwhile, say while the store opened or this controller waited as a standby): the
+    same line and status as :func:`check_listen`'s, not hypercorn's nested groups."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    reason = first.strerror if isinstance(first, OSError) and first.strerror else str(first)
+    return CliError(
+        f"rc serve: cannot listen on {listen} ({reason}); stop what holds it, or choose "
+        "another --listen",
+        1,
+    )
+
+
 PERSISTED_MAX_EVENTS: Final = 10_000
 """Events ``rc serve`` keeps in memory over a database (all of them stay in the database)."""
 
@@ -119,8 +148,10 @@ async def run_serve(
         # A caller that passes the store opened it, and checked the address before that.
         check_listen(args)
         backend = await open_serve_backend(args, env)
+    reporting = _Reporting(task_status)
+    task_status = reporting
+    listen = args.listen
     try:
-        listen = args.listen
         leader = cast("Leader | None", backend if hasattr(backend, "try_lead") else None)
         if leader is not None:
             # Several controllers may share this database: lead, or wait as a standby.
@@ -138,9 +169,13 @@ async def run_serve(
             # memory holds only the most recent, and a restart loads only those.
             config = attrs.evolve(config, max_events=PERSISTED_MAX_EVENTS)
             grace, now = args.recovery_grace, trio.current_time()
-            store, _ = await trio.to_thread.run_sync(
-                lambda: open_store(backend, config, now=now, recovery_grace_s=grace)
-            )
+            try:
+                store, _ = await trio.to_thread.run_sync(
+                    lambda: open_store(backend, config, now=now, recovery_grace_s=grace)
+                )
+            except StoreOpenError as e:
+                # As open_serve_backend's: the store opened, but its state cannot be read.
+                raise CliError(f"rc serve: {e}", 2) from None
             durability = Durability(store, backend)
             log.info("controller state in %s", backend.description)
         else:
@@ -176,6 +211,10 @@ async def run_serve(
                 "stopped so that only one controller is active",
                 EXIT_LOST_LEAD,
             )
+    except* OSError as group:
+        if reporting.called:
+            raise
+        raise _listen_failed(listen, group) from None
     finally:
         backend.close()
 
@@ -221,14 +260,14 @@ async def _serve_until_signalled(
                         say(f"rc: {name}: finishing the requests in flight, then stopping")
                     stop.set()
 
-            async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
+            async def serve_then_stop() -> None:
                 try:
                     await run_serve(
                         argv,
                         env=env,
                         shutdown_trigger=stop.wait,
                         backend=backend,
-                        task_status=task_status,
+                        task_status=_SayListening(),
                     )
                 except CliError as e:
                     failed.append(e)  # raised below, outside the nursery: one line, no group
@@ -236,12 +275,22 @@ async def _serve_until_signalled(
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(on_signals)
-            binds = await nursery.start(serve_then_stop)
-            say(f"rc: controller listening on {', '.join(binds)}")
+            # Not nursery.start: run_serve may end before it listens (a failure, now a
+            # CliError; a standby stopped), and start() would make that "child exited
+            # without calling task_status.started()" in an exception group.
+            nursery.start_soon(serve_then_stop)
     if failed:
         raise failed[0]
     say("rc: controller stopped")
     return 0
+
+
+class _SayListening(trio.TaskStatus[list[str]]):
+    """``run_serve``'s report that it listens, said on stderr (service managers and tests
+    wait for this line)."""
+
+    def started(self, value: list[str] | None = None) -> None:
+        say(f"rc: controller listening on {', '.join(value or [])}")
 
 
 def say(line: str) -> None:

@@ -52,12 +52,21 @@ def open_store(
     """A store holding what ``backend`` keeps; also whether anything was there.
 
     On a store that had state, every known host starts ``unknown`` (the recovery
-    phase) for at most ``recovery_grace_s``.
+    phase) for at most ``recovery_grace_s``. A stored record this version cannot read
+    (edited by hand, or garbled) is a :class:`StoreOpenError` too, never guessed at.
     """
     config = config or StoreConfig()
     loaded = backend.load(config.max_events)
     store = Store(config)
     had_state = bool(loaded.meta.get("instance"))
     if had_state:
-        restore(store, loaded, now=now, recovery_grace_s=recovery_grace_s)
+        try:
+            restore(store, loaded, now=now, recovery_grace_s=recovery_grace_s)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise StoreOpenError(
+                f"cannot read the state stored in {backend.description}: a record is not "
+                f"one this version can read ({what}); restore a backup of the store, or "
+                "start on an empty one"
+            ) from e
     return store, had_state
