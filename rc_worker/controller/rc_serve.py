@@ -151,13 +151,17 @@ async def run_serve(
     reporting = _Reporting(task_status)
     task_status = reporting
     listen = args.listen
+    binding = False
     try:
         leader = cast("Leader | None", backend if hasattr(backend, "try_lead") else None)
         if leader is not None:
-            # Several controllers may share this database: lead, or wait as a standby.
+            # Several controllers may share this database: lead, or wait as a standby
+            # (listening as one: a bind).
+            binding = True
             chosen = await wait_to_lead(
                 leader, listen, shutdown_trigger=shutdown_trigger, task_status=task_status
             )
+            binding = False
             if chosen is None:
                 return
             listen, reported = chosen
@@ -201,6 +205,7 @@ async def run_serve(
                 )
                 nursery.cancel_scope.cancel()  # shut down: the lock's guard has nothing to do
 
+            binding = True
             binds: list[str] = await nursery.start(serving)
             task_status.started(binds)
             if leader is not None:
@@ -212,7 +217,9 @@ async def run_serve(
                 EXIT_LOST_LEAD,
             )
     except* OSError as group:
-        if reporting.called:
+        # Only the bind's own failure: an OSError from opening the store (a state file
+        # it may not read, say) must not be called an address problem.
+        if reporting.called or not binding:
             raise
         raise _listen_failed(listen, group) from None
     finally:

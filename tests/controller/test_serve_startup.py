@@ -224,3 +224,19 @@ async def test_a_standby_stopped_before_it_listens_stops_cleanly(
     assert status == 0
     assert capsys.readouterr().err == "rc: controller stopped\n"
     assert backend.closed
+
+
+async def test_an_os_error_opening_the_store_is_not_called_an_address_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only the bind's failure is "cannot listen on": an OSError while the store's state is
+    read (a file it may not read, say) is not said to be the address's."""
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "state"))
+
+    monkeypatch.setattr(rc_serve_module, "open_store", refused)
+    argv = ["serve", "--listen", "127.0.0.1:0", "--user-token", USER, "--worker-token", WORKER]
+    with trio.fail_after(GUARD), pytest.RaisesGroup(PermissionError, flatten_subgroups=True):
+        await rc_cli.amain([*argv, "--state-dir", str(tmp_path / "state")], env={})
+    assert "cannot listen" not in capsys.readouterr().err
