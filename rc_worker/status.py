@@ -284,7 +284,7 @@ def status_problem(data: object) -> str | None:
     (:meth:`rc_worker.worker.Worker.status`), or None. Only what ``rc-worker status`` reads
     is checked, so that a newer worker's additions still show."""
     if not isinstance(data, dict):
-        return f"is a JSON {_json_kind(data)}, not an object"
+        return f"is a JSON {boundedjson.kind(data)}, not an object"
     for key in ("version", "host"):
         if not isinstance(data.get(key), str):
             return f'has no "{key}" string'
@@ -299,7 +299,7 @@ def status_problem(data: object) -> str | None:
     for name, dev in devices.items():
         where = f"device {_quote(name)}"
         if not isinstance(dev, dict):
-            return f"has {where} as a JSON {_json_kind(dev)}, not an object"
+            return f"has {where} as a JSON {boundedjson.kind(dev)}, not an object"
         for key in ("state", "idle_behavior"):
             if not isinstance(dev.get(key), str):
                 return f'has no "{key}" string for {where}'
@@ -324,20 +324,8 @@ def _kinds(data: dict[str, Any], kinds: dict[str, type], *, nullable: bool = Fal
         value = data[key]
         # bool is an int to Python, never to a worker.
         if isinstance(value, bool) or not isinstance(value, kind):
-            return f'"{key}" as a JSON {_json_kind(value)}'
+            return f'"{key}" as a JSON {boundedjson.kind(value)}'
     return None
-
-
-def _json_kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, dict):
-        return "object"
-    return "array" if isinstance(value, list) else "string"
 
 
 def _quote(name: str) -> str:

@@ -137,20 +137,10 @@ async def call(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> 
         ) from None
     if not isinstance(body, dict):
         raise CliError(
-            f"the controller answered {method} {path} with a JSON {_json_kind(body)}, not an "
+            f"the controller answered {method} {path} with a JSON {boundedjson.kind(body)}, not an "
             "object; check that --url / RC_URL is an rc controller (rc serve)"
         )
     return body
-
-
-def _json_kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    return "array" if isinstance(value, list) else "string"
 
 
 class Reconnect:

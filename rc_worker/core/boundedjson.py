@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Final
 
-__all__ = ["MAX_DEPTH", "JsonTooDeep", "NotFinite", "depth", "loads"]
+__all__ = ["MAX_DEPTH", "JsonTooDeep", "NotFinite", "depth", "kind", "loads"]
 
 MAX_DEPTH: Final = 64
 """The deepest message of the protocol nests about 5 levels; this leaves room and stays far
@@ -140,3 +140,17 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> object:
 
 def _too_deep(max_depth: int) -> JsonTooDeep:
     return JsonTooDeep(f"JSON nested too deep; at most {max_depth} levels are accepted")
+
+
+def kind(value: object) -> str:
+    """The JSON name of a decoded value's type (``object``, ``array``, ``null``...), for
+    messages that say what came instead of what was expected."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, dict):
+        return "object"
+    return "array" if isinstance(value, list) else "string"
