@@ -29,9 +29,7 @@ from rc_worker._version import __version__
 from rc_worker.controller import rc_follow
 from rc_worker.controller import rc_format as fmt
 from rc_worker.controller.rc_follow import (
-    ANSWER_MAX_BYTES,
     ANSWER_TIMEOUT,
-    ANSWER_TIMEOUT_S,
     EXIT_CONTROLLER_GONE,
     CliError,
     Reconnect,
@@ -57,9 +55,6 @@ EXIT_LOST_LEAD = 3
 DEFAULT_RECONNECT_S = 60.0
 
 __all__ = [
-    "ANSWER_MAX_BYTES",
-    "ANSWER_TIMEOUT",
-    "ANSWER_TIMEOUT_S",
     "EXIT_CONTROLLER_GONE",
     "EXIT_KILLED",
     "EXIT_NOT_RUN",
@@ -427,12 +422,6 @@ UNREADABLE: Final = (KeyError, IndexError, TypeError, AttributeError, ValueError
 object belongs): such an answer is one line (:func:`_unreadable`), never a traceback."""
 
 
-async def _call(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> Any:
-    """One request's answer, a JSON object read up to :data:`ANSWER_MAX_BYTES` within
-    :data:`ANSWER_TIMEOUT` (:func:`rc_follow.call`, which following a job uses too)."""
-    return await rc_follow.call(client, method, path, **kw)
-
-
 def _unreadable(error: BaseException, url: str) -> CliError:
     """An answer ``rc`` could not read (``error`` is one of :data:`UNREADABLE`)."""
     what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
@@ -466,7 +455,9 @@ async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
             yield data
 
     try:
-        await _call(client, "PUT", job_path(job_id, "stdin"), content=chunks(), timeout=None)
+        await rc_follow.call(
+            client, "PUT", job_path(job_id, "stdin"), content=chunks(), timeout=None
+        )
     except httpx.TransportError:
         # Not resumable (a second upload is refused): the job has seen end of file.
         print(
@@ -528,7 +519,7 @@ async def _devices(client: httpx.AsyncClient, args: argparse.Namespace) -> list[
     while True:
         want = DEVICES_PAGE if args.limit is None else min(DEVICES_PAGE, args.limit - len(out))
         page = {**params, "limit": want, **({} if after is None else {"after": after})}
-        body = await _call(client, "GET", "/v1/devices", params=page)
+        body = await rc_follow.call(client, "GET", "/v1/devices", params=page)
         out += body["devices"]
         after = body.get("next")
         if after is None or (args.limit is not None and len(out) >= args.limit):
@@ -546,7 +537,7 @@ async def _jobs(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any
         k: v for k in ("state", "host", "select") if (v := getattr(args, k)) is not None
     }
     if not args.all:
-        body = await _call(
+        body = await rc_follow.call(
             client, "GET", "/v1/jobs", params={**params, "limit": args.limit, "order": "desc"}
         )
         return list(reversed(body["jobs"]))  # the most recent, shown oldest first
@@ -554,7 +545,7 @@ async def _jobs(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any
     after = None
     while True:
         page = {**params, "limit": JOBS_PAGE, **({} if after is None else {"after": after})}
-        body = await _call(client, "GET", "/v1/jobs", params=page)
+        body = await rc_follow.call(client, "GET", "/v1/jobs", params=page)
         out += body["jobs"]
         after = body.get("next")
         if after is None:
@@ -562,7 +553,7 @@ async def _jobs(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any
 
 
 async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
-    submitted = await _call(client, "POST", "/v1/jobs", json=_submit_body(args))
+    submitted = await rc_follow.call(client, "POST", "/v1/jobs", json=_submit_body(args))
     job_id: str = submitted["job_id"]
     if submitted.get("pending_code") == "no_match":
         print(
@@ -632,10 +623,6 @@ def _translate(group: BaseExceptionGroup[Exception], url: str = "") -> CliError:
 
 
 async def _cmd_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
-    return await _print_logs(client, args)
-
-
-async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
     sink = rc_follow.json_lines if args.json else rc_follow.to_stream(sys.stdout)
     if args.follow:
         reconnect = Reconnect(args.reconnect, str(client.base_url), args.job)
@@ -652,7 +639,7 @@ async def _print_logs(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         async for chunk in r.aiter_raw():
             sink(offset, chunk)
             offset += len(chunk)
-    job = await _call(client, "GET", job_path(args.job))
+    job = await rc_follow.call(client, "GET", job_path(args.job))
     _truncation_marker(job, json_mode=args.json)
     return 0
 
@@ -689,37 +676,39 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         body = {"jobs": await _jobs(client, args)}
         text = fmt.jobs_table(body["jobs"])
     elif c == "show":
-        body = await _call(client, "GET", job_path(args.job))
+        body = await rc_follow.call(client, "GET", job_path(args.job))
         text = fmt.job_details(body)
     elif c == "cancel":
         payload = {"reason": args.reason} if args.reason else {}
-        body = await _call(client, "POST", job_path(args.job, "cancel"), json=payload)
+        body = await rc_follow.call(client, "POST", job_path(args.job, "cancel"), json=payload)
         text = fmt.cancel_result(body)
     elif c == "devices":
         body = {"devices": await _devices(client, args)}
         text = fmt.devices_table(body["devices"])
     elif c == "sheet":
-        body = await _call(client, "GET", "/v1/devices/{}/{}/sheet".format(*map(_seg, args.device)))
+        body = await rc_follow.call(
+            client, "GET", "/v1/devices/{}/{}/sheet".format(*map(_seg, args.device))
+        )
         text = fmt.sheet(body)
     elif c == "clear" and args.device[1] is None:
-        body = await _call(client, "POST", f"/v1/hosts/{_seg(args.device[0])}/clear")
+        body = await rc_follow.call(client, "POST", f"/v1/hosts/{_seg(args.device[0])}/clear")
         text = fmt.clear_host_result(body)
     elif c == "clear":
-        body = await _call(
+        body = await rc_follow.call(
             client, "POST", "/v1/devices/{}/{}/clear".format(*map(_seg, args.device))
         )
         text = fmt.clear_result(body)
     elif c == "idle":
         path = "/v1/devices/{}/{}/idle-behavior".format(*map(_seg, args.device))
-        body = await _call(client, "POST", path, json={"idle_behavior": args.behavior})
+        body = await rc_follow.call(client, "POST", path, json={"idle_behavior": args.behavior})
         text = f"{body['address']}: idle behavior {body['idle_behavior']}"
     elif c == "pool":
-        body = await _call(client, "GET", "/v1/pool", params={"class": args.class_label})
+        body = await rc_follow.call(client, "GET", "/v1/pool", params={"class": args.class_label})
         text = fmt.pool_summary(body)
     elif c == "host":
         payload = {"force": True} if args.force else {}
         path = f"/v1/hosts/{_seg(args.host)}/{args.action}"
-        body = await _call(client, "POST", path, json=payload)
+        body = await rc_follow.call(client, "POST", path, json=payload)
         text = fmt.host_result(args.action, args.host, body)
     elif c == "events":
         return await _cmd_events(client, args)
@@ -733,7 +722,7 @@ async def _cmd_events(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     after = args.after
     while True:
         params = {"after": after, "wait_s": 30 if args.follow else 0}
-        body = await _call(client, "GET", "/v1/events", params=params)
+        body = await rc_follow.call(client, "GET", "/v1/events", params=params)
         for event in body["events"]:
             _out(json.dumps(event) if args.json else fmt.event_line(event))
             after = event["seq"]

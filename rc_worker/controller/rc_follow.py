@@ -232,13 +232,11 @@ async def follow_output(
     client: httpx.AsyncClient, job_id: str, offset: int, sink: Sink, reconnect: Reconnect
 ) -> Any:
     """Give ``sink`` the job's output from ``offset`` until the job ends; returns its record."""
+    path = job_path(job_id, "output")
     while True:
         try:
-            async with client.stream(
-                "GET", job_path(job_id, "output"), params={"offset": offset, "follow": "true"}
-            ) as r:
+            async with client.stream("GET", path, params={"offset": offset, "follow": "true"}) as r:
                 if not r.is_success:
-                    path = job_path(job_id, "output")
                     answer = await read_answer(client, r, "GET", path)
                     reconnect.forgotten(answer)
                     raise_for(answer)

@@ -253,7 +253,7 @@ async def test_an_answer_that_never_comes_is_reported(
     status, err = await rc(capsys, "ps", handler=handler)
     assert status == 3
     assert "did not answer in time" in err
-    assert timeouts == [rc_cli.ANSWER_TIMEOUT_S]
+    assert timeouts == [rc_follow.ANSWER_TIMEOUT_S]
 
 
 @pytest.mark.parametrize(
