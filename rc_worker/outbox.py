@@ -509,8 +509,6 @@ class Outbox:
         stalled = Backoff(
             base=client_module.RETRY_BASE_S, cap=client_module.RETRY_CAP_S, rng=self._rng
         )
-        if d.asked_under is None:
-            d.asked_under = self._client.generation
         try:
             if d.fresh and not ask:
                 # An attempt this process started: the controller cannot hold
