@@ -36,7 +36,7 @@ from starlette.routing import Route
 from rc_worker.config_load import load_config
 from rc_worker.core import boundedjson
 from rc_worker.core.errors import ConfigError
-from rc_worker.listen import bind_problem
+from rc_worker.listen import bind_problem, serve_asgi
 from rc_worker.metrics import WorkerMetrics
 
 
@@ -129,7 +129,8 @@ async def serve_status(
         await hypercorn_serve(cast(Any, app), config, task_status=task_status)
         return
     _check_listen(listen)
-    await hypercorn_serve(cast(Any, app), config, task_status=task_status)
+    # Bound (and closed) here: no unclosed socket for an address taken since the check.
+    await serve_asgi(app, config, task_status=task_status)
 
 
 def _check_listen(listen: str) -> None:

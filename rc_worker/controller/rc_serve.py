@@ -37,7 +37,7 @@ from rc_worker.controller.serve import serve
 from rc_worker.controller.standby import Leader, guard_lead, wait_to_lead
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
-from rc_worker.listen import bind_problem
+from rc_worker.listen import CannotListen, bind_problem
 
 log = logging.getLogger("rc_worker.controller")
 
@@ -87,7 +87,11 @@ def check_listen(args: argparse.Namespace) -> None:
     free again by the next start, so a service manager's retry can help."""
     problem = bind_problem(args.listen)
     if problem is not None:
-        raise CliError(f"rc serve: {problem}; stop what holds it, or choose another --listen", 1)
+        raise _cannot_listen(problem)
+
+
+def _cannot_listen(problem: str) -> CliError:
+    return CliError(f"rc serve: {problem}; stop what holds it, or choose another --listen", 1)
 
 
 class _Reporting(trio.TaskStatus[list[str]]):
@@ -111,12 +115,10 @@ def _listen_failed(listen: str, group: BaseExceptionGroup[OSError]) -> CliError:
     first: BaseException = group
     while isinstance(first, BaseExceptionGroup):
         first = first.exceptions[0]
+    if isinstance(first, CannotListen):  # the servers' own bind: its line says it all
+        return _cannot_listen(str(first))
     reason = first.strerror if isinstance(first, OSError) and first.strerror else str(first)
-    return CliError(
-        f"rc serve: cannot listen on {listen} ({reason}); stop what holds it, or choose "
-        "another --listen",
-        1,
-    )
+    return _cannot_listen(f"cannot listen on {listen} ({reason})")
 
 
 PERSISTED_MAX_EVENTS: Final = 10_000

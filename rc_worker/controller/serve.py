@@ -31,13 +31,13 @@ import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import run as hypercorn_trio_run
-from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio import tcp_server as hypercorn_tcp_server
 from starlette.applications import Starlette
 
 from rc_worker.controller.context import Controller
 from rc_worker.controller.errors import StoreUnavailable
 from rc_worker.controller.messages import Event
+from rc_worker.listen import serve_asgi
 
 __all__ = ["deliver_webhooks", "housekeeping", "serve"]
 
@@ -424,8 +424,10 @@ async def serve(
             await nursery.start(deliver_webhooks, app, webhook_client)
 
         async def http(task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(
-                cast(Any, app),
+            # On a socket bound (and closed) here: CannotListen, and no unclosed socket,
+            # for an address taken since rc serve's check (rc_worker.listen).
+            await serve_asgi(
+                app,
                 hypercorn_config(listen),
                 shutdown_trigger=shutdown_trigger,
                 task_status=task_status,

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol, cast
+from typing import Final, Protocol
 
 import trio
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -35,6 +34,7 @@ from starlette.routing import Route
 from rc_worker.controller.serve import hypercorn_config
 from rc_worker.core.model import PROTOCOL_VERSION
 from rc_worker.core.protocol import ErrorReply, HealthReply, unstructure
+from rc_worker.listen import serve_asgi
 
 __all__ = ["LEAD_CHECK_S", "STANDBY_TRY_S", "Leader", "guard_lead", "standby_app", "wait_to_lead"]
 
@@ -119,8 +119,8 @@ async def wait_to_lead(
                 done.set()
 
         async def listener(task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(
-                cast(Any, standby_app()),
+            await serve_asgi(
+                standby_app(),
                 hypercorn_config(listen),
                 shutdown_trigger=done.wait,
                 task_status=task_status,
