@@ -94,31 +94,16 @@ def _cannot_listen(problem: str) -> CliError:
     return CliError(f"rc serve: {problem}; stop what holds it, or choose another --listen", 1)
 
 
-class _Reporting(trio.TaskStatus[list[str]]):
-    """Passes ``started`` on to ``inner``, and remembers whether it was called: a failure
-    before it is one line (``rc serve`` has not said it listens), one after it is not
-    turned into a startup error."""
-
-    def __init__(self, inner: trio.TaskStatus[list[str]]) -> None:
-        self.inner = inner
-        self.called = False
-
-    def started(self, value: list[str] | None = None) -> None:
-        self.called = True
-        self.inner.started(value if value is not None else [])
-
-
-def _listen_failed(listen: str, group: BaseExceptionGroup[OSError]) -> CliError:
+def _listen_failed(group: BaseExceptionGroup[CannotListen]) -> CliError:
     """The address was free when :func:`check_listen` asked, but not by the bind (taken
-    meanwhile, say while the store opened or this controller waited as a standby): the
-    same line and status as :func:`check_listen`'s, not hypercorn's nested groups."""
+    meanwhile: while the store opened, while this controller waited as a standby, or
+    between the standby's listener closing and the active server's bind once it took
+    over): the same line and status as :func:`check_listen`'s, not hypercorn's nested
+    groups."""
     first: BaseException = group
     while isinstance(first, BaseExceptionGroup):
         first = first.exceptions[0]
-    if isinstance(first, CannotListen):  # the servers' own bind: its line says it all
-        return _cannot_listen(str(first))
-    reason = first.strerror if isinstance(first, OSError) and first.strerror else str(first)
-    return _cannot_listen(f"cannot listen on {listen} ({reason})")
+    return _cannot_listen(str(first))
 
 
 PERSISTED_MAX_EVENTS: Final = 10_000
@@ -150,20 +135,15 @@ async def run_serve(
         # A caller that passes the store opened it, and checked the address before that.
         check_listen(args)
         backend = await open_serve_backend(args, env)
-    reporting = _Reporting(task_status)
-    task_status = reporting
     listen = args.listen
-    binding = False
     try:
         leader = cast("Leader | None", backend if hasattr(backend, "try_lead") else None)
         if leader is not None:
             # Several controllers may share this database: lead, or wait as a standby
             # (listening as one: a bind).
-            binding = True
             chosen = await wait_to_lead(
                 leader, listen, shutdown_trigger=shutdown_trigger, task_status=task_status
             )
-            binding = False
             if chosen is None:
                 return
             listen, reported = chosen
@@ -207,7 +187,6 @@ async def run_serve(
                 )
                 nursery.cancel_scope.cancel()  # shut down: the lock's guard has nothing to do
 
-            binding = True
             binds: list[str] = await nursery.start(serving)
             task_status.started(binds)
             if leader is not None:
@@ -218,12 +197,13 @@ async def run_serve(
                 "stopped so that only one controller is active",
                 EXIT_LOST_LEAD,
             )
-    except* OSError as group:
-        # Only the bind's own failure: an OSError from opening the store (a state file
-        # it may not read, say) must not be called an address problem.
-        if reporting.called or not binding:
-            raise
-        raise _listen_failed(listen, group) from None
+    except* CannotListen as group:
+        # Raised only by the servers' own bind (rc_worker.listen), the standby's or the
+        # active one's, each before that server listens: the standby's "listening" line
+        # does not make the active server's bind failure after a takeover any less an
+        # address problem. An OSError from anything else (a state file it may not read,
+        # say) is not one, and passes on as it is.
+        raise _listen_failed(group) from None
     finally:
         backend.close()
 

@@ -14,7 +14,7 @@ import socket
 import sqlite3
 import warnings
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -24,6 +24,7 @@ from rc_worker.controller import rc_cli
 from rc_worker.controller import rc_serve as rc_serve_module
 from rc_worker.controller.persist import Backend
 from rc_worker.controller.persist.opening import open_backend
+from rc_worker.controller.standby import Leader, wait_to_lead
 
 from .rc_procs import RC, USER, WORKER, rc_serve
 
@@ -245,3 +246,53 @@ async def test_an_os_error_opening_the_store_is_not_called_an_address_problem(
     with trio.fail_after(GUARD), pytest.RaisesGroup(PermissionError, flatten_subgroups=True):
         await rc_cli.amain([*argv, "--state-dir", str(tmp_path / "state")], env={})
     assert "cannot listen" not in capsys.readouterr().err
+
+
+async def test_an_address_taken_after_a_standby_took_over_is_one_line_and_status_1(
+    db: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A standby listens, takes the lock, stops its listener and binds again as the active
+    controller: an address taken in between was a traceback (the standby had already said
+    it listens, so the bind's error was passed on as is); now check_listen's line and
+    status, as at a normal start."""
+    leader = open_backend(db=db)
+    assert getattr(leader, "try_lead")()  # noqa: B009 - a PostgresBackend's
+    held = socket.socket()
+    taken: list[str] = []
+
+    class FreeTheLock(trio.TaskStatus[list[str]]):
+        def __init__(self, inner: trio.TaskStatus[list[str]]) -> None:
+            self.inner = inner
+
+        def started(self, value: list[str] | None = None) -> None:
+            self.inner.started(value)
+            leader.close()  # the standby listens: now let it take the lock
+
+    async def then_taken(backend: Leader, listen: str, **kwargs: Any) -> tuple[str, bool] | None:
+        task_status = FreeTheLock(kwargs.pop("task_status"))
+        chosen = await wait_to_lead(backend, listen, task_status=task_status, **kwargs)
+        assert chosen is not None
+        # The standby's listener is closed: something else takes its port before the
+        # active controller binds it.
+        host, _, port = chosen[0].rpartition(":")
+        held.bind((host, int(port)))
+        held.listen()
+        taken.append(chosen[0])
+        return chosen
+
+    monkeypatch.setattr(rc_serve_module, "wait_to_lead", then_taken)
+    try:
+        with trio.fail_after(GUARD):
+            argv = [arg.format(listen="127.0.0.1:0") for arg in SERVE]
+            status = await rc_cli.amain([*argv, "--db", db], env={})
+    finally:
+        held.close()
+        leader.close()
+    err = capsys.readouterr().err
+    assert taken, err
+    assert status == 1, err
+    assert err.splitlines() == [
+        f"rc: controller listening on http://{taken[0]}",  # the standby
+        f"rc: rc serve: cannot listen on {taken[0]} (Address already in use); stop what holds"
+        " it, or choose another --listen",
+    ]
