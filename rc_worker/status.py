@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from rc_worker import http_input
 from rc_worker.config_load import load_config
 from rc_worker.core import boundedjson
 from rc_worker.core.errors import ConfigError
@@ -199,16 +200,19 @@ def status_main(args: argparse.Namespace) -> int:
             "check that --url is the address in the worker's status_listen "
             "(e.g. 127.0.0.1:9100 or unix:/run/rc-worker/status.sock)"
         )
-    if not url.startswith(("unix:", "http://", "https://")):
+    problem = _input_problem(url, token, from_config=args.url is None)
+    if problem is not None:
+        print(f"rc-worker: {problem}", file=sys.stderr)
+        return 2
+    if not url.startswith("unix:") and "://" not in url:
         url = "http://" + url
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         code, body = _fetch(url, headers)
         data = read_answer(code, body)
-    except httpx.InvalidURL as e:
+    except httpx.InvalidURL as e:  # what _input_problem's check let through, if anything
         print(
-            f"rc-worker: {url!r} is not a usable address ({_one_line(e)}); give HOST:PORT, "
-            "http://HOST:PORT or unix:/path/to/socket, as in status_listen",
+            f"rc-worker: {url!r} is not a usable address ({_one_line(e)}); {URL_HELP}",
             file=sys.stderr,
         )
         return 2
@@ -235,6 +239,34 @@ def status_main(args: argparse.Namespace) -> int:
     else:
         print(format_status(data))
     return 0
+
+
+URL_HELP = "give HOST:PORT, http://HOST:PORT or unix:/path/to/socket, as in status_listen"
+
+
+def _input_problem(url: str, token: str | None, *, from_config: bool) -> str | None:
+    """What keeps ``url`` and ``token`` from being asked at all, as one line, or None.
+
+    A ``HOST:PORT`` is an ``http://`` URL; any other scheme (``ftp://x``) is refused, not
+    made into ``http://ftp://x`` and reported as a host that cannot be found. A token that
+    cannot go in a header was a "cannot read the worker's status" (exit 1), as if the
+    worker were at fault.
+    """
+    if not url.startswith("unix:"):
+        given = url if "://" in url or not url.strip() else "http://" + url
+        problem = http_input.url_problem(given, "worker status", URL_HELP)
+        if problem is not None:
+            return f"{'status_listen' if from_config else '--url'}: {problem}"
+    if token is not None:
+        fix = (
+            "set status_token in the config to visible ASCII, and restart the worker"
+            if from_config
+            else "give the worker's status_token exactly as its config has it"
+        )
+        problem = http_input.token_problem(token, "status token", fix)
+        if problem is not None:
+            return f"{'status_token' if from_config else '--token'}: {problem}"
+    return None
 
 
 def _fetch(url: str, headers: dict[str, str]) -> tuple[int, bytes]:

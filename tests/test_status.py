@@ -434,12 +434,63 @@ async def test_a_peer_that_does_not_answer_in_time_is_one_line(
     assert "not stopped (SIGSTOP) or overloaded" in line
 
 
-@pytest.mark.parametrize("url", ["http://[::1", "http://h:abc"])
-def test_an_unusable_url_is_bad_usage(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://[::1", "'http://[::1' is not a worker status URL"),
+        ("http://h:abc", "'http://h:abc' is not a worker status URL"),
+        # Was made into http://ftp://x and reported as a host not found, exit 1.
+        ("ftp://x", "'ftp://x' is not a worker status URL"),
+        ("", "the worker status URL is empty"),
+        ("127.0.0.1:99999", "'http://127.0.0.1:99999' is not a worker status URL"),
+        ("127.0.0.1:0", "'http://127.0.0.1:0' names port 0"),
+        ("http://x y:9", "'http://x y:9' has white space in it"),
+    ],
+)
+def test_an_unusable_url_is_bad_usage(
+    url: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["status", "--url", url]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert "is not a usable address" in line
+    assert line.startswith(f"rc-worker: --url: {problem}"), line
     assert "give HOST:PORT, http://HOST:PORT or unix:/path/to/socket" in line
+
+
+def test_a_url_whose_scheme_is_upper_case_is_asked_as_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Not http://HTTP://...: a scheme is a scheme, whatever its case.
+    assert main(["status", "--url", "HTTP://127.0.0.1:9"]) == 1
+    assert "cannot read the worker's status at HTTP://127.0.0.1:9:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("token", ["tökén", "a\nb", "a b"])
+def test_a_token_that_cannot_go_in_a_header_is_bad_usage(
+    token: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was "cannot read the worker's status" (exit 1): the worker blamed for the token."""
+    assert main(["status", "--url", "http://127.0.0.1:9", "--token", token]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("rc-worker: --token: the status token has "), line
+    assert "which cannot be sent in an HTTP header; give the worker's status_token" in line
+
+
+def test_a_status_token_in_the_config_that_cannot_go_in_a_header_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        "devices: [gpu0]\ncontroller_url: http://ctl:8080\n"
+        "status_listen: 127.0.0.1:9\nstatus_token: tökén\n",
+        encoding="utf-8",
+    )
+    assert main(["status", "--config", str(path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line == (
+        "rc-worker: status_token: the status token has character 'ö' in it, which cannot be "
+        "sent in an HTTP header; set status_token in the config to visible ASCII, and restart "
+        "the worker"
+    )
 
 
 _json = st.recursive(

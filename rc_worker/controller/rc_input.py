@@ -9,9 +9,9 @@ looking at the network, or a request to some other path than the one meant.
 
 from __future__ import annotations
 
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-import httpx
+from rc_worker import http_input
 
 __all__ = ["path_segment", "token_problem", "url_problem"]
 
@@ -20,40 +20,18 @@ URL_HELP = "give the controller's URL, e.g. http://127.0.0.1:8080"
 
 def url_problem(url: str, what: str = "controller", fix: str = URL_HELP) -> str | None:
     """Why ``url`` cannot be a controller's URL (or a ``what`` URL, with ``fix``), or None:
-    the checks httpx would fail later (and how), made now."""
-    bad = f"{url!r} is not a {what} URL; {fix}"
-    if not url.strip():
-        return f"the {what} URL is empty; {fix}"
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # raises for a port that is not a number of 0 to 65535
-        parsed = httpx.URL(url)
-    except (ValueError, httpx.InvalidURL) as e:
-        return f"{bad} ({e})"
-    if parts.scheme not in ("http", "https") or not parsed.host:
-        return bad
-    if port == 0:
-        return f"{url!r} names port 0; {fix}"
-    if any(c.isspace() for c in url):
-        return f"{url!r} has white space in it; {fix}"
-    return None
+    the checks httpx would fail later (and how), made now (:mod:`rc_worker.http_input`)."""
+    return http_input.url_problem(url, what, fix)
 
 
 def token_problem(token: str) -> str | None:
-    """Why ``token`` cannot be sent as ``Authorization: Bearer TOKEN``, or None.
-
-    An HTTP header carries visible ASCII: a token with a newline (from ``$(cat file)``
-    of a file written on another system, say) or a non-ASCII letter cannot be sent at
-    all, so no controller could accept it.
-    """
-    for c in token:
-        if not (" " < c < "\x7f"):
-            what = f"character {c!r}" if c.isprintable() else f"{c!r}"
-            return (
-                f"the user token has {what} in it, which cannot be sent in an HTTP header; "
-                "give the token exactly as rc serve was given it (--token or RC_USER_TOKEN)"
-            )
-    return None
+    """Why the user ``token`` cannot be sent as ``Authorization: Bearer TOKEN``, or None
+    (:mod:`rc_worker.http_input`)."""
+    return http_input.token_problem(
+        token,
+        "user token",
+        "give the token exactly as rc serve was given it (--token or RC_USER_TOKEN)",
+    )
 
 
 _LISTED_BY = {"job id": " (rc ps lists them)", "host": " (rc devices lists them)"}
