@@ -11,15 +11,15 @@ a failure into one line (:func:`bind_problem`); and they bind the socket themsel
 
 from __future__ import annotations
 
+import copy
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets
-from hypercorn.trio.run import worker_serve
-from hypercorn.utils import wrap_app
+from hypercorn.trio import serve as hypercorn_serve
 
 
 class CannotListen(OSError):
@@ -85,16 +85,15 @@ async def serve_asgi(
     """``hypercorn.trio.serve(app, config)`` for a ``config.bind`` of one ``HOST:PORT``, on a
     socket bound here (:func:`listening_socket`) and closed here, whatever happens.
 
-    hypercorn binds in ``worker_serve`` only when it is given no sockets; given them (as
-    its own multi-process runner gives them), it listens on them and closes them when it
-    stops. ``serve`` itself adds only warnings about settings that do not apply to it.
+    hypercorn serves a socket it did not bind through its documented ``fd://N`` bind
+    (public configuration, unlike its internal ``worker_serve(sockets=...)``): it gets a
+    duplicate of this socket's descriptor, so each side closes only its own, hypercorn
+    when it stops and this function on the way out.
     """
     (listen,) = config.bind
     with listening_socket(listen, config.backlog) as sock:
-        await worker_serve(
-            wrap_app(app, config.wsgi_max_body_size, None),
-            config,
-            sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
-            shutdown_trigger=shutdown_trigger,
-            task_status=task_status,
+        served = copy.copy(config)  # the caller's config keeps its HOST:PORT
+        served.bind = [f"fd://{os.dup(sock.fileno())}"]
+        await hypercorn_serve(
+            app, served, shutdown_trigger=shutdown_trigger, task_status=task_status
         )
