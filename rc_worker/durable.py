@@ -23,7 +23,11 @@ Ordering guarantees (what callers may rely on):
    name: its data and its directory entry are fsynced. That is what
    ``spool.write_json_durably`` promised; the durability rules of
    docs/operations.md are unchanged. A caller that needs A on disk before B
-   exists awaits A before it issues B.
+   exists awaits A before it issues B. A write with a ``before`` (which makes
+   the directory the file goes in) also has that directory's own entry in its
+   parent fsynced: a new directory is a name too, and strict POSIX keeps it
+   only once its parent is fsynced. That fsync is shared like the others: one
+   per parent per flush, however many directories the group made there.
 2. Flushes run one at a time; within a flush, files are renamed into place in
    the order their writes were issued. A write issued after another is never
    visible before it while the host runs; after a crash only what was awaited
@@ -126,7 +130,8 @@ class Committer:
         """Write ``data`` as JSON to ``path``; returns once it is durable.
 
         ``before`` runs in the flush's thread first (creating the directory
-        the file goes in), saving a thread hop of its own.
+        the file goes in), saving a thread hop of its own; that directory's
+        entry in its parent is then fsynced with the flush (guarantee 1).
         """
         await self.write_all([(path, data)], before=before)
 
@@ -195,8 +200,7 @@ class Committer:
                 last[w.path].before = w.before
         self.files += len(unique)
         if len(unique) <= 1 or self._parallel == 1:
-            await self._run(functools.partial(_commit, self.store, unique, True))
-            self.dir_syncs += len({w.path.parent for w in unique if w.error is None})
+            self.dir_syncs += await self._run(functools.partial(_commit, self.store, unique, True))
         else:
             # One directory's files stay in one thread, in issue order: a
             # write's ``before`` creates the directory its neighbours go in.
@@ -212,8 +216,7 @@ class Committer:
                         nursery.start_soon(
                             self._run, functools.partial(_prepare_all, self.store, part)
                         )
-            await self._run(functools.partial(_commit, self.store, unique, False))
-            self.dir_syncs += len({w.path.parent for w in unique if w.error is None})
+            self.dir_syncs += await self._run(functools.partial(_commit, self.store, unique, False))
         for w in writes:
             if w is not last[w.path]:
                 w.error = last[w.path].error
@@ -250,8 +253,9 @@ def _prepare_all(store: StateStore, writes: list[_Write]) -> None:
         _prepare(store, w)
 
 
-def _commit(store: StateStore, writes: list[_Write], prepare: bool) -> None:
-    """Rename each prepared file into place in order, then fsync each directory once."""
+def _commit(store: StateStore, writes: list[_Write], prepare: bool) -> int:
+    """Rename each prepared file into place in order, then fsync each directory once,
+    then the parent of each directory a ``before`` made, once; how many fsyncs that was."""
     if prepare:
         for w in writes:
             _prepare(store, w)
@@ -266,12 +270,35 @@ def _commit(store: StateStore, writes: list[_Write], prepare: bool) -> None:
             _unlink_quietly(store, _tmp(w.path))
             continue
         dirs.setdefault(w.path.parent, []).append(w)
+    synced = 0
     for directory, members in dirs.items():
         try:
             store.fsync_dir(directory)
+            synced += 1
         except OSError as e:
             for w in members:
                 w.error = e
+    # A directory a ``before`` made (a job's, for its journal) is an entry of its
+    # parent, not yet durable: fsyncing the files and the directory itself does not
+    # keep the directory's name after a power loss by POSIX (ext4 happens to commit
+    # it with them; other file systems need not). Fsynced here, in this thread and
+    # after the directories below it, once per parent for the whole group: jobs that
+    # start together share the fsync of ``jobs/``.
+    made = {w.path.parent for w in writes if w.before is not None}
+    parents: dict[Path, list[_Write]] = {}
+    for directory, members in dirs.items():
+        if directory in made:
+            parents.setdefault(directory.parent, []).extend(w for w in members if w.error is None)
+    for parent, members in parents.items():
+        if not members:
+            continue  # every write there failed: nothing to make durable
+        try:
+            store.fsync_dir(parent)
+            synced += 1
+        except OSError as e:
+            for w in members:
+                w.error = e
+    return synced
 
 
 def _unlink_quietly(store: StateStore, path: Path) -> None:

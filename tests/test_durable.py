@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -16,8 +17,9 @@ import trio
 import trio.testing
 
 from rc_worker.durable import Committer
-from rc_worker.spool import read_json
+from rc_worker.spool import JobDir, ensure_state_dir, read_json
 from rc_worker.testing import make_config
+from rc_worker.testing.simdisk import SimDisk
 from rc_worker.worker import Worker
 
 
@@ -285,3 +287,71 @@ async def test_an_unexpected_failure_in_a_flush_leaves_no_writer_believing_its_f
     # Every writer, the flush's leader too, gets an I/O error naming the bug.
     assert all(o.startswith("OSError: durable write failed") for o in outcomes), outcomes
     assert all("a bug in the flush" in o for o in outcomes), outcomes
+
+
+# -- a new directory's own entry ------------------------------------------------------
+
+
+class RecordingDisk(SimDisk):
+    """A strict simulated disk (a new directory is a name like any other: kept by a power
+    loss only once its parent is fsynced) that records each directory fsync; one directory
+    (``fail``) refuses its fsync."""
+
+    def __init__(self, fail: Path | None = None) -> None:
+        super().__init__()
+        self.strict_dirs = True
+        self.dir_fsyncs: list[Path] = []
+        self.fail = fail
+
+    def fsync_dir(self, path: Path) -> None:
+        if path == self.fail:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        super().fsync_dir(path)
+        self.dir_fsyncs.append(path)
+
+
+async def inline(fn: Callable[[], Any]) -> Any:
+    """Run blocking work inline, as the simulated host does."""
+    await trio.lowlevel.checkpoint()
+    return fn()
+
+
+def state_on(disk: SimDisk) -> Path:
+    root = Path("/state")
+    ensure_state_dir(str(root), disk)
+    disk.sync()  # the state directory itself was made long ago
+    return root
+
+
+async def test_a_journal_in_a_new_job_directory_survives_a_power_loss() -> None:
+    disk = RecordingDisk()
+    root = state_on(disk)
+    committer = Committer(inline, store=disk)
+    dirs = [JobDir(root, f"j-{i}.1", disk) for i in range(5)]
+    async with trio.open_nursery() as nursery:
+        for jd in dirs:
+            nursery.start_soon(
+                functools.partial(committer.write, jd.journal, {"job_id": jd.key}, before=jd.create)
+            )
+    disk.power_loss()
+    # Every awaited journal is there: the job directories' own entries in jobs/ were
+    # fsynced too, not only the journals in them.
+    for jd in dirs:
+        assert read_json(jd.journal, disk) == {"job_id": jd.key}
+    # Shared: one fsync of jobs/ for the five directories the flush made there.
+    assert disk.dir_fsyncs.count(root / "jobs") == 1
+    assert sorted(disk.dir_fsyncs) == sorted([root / "jobs", *(jd.path for jd in dirs)])
+    assert committer.flushes == 1
+    assert committer.dir_syncs == 6
+
+
+async def test_a_write_whose_new_directory_cannot_be_made_durable_fails() -> None:
+    disk = RecordingDisk(fail=Path("/state/jobs"))
+    root = state_on(disk)
+    committer = Committer(inline, store=disk)
+    jd = JobDir(root, "j-1.1", disk)
+    with pytest.raises(OSError, match="Input/output error"):
+        await committer.write(jd.journal, {"job_id": jd.key}, before=jd.create)
+    # A file into a directory that exists already needs no fsync of its parent.
+    await committer.write(jd.finish, {"outcome": "succeeded"})
+    assert read_json(jd.finish, disk) == {"outcome": "succeeded"}

@@ -18,7 +18,9 @@ file system promises them:
   comes back as it was at its last fsync;
 - a new directory survives at once (a simplification: a journalling file
   system commits a ``mkdir`` with the next fsync of anything, and the worker
-  always fsyncs a file in a directory it creates).
+  always fsyncs a file in a directory it creates); with
+  :attr:`SimDisk.strict_dirs`, as strict POSIX has it, only once its parent
+  was fsynced after it, like any other name.
 
 What a dead worker's code still does (``SimHost.worker_died``: its shielded
 cleanup runs while it is cancelled) changes nothing on the disk, as a SIGKILLed
@@ -119,6 +121,9 @@ class SimDisk:
         """Bytes the disk holds (``None``: no limit); past it writes fail with ``ENOSPC``."""
         self.torn_writes = False
         """A power loss leaves the first half of each write not yet fsynced."""
+        self.strict_dirs = False
+        """A new directory survives a power loss only once its parent was fsynced
+        after it (strict POSIX); by default at once (module doc)."""
         self._locks: dict[tuple[str, ...], int] = {}
         self.fsyncs = 0
         """How many fsyncs (files and directories) were asked for: free here, counted."""
@@ -238,7 +243,9 @@ class SimDisk:
             if found is None:
                 if not parents and i < len(parts) - 1:
                     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-                found = node.entries[part] = node.durable[part] = _Dir()
+                found = node.entries[part] = _Dir()
+                if not self.strict_dirs:
+                    node.durable[part] = found
             elif not isinstance(found, _Dir):
                 raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
             node = found
