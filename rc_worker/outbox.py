@@ -69,6 +69,10 @@ class _Delivery:
     report: dict[str, Any] | None = None
     """The finish this process made (on disk too, if the disk took it); ``None`` for
     one a previous process left on disk, read from there."""
+    finish_durable: bool = False
+    """Whether ``report`` is known durable on disk: its write completed, the
+    directory fsync included. Never inferred from ``finish.json`` existing: a write
+    whose directory fsync failed leaves the file there, not durable."""
     asked_under: int | None = None
     """The client's registration (:attr:`ControllerClient.generation`) under which the
     last output request went: the controller's word on the committed offset holds for it."""
@@ -210,8 +214,11 @@ class Outbox:
             delivery.finish_ready.set()
 
     async def _write_finish(self, key: str, delivery: _Delivery, report: Mapping[str, Any]) -> None:
+        # Replaced on disk by this write: durable again only once it completes.
+        delivery.finish_durable = False
         try:
             await self.committer.write(delivery.job_dir.finish, report)
+            delivery.finish_durable = True
         except OSError as e:
             # A directory that vanished is made again, journal and all: held in
             # memory only, the outcome would be lost if the worker stopped first.
@@ -230,8 +237,13 @@ class Outbox:
 
     async def write_held(self, delivery: _Delivery) -> bool:
         """Write a finish held in memory only (the disk refused it, or its directory
-        vanished since) to disk, with its directory and the journal this process
-        wrote if they are gone too; whether the finish is on disk now.
+        vanished since, or its directory fsync failed) to disk, with its directory and
+        the journal this process wrote if they are gone too; whether the finish is
+        durable on disk now.
+
+        Known durable (:attr:`_Delivery.finish_durable`) and still there, not merely
+        present: an earlier write whose directory fsync failed left ``finish.json`` in
+        place, and a power loss could still take it. Such a finish is written again.
 
         The journal goes first, as when the job was spawned: a crash between the
         two leaves a job that was interrupted, never a finish the controller's
@@ -239,7 +251,7 @@ class Outbox:
         to be reported in ``recovery`` at the next start).
         """
         jd = delivery.job_dir
-        if delivery.report is None or jd.store.exists(jd.finish):
+        if delivery.report is None or _finish_on_disk(delivery):
             return True
         writes: list[tuple[Path, Mapping[str, Any]]] = []
         if jd.written_journal is not None and not jd.store.exists(jd.journal):
@@ -253,6 +265,7 @@ class Outbox:
         except OSError as e:
             log.error("job %s: still cannot write its finish (%s)", jd.key, e)
             return False
+        delivery.finish_durable = True
         return True
 
     async def write_held_reports(self) -> None:
@@ -281,9 +294,7 @@ class Outbox:
         held = [
             d.job_dir.key
             for d in self._deliveries.values()
-            if d.report is not None
-            and not d.done.is_set()
-            and not d.job_dir.store.exists(d.job_dir.finish)
+            if d.report is not None and not d.done.is_set() and not _finish_on_disk(d)
         ]
         # Fault reports the disk refused are held in memory only too.
         return held + [path.name for path in self._in_memory]
@@ -324,6 +335,7 @@ class Outbox:
                 report=dict(report),
                 device=device if isinstance(device, str) else None,
                 fresh=True,
+                finish_durable=True,
             )
         )
 
@@ -675,6 +687,12 @@ def _spooled(d: _Delivery) -> int:
     except OSError as e:  # a failing disk: nothing can be read there either
         log.warning("job %s: cannot stat its spooled output: %s", d.job_dir.key, e)
         return 0
+
+
+def _finish_on_disk(d: _Delivery) -> bool:
+    """Whether this process's finish is durable on disk: its write completed (directory
+    fsync included) and the file is still there (its directory may have vanished since)."""
+    return d.finish_durable and d.job_dir.has_finish()
 
 
 def _output_exists(d: _Delivery) -> bool:

@@ -28,6 +28,7 @@ from test_delivery import (
 )
 
 from rc_worker import client as client_module
+from rc_worker.durable import Committer
 from rc_worker.outbox import Outbox, _Delivery
 from rc_worker.spool import JobDir, ensure_state_dir
 from rc_worker.statestore import LinuxStore
@@ -292,3 +293,43 @@ async def test_a_held_report_of_an_attempt_that_never_ran_starts_at_zero_unasked
     client = Holding(holds=0)
     await deliver_held(tmp_path, client, fresh=True)
     assert client.requests == [(0, b"x" * 300)]
+
+
+class FsyncRefusedOnce(LinuxStore):
+    """The real disk, except that the first fsync of directory ``refuse`` fails (EIO);
+    every directory fsync that succeeds is recorded."""
+
+    def __init__(self, refuse: Path) -> None:
+        self.refuse: Path | None = refuse
+        self.synced: list[Path] = []
+
+    def fsync_dir(self, path: Path) -> None:
+        if path == self.refuse:
+            self.refuse = None
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        super().fsync_dir(path)
+        self.synced.append(path)
+
+
+async def test_a_finish_whose_directory_fsync_failed_is_written_again_at_the_stop(
+    tmp_path: Path,
+) -> None:
+    """The file is there (renamed into place) but a power loss could take it: it counts as
+    held in memory, and the stop writes it again, fsync and all. Before, its mere existence
+    passed for durable: nothing was rewritten and the stop said nothing was at risk."""
+    root = ensure_state_dir(tmp_path)
+    jd = JobDir(root, "j-1.1")
+    jd.create()
+    store = FsyncRefusedOnce(refuse=jd.path)
+    jd.store = store
+    outbox = Outbox(root, object(), committer=Committer(store=store))  # type: ignore[arg-type]
+    delivery = _Delivery(jd, "j-1", 1, device="gpu0", fresh=True)
+    outbox._deliveries[jd.key] = delivery
+    await outbox.finish(jd.key, {"outcome": "succeeded"})
+    assert jd.finish.exists()  # renamed into place; its directory's fsync refused
+    assert store.synced == []
+    assert outbox.held_in_memory() == [jd.key]
+    await outbox.write_held_reports()
+    assert jd.path in store.synced  # written again, its directory fsynced this time
+    assert json.loads(jd.finish.read_text()) == {"outcome": "succeeded"}
+    assert outbox.held_in_memory() == []
