@@ -442,9 +442,11 @@ class DeviceSupervisor:
         report = not_run_report(a, "error", "", error=detail)
         try:
             if self.ctx.outbox.tracking(key):
-                report["output_bytes"] = JobDir(
-                    self.ctx.root, key, self.ctx.host.store
-                ).output_size()
+                # The spool's count, as a finish after a run says (``_run``): what the
+                # delivery ships, a disk error's marker held in memory included. The
+                # file's size would leave that out, and the finish would claim less
+                # output than the controller was sent.
+                report["output_bytes"] = self.ctx.outbox.spooled(key)
                 await self.ctx.outbox.finish(key, report)
             else:
                 await self.ctx.report(a, report)

@@ -345,6 +345,11 @@ class Outbox:
         if delivery is not None:
             await delivery.done.wait()
 
+    def spooled(self, key: str) -> int:
+        """How many bytes of output the delivery of this job attempt has to ship: its
+        spool's count (a disk error's marker held in memory included), else its file's."""
+        return _spooled(self._deliveries[key])
+
     def tracking(self, key: str) -> bool:
         """Whether a delivery for this job attempt is under way."""
         return key in self._deliveries

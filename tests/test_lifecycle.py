@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -416,6 +417,35 @@ async def test_a_bug_while_serving_one_device_quarantines_it_and_spares_the_rest
             assert system.device("gpu0").faults[0].kind == "dirty"
             fine = system.submit(["echo", "ok"], device="test-host/gpu1")
             assert (await system.wait_job(fine)).state == "succeeded"
+
+
+async def test_a_bug_after_the_disk_refused_the_output_reports_what_was_delivered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk refuses every append (ENOSPC): the spool holds its marker in memory and
+    ships it, so the spool counts those bytes and the output file has none. The finish a
+    bug forces must say the spool's count, as every other finish does: before, it said the
+    file's size (0), less than the controller was sent."""
+    import rc_worker.device
+    import rc_worker.statestore
+
+    def full(self: object, data: memoryview) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def verify_that_breaks(*args: Any, **kwargs: Any) -> VerifyResult:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rc_worker.statestore._LinuxAppend, "write", full)
+    monkeypatch.setattr(rc_worker.device, "run_verify", verify_that_breaks)
+    with trio.fail_after(30):
+        async with local_system(config(tmp_path, "gpu0")) as system:
+            broken = system.submit(["echo", "out"], device="test-host/gpu0")
+            info = await system.wait_job(broken)
+            assert info.state == "error"
+            assert "internal worker error: RuntimeError: boom" in (info.error or "")
+            output = system.output(broken)
+            assert b"ENOSPC" in output  # the spool's marker, from memory
+            assert info.output_bytes == len(output)
 
 
 async def test_shutdown_grace_bounds_the_drain(tmp_path: Path) -> None:
