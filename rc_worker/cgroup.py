@@ -293,22 +293,33 @@ async def _until_empty(
 
 
 class _Terminator:
-    """Sends SIGTERM once to each process it is shown, through a pin (see ``Host.pin``)."""
+    """Sends SIGTERM once to each process it is shown, through a pin (see ``Host.pin``).
+
+    A process is known by its pid *and* start time, as the environment sweep knows
+    it: a pid freed during the grace and taken by a new process in the cgroup (a
+    job's fork loop) names another process, which gets its own polite SIGTERM
+    rather than going straight to ``cgroup.kill``.
+    """
 
     def __init__(self, host: Host, active: bool) -> None:
         self.host = host
         self.active = active
-        self.pins: dict[int, ProcessPin | None] = {}
+        self.pins: dict[tuple[int, int], ProcessPin | None] = {}
 
     def signal(self, pids: tuple[int, ...]) -> None:
         if not self.active:
             return
         for pid in pids:
-            if pid in self.pins:
-                continue
+            # Read each poll (one procfs stat per member): only the start time
+            # tells a pid's new holder from the process already signalled.
             row = self.host.process(pid)
-            pin = None if row is None else self.host.pin(pid, row.start_time)
-            self.pins[pid] = pin
+            if row is None:
+                continue  # gone already: nothing to signal
+            key = (pid, row.start_time)
+            if key in self.pins:
+                continue
+            pin = self.host.pin(pid, row.start_time)
+            self.pins[key] = pin
             if pin is not None:
                 pin.send_signal(signal.SIGTERM)
 

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from rc_worker.cgroup import (
     CgroupUnavailable,
     Containment,
+    _Terminator,
     clear_strays,
     cpu_max_value,
     kill_all,
@@ -51,6 +52,7 @@ from rc_worker.core.errors import ConfigError
 from rc_worker.core.model import Assignment, Claim, VerifyResult
 from rc_worker.core.reports import finish_report
 from rc_worker.host import LinuxHost
+from rc_worker.procfs import ProcessInfo
 from rc_worker.recovery import recover
 from rc_worker.spool import JobDir, write_json_durably
 from rc_worker.supervise import JobSpec, run_job
@@ -618,3 +620,53 @@ async def test_moving_the_worker_for_a_spawn_happens_off_the_event_loop(
     assert f"0::{real.containment.tree}/" in bytes(sink.data).decode()  # born in the job's
     assert len(threads) >= 2  # in and back out
     assert not any(threads)
+
+
+class ReusedPids:
+    """The two calls the sweep's terminator makes of a host: ``process`` (a row of the
+    process table) and ``pin``. ``started[pid]`` is the start time of the process that
+    holds ``pid`` now; each signal sent through a pin is recorded with whom it reached."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, int] = {}
+        self.sent: list[tuple[int, int, int]] = []
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        if pid not in self.started:
+            return None
+        return ProcessInfo(pid, 1, pid, pid, "S", start_time=self.started[pid])
+
+    def pin(self, pid: int, start_time: int) -> _RecordingPin | None:
+        if self.started.get(pid) != start_time:
+            return None
+        return _RecordingPin(self, pid, start_time)
+
+
+class _RecordingPin:
+    def __init__(self, host: ReusedPids, pid: int, start_time: int) -> None:
+        self.host, self.pid, self.start_time = host, pid, start_time
+
+    def send_signal(self, sig: int) -> bool:
+        self.host.sent.append((self.pid, self.start_time, sig))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_pid_taken_by_a_new_process_in_the_cgroup_gets_its_own_sigterm() -> None:
+    host = ReusedPids()
+    term = _Terminator(host, active=True)  # type: ignore[arg-type]
+    host.started = {100: 5, 101: 5}
+    term.signal((100, 101))
+    term.signal((100, 101))  # the same processes, polled again: nothing more
+    assert host.sent == [(100, 5, signal.SIGTERM), (101, 5, signal.SIGTERM)]
+    # 100 exits during the grace and a new process in the cgroup gets its pid.
+    host.started[100] = 9
+    term.signal((100, 101))
+    assert host.sent[2:] == [(100, 9, signal.SIGTERM)]
+    # Gone between the listing and the look: nothing sent, nothing remembered.
+    del host.started[101]
+    term.signal((100, 101))
+    assert len(host.sent) == 3
+    term.close()
