@@ -60,11 +60,24 @@ def move_aside(root: Path, path: Path, why: str, store: StateStore = LINUX_STORE
 def ensure_state_dir(path: str, store: StateStore = LINUX_STORE) -> Path:
     """Create the state directory (mode 0700) and its subdirectories."""
     root = Path(path)
+    existing = root
+    while not store.exists(existing) and existing.parent != existing:
+        existing = existing.parent
     store.mkdir(root, parents=True)
     # mkdir's mode is masked by the umask and ignored for an existing dir.
     store.chmod(root, 0o700)
     store.mkdir(root / "jobs")
     store.mkdir(root / "faults")
+    # The directories are names too: by strict POSIX they outlive a power loss only once
+    # their parents are fsynced, and a job's journal later counts on ``jobs/`` being there.
+    # Each directory made here, from the root up to the first one that was there already.
+    # Once a start, before any job: not on the hot path.
+    store.fsync_dir(root)
+    if existing != root:
+        for parent in root.parents:
+            store.fsync_dir(parent)
+            if parent == existing:
+                break
     return root
 
 

@@ -320,6 +320,8 @@ def state_on(disk: SimDisk) -> Path:
     root = Path("/state")
     ensure_state_dir(str(root), disk)
     disk.sync()  # the state directory itself was made long ago
+    if isinstance(disk, RecordingDisk):
+        disk.dir_fsyncs.clear()  # counted from here: the writes under test
     return root
 
 
@@ -355,3 +357,16 @@ async def test_a_write_whose_new_directory_cannot_be_made_durable_fails() -> Non
     # A file into a directory that exists already needs no fsync of its parent.
     await committer.write(jd.finish, {"outcome": "succeeded"})
     assert read_json(jd.finish, disk) == {"outcome": "succeeded"}
+
+
+def test_a_new_state_directory_survives_a_power_loss() -> None:
+    # jobs/ and faults/, and the state directory itself, are names in their parents: a
+    # journal later written under jobs/ counts on them outliving a power loss.
+    disk = RecordingDisk()
+    root = Path("/var/lib/rc/state")
+    ensure_state_dir(str(root), disk)
+    disk.power_loss()
+    assert disk.is_dir(root / "jobs")
+    assert disk.is_dir(root / "faults")
+    # Once each, from the state directory up to the first that was there already (/).
+    assert disk.dir_fsyncs == [root, *root.parents]
