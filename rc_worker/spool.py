@@ -57,27 +57,34 @@ def move_aside(root: Path, path: Path, why: str, store: StateStore = LINUX_STORE
     return target
 
 
-def ensure_state_dir(path: str, store: StateStore = LINUX_STORE) -> Path:
-    """Create the state directory (mode 0700) and its subdirectories."""
-    root = Path(path)
-    existing = root
+def make_dirs_durably(path: Path, store: StateStore = LINUX_STORE) -> None:
+    """``mkdir -p path``, with each directory it made fsynced into its parent.
+
+    A directory is a name too: by strict POSIX it outlives a power loss only once its
+    parent is fsynced, and a job's journal later counts on the state directory being
+    there. Fsynced from ``path`` up to the first directory that was there already.
+    """
+    existing = path
     while not store.exists(existing) and existing.parent != existing:
         existing = existing.parent
-    store.mkdir(root, parents=True)
+    store.mkdir(path, parents=True)
+    if existing != path:
+        for parent in path.parents:
+            store.fsync_dir(parent)
+            if parent == existing:
+                break
+
+
+def ensure_state_dir(path: str, store: StateStore = LINUX_STORE) -> Path:
+    """Create the state directory (mode 0700) and its subdirectories, durably (once a
+    start, before any job: not on the hot path)."""
+    root = Path(path)
+    make_dirs_durably(root, store)
     # mkdir's mode is masked by the umask and ignored for an existing dir.
     store.chmod(root, 0o700)
     store.mkdir(root / "jobs")
     store.mkdir(root / "faults")
-    # The directories are names too: by strict POSIX they outlive a power loss only once
-    # their parents are fsynced, and a job's journal later counts on ``jobs/`` being there.
-    # Each directory made here, from the root up to the first one that was there already.
-    # Once a start, before any job: not on the hot path.
-    store.fsync_dir(root)
-    if existing != root:
-        for parent in root.parents:
-            store.fsync_dir(parent)
-            if parent == existing:
-                break
+    store.fsync_dir(root)  # jobs/ and faults/, if just made
     return root
 
 

@@ -74,7 +74,7 @@ from rc_worker.outbox import Outbox
 from rc_worker.probe import Prober
 from rc_worker.recovery import Damaged, Recovered, recover
 from rc_worker.sheets import SheetReader
-from rc_worker.spool import ensure_state_dir
+from rc_worker.spool import ensure_state_dir, make_dirs_durably
 from rc_worker.status import serve_status, status_app
 from rc_worker.worker_poll import Polling
 
@@ -202,7 +202,7 @@ class Worker(Polling):
     def _lock_state_dir(self) -> AbstractContextManager[object]:
         root = Path(self.config.state_dir)
         try:
-            self.host.store.mkdir(root, parents=True)
+            make_dirs_durably(root, self.host.store)
         except OSError as e:
             raise _state_dir_error(self.config.state_dir, e) from None
         return self.host.store.lock(root, pid=self.host.own_pid())

@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from rc_worker.durable import Committer
-from rc_worker.spool import JobDir, ensure_state_dir, read_json
+from rc_worker.spool import JobDir, ensure_state_dir, make_dirs_durably, read_json
 from rc_worker.testing import make_config
 from rc_worker.testing.simdisk import SimDisk
 from rc_worker.worker import Worker
@@ -369,4 +369,18 @@ def test_a_new_state_directory_survives_a_power_loss() -> None:
     assert disk.is_dir(root / "jobs")
     assert disk.is_dir(root / "faults")
     # Once each, from the state directory up to the first that was there already (/).
-    assert disk.dir_fsyncs == [root, *root.parents]
+    assert disk.dir_fsyncs == [*root.parents, root]
+
+
+def test_directories_made_for_the_lock_are_fsynced_up_to_one_that_existed() -> None:
+    # The worker makes the state directory for its lock, before ensure_state_dir sees it.
+    disk = RecordingDisk()
+    disk.mkdir(Path("/var"))
+    disk.sync()
+    make_dirs_durably(Path("/var/lib/rc"), disk)
+    disk.power_loss()
+    assert disk.is_dir(Path("/var/lib/rc"))
+    assert disk.dir_fsyncs == [Path("/var/lib"), Path("/var")]
+    # Already there: nothing to fsync.
+    make_dirs_durably(Path("/var/lib/rc"), disk)
+    assert disk.dir_fsyncs == [Path("/var/lib"), Path("/var")]
