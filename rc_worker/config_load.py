@@ -196,7 +196,11 @@ def _apply_environ(config: Config, env: Mapping[str, str]) -> Config:
                 raise ConfigError(f"{ENV_CONTROLLER_URL}: {problem}")
         changes["controller_url"] = urls[0] if len(urls) == 1 else tuple(urls)
     if env.get(ENV_TOKEN, "").strip():
-        changes["token"] = env[ENV_TOKEN].strip()
+        token = env[ENV_TOKEN].strip()
+        problem = config_convert.worker_token_problem(token)
+        if problem:
+            raise ConfigError(f"{ENV_TOKEN}: {problem}")
+        changes["token"] = token
     if env.get(ENV_HOST):
         host = env[ENV_HOST]
         problem = config_convert.host_problem(host)

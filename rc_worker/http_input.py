@@ -5,6 +5,8 @@ Shared by ``rc`` (:mod:`rc_worker.controller.rc_input`, with its own wording) an
 before anything is sent, rather than an HTTP library's error reported as a failure to
 reach the other end. Sans-IO; not in :mod:`rc_worker.core` because the URL check is
 httpx's own parser (what httpx would refuse later is refused now, in the same words).
+The token rule is the core's (:mod:`rc_worker.core.tokens`, which the config loader
+applies to the tokens in a worker's config), re-exported here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import httpx
+
+from rc_worker.core.tokens import token_problem
 
 __all__ = ["token_problem", "url_problem"]
 
@@ -34,18 +38,4 @@ def url_problem(url: str, what: str, fix: str) -> str | None:
         return f"{url!r} names port 0; {fix}"
     if any(c.isspace() for c in url):
         return f"{url!r} has white space in it; {fix}"
-    return None
-
-
-def token_problem(token: str, what: str, fix: str) -> str | None:
-    """Why ``token`` (the ``what``) cannot be sent as ``Authorization: Bearer TOKEN``, or None.
-
-    An HTTP header carries visible ASCII: a token with a newline (from ``$(cat file)``
-    of a file written on another system, say) or a non-ASCII letter cannot be sent at
-    all, so nothing at the other end could accept it.
-    """
-    for c in token:
-        if not (" " < c < "\x7f"):
-            shown = f"character {c!r}" if c.isprintable() else f"{c!r}"
-            return f"the {what} has {shown} in it, which cannot be sent in an HTTP header; {fix}"
     return None

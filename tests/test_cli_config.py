@@ -116,6 +116,25 @@ def test_bad_config_is_exit_2_with_the_message_on_stderr(
 
 
 @pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        ("status_token: tökén", "2:15: status_token: the status token has character 'ö'"),
+        ('token: "a\\tb"', "2:8: token: the worker token has '\\t'"),
+    ],
+)
+def test_a_token_no_header_can_carry_is_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, fragment: str
+) -> None:
+    """Was "OK": the worker then failed at every request that sent it."""
+    path = _write(tmp_path, f"devices: [gpu0]\n{line}\n")
+    assert main(["check-config", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"{path}:{fragment} in it, which cannot be sent in an HTTP header; expected" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
     ("setup", "fragment"),
     [
         ("missing", ":1:1: (file): no such file"),

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
@@ -50,6 +50,7 @@ from rc_worker.core.config import (
 )
 from rc_worker.core.config_convert import resolved_json
 from rc_worker.core.errors import ConfigError
+from rc_worker.core.tokens import token_problem
 
 
 def _write(directory: Path, text: str, name: str = "worker.yaml") -> Path:
@@ -457,6 +458,38 @@ _BAD: list[tuple[str, str | None, str, str, dict[str, str]]] = [
         "devices: [gpu0]\ntoken: ''\n",
         "2:8: token",
         "the token is empty; expected the worker token",
+        {},
+    ),
+    # A token no HTTP client can send in a header (was taken, and failed at each request).
+    (
+        "token-not-visible-ascii",
+        "devices: [gpu0]\ntoken: tökén\n",
+        "2:8: token",
+        "the worker token has character 'ö' in it, which cannot be sent in an HTTP header; "
+        "expected the token the controller was given",
+        {},
+    ),
+    (
+        "token-file-two-lines",
+        "devices: [gpu0]\ntoken_file: worker.token\n",
+        "2:13: token_file",
+        "the worker token in the token file has '\\r' in it, which cannot be sent in an "
+        "HTTP header; expected one line holding the worker token",
+        {"worker.token": "abc\r\ndef\r\n"},
+    ),
+    (
+        "status-token-not-visible-ascii",
+        "devices: [gpu0]\nstatus_token: tökén\n",
+        "2:15: status_token",
+        "the status token has character 'ö' in it, which cannot be sent in an HTTP header; "
+        "expected visible ASCII",
+        {},
+    ),
+    (
+        "status-token-surrounding-space",
+        "devices: [gpu0]\nstatus_token: ' st'\n",
+        "2:15: status_token",
+        "the status token has character ' ' in it",
         {},
     ),
     # Addresses and sizes.
@@ -911,6 +944,32 @@ def test_tools_that_never_talk_to_the_controller_need_no_token(tmp_path: Path) -
         load_config(path, environ={})
 
 
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1))
+@example(" tok\x7fen\t")
+@example("é")
+@example("abc-DEF_123.~+/=")
+def test_a_token_loads_exactly_when_it_can_be_sent(token: str) -> None:
+    """Whatever the token: it loads as written when a header can carry it, and is refused
+    at its own line otherwise, with the rule rc-worker status applies to --token."""
+    # A JSON string is a YAML double-quoted scalar (DEL spelt out: YAML wants it escaped).
+    quoted = json.dumps(token).replace("\x7f", "\\u007f")
+    if not token.strip():
+        return  # empty, or white space only: its own error (the table above)
+    for key, sent, rule in [
+        ("status_token", token, token_problem(token, "status token", "fix")),
+        ("token", token.strip(), token_problem(token.strip(), "worker token", "fix")),
+    ]:
+        text = f"devices: [gpu0]\n{key}: {quoted}\n"
+        if rule is None:
+            assert getattr(load_config_text(text), key) == sent
+        else:
+            with pytest.raises(ConfigError) as info:
+                load_config_text(text)
+            assert str(info.value).startswith(f"<string>:2:{len(key) + 3}: {key}: the "), info
+            assert "cannot be sent in an HTTP header; expected" in str(info.value)
+            assert "\n" not in str(info.value)
+
+
 def test_rc_token_overrides_a_token_file(tmp_path: Path) -> None:
     _write(tmp_path, "file-token\n", "worker.token")
     path = _write(tmp_path, "devices: [gpu0]\ntoken_file: worker.token\n")
@@ -931,6 +990,7 @@ def test_environment_supplies_what_the_file_lacks(tmp_path: Path) -> None:
         ("RC_CONTROLLER_URL", "not a url", "RC_CONTROLLER_URL: 'not a url' is not a URL"),
         ("RC_CONTROLLER_URL", "ftp://x", "RC_CONTROLLER_URL: 'ftp://x' is not a URL"),
         ("RC_HOST", "bad host", "RC_HOST: host 'bad host' is not valid"),
+        ("RC_TOKEN", "tok\nen\n", "RC_TOKEN: the worker token has '\\n' in it"),
     ],
 )
 def test_bad_environment_values_are_errors(

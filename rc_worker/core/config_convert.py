@@ -49,6 +49,7 @@ from rc_worker.core.names import (
     label_value_problem,
     split_label_key,
 )
+from rc_worker.core.tokens import token_problem
 
 _DURATION_FIELDS = {
     "heartbeat_interval": True,  # True: must be positive
@@ -194,6 +195,21 @@ def resolved_json(config: Config) -> dict[str, Any]:
         if data.get(secret) is not None:
             data[secret] = "***"
     return data
+
+
+_STATUS_TOKEN_FIX = (
+    "expected visible ASCII (letters, digits, punctuation), such as from openssl rand -hex 32"
+)
+
+
+def worker_token_problem(token: str) -> str | None:
+    """Why ``token`` (stripped) cannot be the worker token the worker sends the controller
+    as a bearer token, or None: the file's ``token`` and ``RC_TOKEN`` share the words."""
+    return token_problem(
+        token,
+        "worker token",
+        "expected the token the controller was given (rc serve --worker-token), in visible ASCII",
+    )
 
 
 def url_shape_problem(url: str) -> str | None:
@@ -460,6 +476,10 @@ def _check(loc: Locator, config: Config, machine: ConfigMachine) -> None:
             "the token is empty; expected the worker token, or leave it out "
             "for an embedded controller",
         )
+    if config.token is not None:
+        problem = worker_token_problem(config.token.strip())
+        if problem:
+            loc.fail_at(("token",), problem)
     if config.token is not None and config.token_file is not None:
         loc.fail_at(("token_file",), "both token and token_file are set; expected only one")
     if isinstance(config.controller_url, str):  # a list's were checked one by one
@@ -492,6 +512,12 @@ def _check(loc: Locator, config: Config, machine: ConfigMachine) -> None:
             loc.fail_at(("status_listen",), problem)
     if config.status_token is not None and not config.status_token.strip():
         loc.fail_at(("status_token",), "the token is empty; expected a token, or leave it out")
+    if config.status_token is not None:
+        # Not stripped, unlike the worker token: the status endpoint compares it as
+        # written, so surrounding white space is refused here rather than never matching.
+        problem = token_problem(config.status_token, "status token", _STATUS_TOKEN_FIX)
+        if problem:
+            loc.fail_at(("status_token",), problem)
     if config.job_user is not None:
         problem = machine.user_problem(config.job_user)
         if problem:
@@ -611,6 +637,13 @@ def _resolve_paths(
             )
         if not token:
             loc.fail_at(("token_file",), "the token file is empty; expected the worker token in it")
+        problem = token_problem(
+            token,
+            "worker token in the token file",
+            "expected one line holding the worker token, in visible ASCII",
+        )
+        if problem:
+            loc.fail_at(("token_file",), problem)
         changes.update(token_file=token_file, token=token)
     elif config.token is not None:
         changes["token"] = config.token.strip()
