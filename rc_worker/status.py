@@ -153,7 +153,11 @@ def configure(subparsers: Any) -> None:
     parser.add_argument("--config", dest="path", help="config file (to find status_listen)")
     parser.add_argument("--url", help="the status endpoint, e.g. http://127.0.0.1:9100")
     parser.add_argument("--json", action="store_true", help="print the raw status JSON")
-    parser.add_argument("--token", help="the worker's status_token, to see job ids (with --url)")
+    parser.add_argument(
+        "--token",
+        help="the worker's status_token, to see job ids over TCP (default: the config's "
+        "status_token when --url is not given; --token wins over it)",
+    )
     parser.set_defaults(func=status_main)
 
 
@@ -189,7 +193,9 @@ def status_main(args: argparse.Namespace) -> int:
             )
             return 2
         url = config.status_listen
-        token = config.status_token
+        # A token typed now is meant now: it wins over the config's (which may be
+        # unset, or readable only to the worker's own user) rather than being dropped.
+        token = config.status_token if args.token is None else args.token
         check = (
             "check that status_listen in the config is the address this host's rc-worker "
             "serves (restart the worker after changing it) and that no other service uses it"
@@ -200,7 +206,7 @@ def status_main(args: argparse.Namespace) -> int:
             "check that --url is the address in the worker's status_listen "
             "(e.g. 127.0.0.1:9100 or unix:/run/rc-worker/status.sock)"
         )
-    problem = _input_problem(url, token, from_config=args.url is None)
+    problem = _input_problem(url, args.token, url_from_config=args.url is None)
     if problem is not None:
         print(f"rc-worker: {problem}", file=sys.stderr)
         return 2
@@ -244,28 +250,27 @@ def status_main(args: argparse.Namespace) -> int:
 URL_HELP = "give HOST:PORT, http://HOST:PORT or unix:/path/to/socket, as in status_listen"
 
 
-def _input_problem(url: str, token: str | None, *, from_config: bool) -> str | None:
-    """What keeps ``url`` and ``token`` from being asked at all, as one line, or None.
+def _input_problem(url: str, token: str | None, *, url_from_config: bool) -> str | None:
+    """What keeps ``url`` and the ``--token`` from being asked at all, as one line, or None.
 
     A ``HOST:PORT`` is an ``http://`` URL; any other scheme (``ftp://x``) is refused, not
     made into ``http://ftp://x`` and reported as a host that cannot be found. A token that
     cannot go in a header was a "cannot read the worker's status" (exit 1), as if the
-    worker were at fault.
+    worker were at fault. The config's ``status_token`` is not checked here: loading the
+    config refused it already, at its line.
     """
     if not url.startswith("unix:"):
         given = url if "://" in url or not url.strip() else "http://" + url
         problem = http_input.url_problem(given, "worker status", URL_HELP)
         if problem is not None:
-            return f"{'status_listen' if from_config else '--url'}: {problem}"
+            return f"{'status_listen' if url_from_config else '--url'}: {problem}"
     if token is not None:
-        fix = (
-            "set status_token in the config to visible ASCII, and restart the worker"
-            if from_config
-            else "give the worker's status_token exactly as its config has it"
-        )
+        fix = "give the worker's status_token exactly as its config has it"
+        if not token:  # "$(cat missing)": sending none would quietly hide job ids
+            return f"--token: the status token is empty; {fix}, or leave --token out"
         problem = http_input.token_problem(token, "status token", fix)
         if problem is not None:
-            return f"{'status_token' if from_config else '--token'}: {problem}"
+            return f"--token: {problem}"
     return None
 
 

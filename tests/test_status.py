@@ -359,6 +359,63 @@ async def test_a_unix_socket_peer_from_the_config_names_status_listen(
     assert "check that status_listen in the config is the address" in line
 
 
+@pytest.mark.parametrize(
+    ("in_config", "typed", "sent"),
+    [
+        ("from-config", ["--token", "typed"], "Bearer typed"),  # was Bearer from-config
+        (None, ["--token", "typed"], "Bearer typed"),  # was no header at all
+        ("from-config", [], "Bearer from-config"),
+        (None, [], None),
+    ],
+)
+async def test_a_token_on_the_command_line_wins_over_the_configs(
+    tmp_path: Path, in_config: str | None, typed: list[str], sent: str | None
+) -> None:
+    """``--token`` without ``--url`` was dropped without a word, and the config's sent."""
+    sock = tmp_path / "s.sock"
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"devices: [gpu0]\nstatus_listen: unix:{sock}\n"
+        + (f"status_token: {in_config}\n" if in_config else "")
+    )
+    heads: list[bytes] = []
+
+    async def handle(stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await stream.receive_some()
+            if not chunk:
+                return
+            data += chunk
+        heads.append(data)
+        body = json.dumps(WORKER_LIKE).encode()
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+
+    async with _peer(handle, unix=sock):
+        code = await _status_cli(["status", "--config", str(path), *typed])
+    assert code == 0
+    [head] = heads
+    lines = head.decode().split("\r\n")
+    given = [line.partition(": ")[2] for line in lines if line.lower().startswith("authorization:")]
+    assert given == ([] if sent is None else [sent])
+
+
+@pytest.mark.parametrize("url", [[], ["--url", "http://127.0.0.1:9"]], ids=["config", "url"])
+def test_an_empty_token_on_the_command_line_is_bad_usage(
+    tmp_path: Path, url: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty ``--token "$(cat missing)"`` would otherwise silently show the redacted view
+    (or, now that --token wins, throw away the config's)."""
+    path = tmp_path / "w.yaml"
+    path.write_text("devices: [gpu0]\nstatus_listen: 127.0.0.1:9\nstatus_token: st\n")
+    assert main(["status", "--config", str(path), *url, "--token", ""]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("rc-worker: --token: the status token is empty; "), line
+
+
 async def test_an_answer_of_a_worker_shape_is_shown(capsys: pytest.CaptureFixture[str]) -> None:
     body = {
         **WORKER_LIKE,
