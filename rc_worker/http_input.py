@@ -22,7 +22,8 @@ __all__ = ["token_problem", "url_problem"]
 
 def url_problem(url: str, what: str, fix: str) -> str | None:
     """Why ``url`` cannot be a ``what`` URL (``http://`` or ``https://`` with a host, a port
-    of 1 to 65535, no white space), or None; ``fix`` says what to give instead."""
+    of 1 to 65535 if a ``:`` says there is one, no white space), or None; ``fix`` says what
+    to give instead."""
     bad = f"{url!r} is not a {what} URL; {fix}"
     if not url.strip():
         return f"the {what} URL is empty; {fix}"
@@ -34,6 +35,12 @@ def url_problem(url: str, what: str, fix: str) -> str | None:
         return f"{bad} ({e})"
     if parts.scheme not in ("http", "https") or not parsed.host:
         return bad
+    hostport = parts.netloc.rpartition("@")[2]
+    if hostport.endswith(":"):
+        # Both parsers take an empty port as no port (the scheme's), so http://ftp://x
+        # would be host "ftp" on port 80: a scheme or a port went missing, and asking
+        # that host would only say it cannot be found.
+        return f"{url!r} has no port number after {hostport!r}; {fix}"
     if port == 0:
         return f"{url!r} names port 0; {fix}"
     if any(c.isspace() for c in url):

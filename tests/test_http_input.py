@@ -27,6 +27,10 @@ def test_an_http_url_is_taken(url: str) -> None:
         ("ftp://x", "'ftp://x' is not a worker status URL; fix"),
         (" ", "the worker status URL is empty; fix"),
         ("http://h:0", "'http://h:0' names port 0; fix"),
+        # Were taken: host "ftp" (or "h") on the scheme's port.
+        ("http://ftp://x", "'http://ftp://x' has no port number after 'ftp:'; fix"),
+        ("http://h:/status", "'http://h:/status' has no port number after 'h:'; fix"),
+        ("https://u:pw@[::1]:", "'https://u:pw@[::1]:' has no port number after '[::1]:'; fix"),
         ("http://h:70000", "'http://h:70000' is not a worker status URL; fix (Port out of range"),
     ],
 )

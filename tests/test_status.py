@@ -501,6 +501,9 @@ async def test_a_peer_that_does_not_answer_in_time_is_one_line(
         ("", "the worker status URL is empty"),
         ("127.0.0.1:99999", "'http://127.0.0.1:99999' is not a worker status URL"),
         ("127.0.0.1:0", "'http://127.0.0.1:0' names port 0"),
+        # Were asked as host "ftp" (or "127.0.0.1") on port 80, exit 1.
+        ("http://ftp://x", "'http://ftp://x' has no port number after 'ftp:'"),
+        ("127.0.0.1:", "'http://127.0.0.1:' has no port number after '127.0.0.1:'"),
         ("http://x y:9", "'http://x y:9' has white space in it"),
     ],
 )

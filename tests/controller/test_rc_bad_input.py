@@ -50,6 +50,8 @@ def never_called(request: httpx.Request) -> httpx.Response:
         "http://h:abc",
         "http://127.0.0.1:99999",
         "http://h:0",
+        "http://ftp://x",  # was taken as host "ftp", port 80: "cannot reach", exit 3
+        "http://h:/",
     ],
 )
 async def test_a_url_that_is_not_a_controller_url_is_usage(
@@ -59,6 +61,15 @@ async def test_a_url_that_is_not_a_controller_url_is_usage(
     assert status == 2
     assert err.startswith("rc: --url: ")
     assert "e.g. http://127.0.0.1:8080" in err
+
+
+async def test_a_url_with_an_empty_port_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    status, err = await rc(capsys, "ps", "--url", "http://ftp://x", handler=never_called)
+    assert (status, err) == (
+        2,
+        "rc: --url: 'http://ftp://x' has no port number after 'ftp:'; "
+        "give the controller's URL, e.g. http://127.0.0.1:8080",
+    )
 
 
 async def test_a_bad_rc_url_names_rc_url(capsys: pytest.CaptureFixture[str]) -> None:
