@@ -37,9 +37,18 @@ from rc_worker.controller.serve import serve
 from rc_worker.controller.standby import Leader, guard_lead, wait_to_lead
 from rc_worker.controller.state import StoreConfig
 from rc_worker.controller.store import Store
+from rc_worker.core.tokens import token_problem
 from rc_worker.listen import CannotListen, bind_problem
 
 log = logging.getLogger("rc_worker.controller")
+
+
+def _check_token(token: str, kind: str) -> None:
+    """A token no client can send (the rule ``rc`` and ``rc-worker`` apply to theirs) would
+    let nothing in: refused here, naming the character and never the token."""
+    problem = token_problem(token, f"{kind} token", "write a token of visible ASCII without spaces")
+    if problem:
+        raise CliError(f"rc serve: --{kind}-token: {problem}", 2)
 
 
 def serve_settings(
@@ -55,6 +64,7 @@ def serve_settings(
                 2,
             )
         token, host = parse_worker_token(text)
+        _check_token(token, "worker")
         worker[token] = host
     users: dict[str, User] = {}
     for text in [*_split_list(env.get("RC_USER_TOKENS", "")), *args.user_token]:
@@ -62,6 +72,7 @@ def serve_settings(
             token, user = parse_user_token(text)
         except ValueError as e:
             raise CliError(f"rc serve: --user-token: {e}", 2) from None
+        _check_token(token, "user")
         users[token] = user
     if not worker or not users:
         raise CliError(

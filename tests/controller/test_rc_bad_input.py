@@ -277,6 +277,11 @@ async def test_an_answer_that_never_comes_is_reported(
         (["--webhook", "notaurl"], "--webhook"),
         (["--worker-token", ""], "--worker-token"),
         (["--worker-token", "=box1"], "--worker-token"),
+        # Tokens no client could send (rc and rc-worker refuse them): nothing would get in.
+        (["--worker-token", "a b=box1"], "--worker-token"),
+        (["--worker-token", "tök"], "--worker-token"),
+        (["--user-token", "u\r"], "--user-token"),
+        (["--user-token", "a b=alice"], "--user-token"),
     ],
 )
 async def test_rc_serve_refuses_bad_settings_in_one_line(
