@@ -1,7 +1,8 @@
 """Following a job's output from ``rc``, through a controller that may go away.
 
 ``rc run`` and ``rc logs -f`` read ``GET /v1/jobs/{id}/output?follow=true``. When the
-connection drops (the controller was killed, restarted, or a proxy cut it), they
+connection drops (the controller was killed, restarted, or a proxy cut it), or the
+controller answers ``503`` (a standby not yet active, a store it cannot read now), they
 reconnect and resume at the offset they already have, for up to ``--reconnect D``
 counted from the last time the controller answered. Past that, or if a restarted
 controller no longer knows the job (its store is in memory), they give up with
@@ -15,6 +16,7 @@ import json
 import os
 import select
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -25,6 +27,7 @@ from rc_worker.controller.messages import TERMINAL_STATES
 from rc_worker.controller.rc_input import path_segment
 from rc_worker.core import boundedjson
 from rc_worker.core.durations import format_duration
+from rc_worker.core.retry import retry_after_seconds
 
 EXIT_CONTROLLER_GONE = 3
 RETRY_FIRST_S = 0.25
@@ -93,12 +96,21 @@ def job_path(job_id: str, *rest: str) -> str:
 def raise_for(r: httpx.Response) -> None:
     if r.is_success:
         return
+    raise CliError(f"the controller answered {r.status_code}: {_error_of(r)}")
+
+
+def _error_of(r: httpx.Response) -> str:
+    """``error: message`` from an error answer's body, or ``HTTP N`` if it has none."""
     try:
         body: Any = boundedjson.loads(r.content)
-        message = f"{body['error']}: {body['message']}"
+        return f"{body['error']}: {body['message']}"
     except (ValueError, KeyError, TypeError):
-        message = f"HTTP {r.status_code}"
-    raise CliError(f"the controller answered {r.status_code}: {message}")
+        return f"HTTP {r.status_code}"
+
+
+UNAVAILABLE: Final = 503
+"""A controller that cannot answer now but will (a standby not yet active; the store read
+failing, ``store_unavailable``): a followed job waits for it as for a lost connection."""
 
 
 async def read_answer(
@@ -118,7 +130,10 @@ async def read_answer(
                 f"{ANSWER_MAX_BYTES >> 20} MiB, which no rc controller sends; check that "
                 "--url / RC_URL is an rc controller (rc serve)"
             )
-    return httpx.Response(r.status_code, content=bytes(data))
+    # Retry-After is kept for a 503 (Reconnect.unavailable); not the other headers: the
+    # content is decoded already, and a Content-Encoding kept with it would decode it again.
+    kept = {"Retry-After": r.headers["Retry-After"]} if "Retry-After" in r.headers else {}
+    return httpx.Response(r.status_code, headers=kept, content=bytes(data))
 
 
 async def call(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> Any:
@@ -143,12 +158,26 @@ async def call(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> 
     return body
 
 
+def retry_delay(failures: int, left: float, retry_after: float | None = None) -> float:
+    """How long to wait after the ``failures``-th failure in a row (1, 2, ...) before the
+    next try, with ``left`` seconds of the reconnect window to go.
+
+    Backs off from :data:`RETRY_FIRST_S` to :data:`RETRY_MAX_S`; a controller's
+    ``Retry-After`` is a floor (it said when to come back), but never past the window's
+    end: a later try would only find the window spent."""
+    delay = min(RETRY_FIRST_S * 2.0 ** min(failures - 1, 30), RETRY_MAX_S)
+    if retry_after is not None:
+        delay = max(delay, retry_after)
+    return max(0.0, min(delay, left))
+
+
 class Reconnect:
     """How long ``rc`` keeps trying while the controller does not answer.
 
     ``window`` is counted from the first failure since the controller last answered;
-    tries back off from 0.25 s to 2 s. :meth:`failed` sleeps before the next try, or
-    raises :class:`ControllerGone` once the window is spent.
+    tries back off from 0.25 s to 2 s (:func:`retry_delay`). :meth:`failed` (a lost
+    connection) and :meth:`unavailable` (a 503) sleep before the next try, or raise
+    :class:`ControllerGone` once the window is spent.
     """
 
     def __init__(self, window: float, url: str, job_id: str) -> None:
@@ -166,19 +195,34 @@ class Reconnect:
 
     async def failed(self, error: httpx.TransportError) -> None:
         self.reconnected = True
+        what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        await self._again(f"no answer for {format_duration(self.window)}; {what}", None)
+
+    async def unavailable(self, answer: httpx.Response) -> None:
+        """A 503 (:data:`UNAVAILABLE`): tried again as after a lost connection, not sooner
+        than its ``Retry-After`` (within the window). The controller answered, so a later
+        404 is not taken as one that forgot the job."""
+        retry_after = retry_after_seconds(answer.headers.get("Retry-After"), now=time.time())
+        await self._again(
+            f"unavailable for {format_duration(self.window)}; "
+            f"{answer.status_code} {_error_of(answer)}",
+            retry_after,
+        )
+
+    async def _again(self, why: str, retry_after: float | None) -> None:
+        """Sleep before the next try, or raise :class:`ControllerGone` (``why``, on one line)
+        once the window is spent."""
         now = trio.current_time()
         if self.since is None:
             self.since = now
         self.failures += 1
         left = self.since + self.window - now
         if left <= 0:
-            what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             raise ControllerGone(
                 f"lost the controller at {self.url} while following job {self.job_id} "
-                f"(no answer for {format_duration(self.window)}; {what}); "
-                f"the job may still run: rc logs -f {self.job_id}"
+                f"({why}); the job may still run: rc logs -f {self.job_id}"
             )
-        await trio.sleep(min(RETRY_FIRST_S * 2 ** (self.failures - 1), RETRY_MAX_S, left))
+        await trio.sleep(retry_delay(self.failures, left, retry_after))
 
     def forgotten(self, r: httpx.Response) -> None:
         """A 404 for the job after a reconnect: the controller restarted without it."""
@@ -191,8 +235,8 @@ class Reconnect:
 
 async def get_job(client: httpx.AsyncClient, job_id: str, reconnect: Reconnect) -> Any:
     """The job's record, bounded as every answer (:func:`read_answer`); a request that
-    fails in transport, or gets no answer within :data:`ANSWER_TIMEOUT`, is tried again
-    within ``reconnect``'s window."""
+    fails in transport, gets no answer within :data:`ANSWER_TIMEOUT`, or is answered 503,
+    is tried again within ``reconnect``'s window."""
     path = job_path(job_id)
     while True:
         try:
@@ -200,6 +244,9 @@ async def get_job(client: httpx.AsyncClient, job_id: str, reconnect: Reconnect) 
                 answer = await read_answer(client, r, "GET", path)
         except httpx.TransportError as e:
             await reconnect.failed(e)
+            continue
+        if answer.status_code == UNAVAILABLE:
+            await reconnect.unavailable(answer)
             continue
         reconnect.answered()
         reconnect.forgotten(answer)
@@ -234,18 +281,26 @@ async def follow_output(
     """Give ``sink`` the job's output from ``offset`` until the job ends; returns its record."""
     path = job_path(job_id, "output")
     while True:
+        unavailable = None
         try:
             async with client.stream("GET", path, params={"offset": offset, "follow": "true"}) as r:
-                if not r.is_success:
+                if r.status_code == UNAVAILABLE:
+                    unavailable = await read_answer(client, r, "GET", path)
+                elif not r.is_success:
                     answer = await read_answer(client, r, "GET", path)
                     reconnect.forgotten(answer)
                     raise_for(answer)
-                reconnect.answered()
-                async for chunk in r.aiter_raw():
-                    sink(offset, chunk)
-                    offset += len(chunk)
+                else:
+                    reconnect.answered()
+                    async for chunk in r.aiter_raw():
+                        sink(offset, chunk)
+                        offset += len(chunk)
         except httpx.TransportError as e:
             await reconnect.failed(e)
+            continue
+        if unavailable is not None:
+            # Waited on out of the request's block: its connection is released first.
+            await reconnect.unavailable(unavailable)
             continue
         # The stream ends when the job has ended; check, in case a proxy ended it early.
         job = await get_job(client, job_id, reconnect)

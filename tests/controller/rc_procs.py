@@ -9,11 +9,15 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
+from hypercorn.trio import serve as hypercorn_serve
 
 from rc_worker.changed import Changed
+from rc_worker.controller.serve import hypercorn_config
+from rc_worker.controller.standby import standby_app
 
 from .helpers import wait_listening
 
@@ -167,3 +171,35 @@ async def _pipe(src: trio.SocketStream, dst: trio.SocketStream) -> None:
         await dst.send_eof()
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
+
+
+class Standby:
+    """A standby controller's listener (:func:`standby_app`: every request ``503 standby``
+    with ``Retry-After``), counting the requests it answered."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self._changed = Changed()
+        self._app = standby_app()
+
+    async def serve(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve on a free port of 127.0.0.1; reports its URL once it listens."""
+
+        async def counted(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                self.answered += 1
+                self._changed.notify()
+            await self._app(scope, receive, send)
+
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(
+                lambda task_status: hypercorn_serve(
+                    counted, hypercorn_config("127.0.0.1:0"), task_status=task_status
+                )
+            )
+            task_status.started(binds[0])
+
+    async def until(self, answered: int) -> None:
+        """Wait until it has answered ``answered`` requests in all."""
+        while self.answered < answered:
+            await self._changed.wait()

@@ -15,7 +15,7 @@ import trio
 from rc_worker.controller import rc_cli
 
 from .helpers import FakeWorker
-from .rc_procs import RC, USER, WORKER, DroppingProxy, rc_client, rc_env, rc_serve
+from .rc_procs import RC, USER, WORKER, DroppingProxy, Standby, rc_client, rc_env, rc_serve
 
 H100 = {"host": {}, "devices": {"gpu0": {"product": "H100"}}}
 
@@ -264,6 +264,76 @@ async def test_rc_run_resumes_through_dropped_connections(served: str) -> None:
     assert proc.returncode == 0
     assert out.data == b"part one\npart two\n"  # resumed at its offset: nothing twice
     assert b"Traceback" not in err.data
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("command", ["run", "logs"])
+async def test_rc_run_and_logs_wait_for_a_standby_and_resume(served: str, command: str) -> None:
+    # Behind one address, the controller's stream is cut and a standby answers (503 with
+    # Retry-After) until the controller is back: rc waits as for a lost connection and resumes
+    # at its offset (it stopped at the first 503, status 1).
+    proxy = DroppingProxy(port_of(served))
+    standby = Standby()
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(base_url=served) as http:
+        proxied = await nursery.start(proxy.serve)
+        standby_port = port_of(await nursery.start(standby.serve))
+        w = FakeWorker(http, token=WORKER)
+        with trio.fail_after(60):
+            await w.register()
+            if command == "run":
+                argv = ["run", "--", "x"]
+            else:
+                job = (await rc_run(served, "submit", "--", "x")).stdout.decode().strip()
+                argv = ["logs", "-f", job]
+            async with rc_client(argv, proxied) as (proc, out, err):
+                [a] = await w.poll(wait_s=10)
+                await w.start(a)
+                await w.output(a, 0, b"part one\n")
+                await out.until(b"part one\n")
+                proxy.target_port = standby_port
+                proxy.drop()  # cut the stream; new connections reach the standby
+                proxy.restore()
+                await w.output(a, 9, b"part two\n")
+                async with trio.open_nursery() as race:
+
+                    async def rc_ended() -> None:
+                        await proc.wait()
+                        race.cancel_scope.cancel()
+
+                    race.start_soon(rc_ended)
+                    await standby.until(2)  # rc asked the standby twice
+                    race.cancel_scope.cancel()
+                assert proc.returncode is None, err.data
+                proxy.target_port = port_of(served)
+                proxy.drop()  # the controller is back at the address
+                proxy.restore()
+                await out.until(b"part two\n")
+                await w.finish(a, output_bytes=18)
+        nursery.cancel_scope.cancel()
+    assert proc.returncode == 0, err.data
+    assert out.data == b"part one\npart two\n"  # resumed at its offset: nothing twice
+    notes = [f"rc: job {a['job_id']}"] if command == "run" else []
+    assert err.data.decode().splitlines() == notes
+
+
+async def test_a_standby_that_stays_one_past_reconnect_is_exit_3() -> None:
+    standby = Standby()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(standby.serve)
+        with trio.fail_after(60):
+            done = await rc_run(url, "logs", "-f", "--reconnect", "1s", "j-1")
+        nursery.cancel_scope.cancel()
+    assert done.returncode == rc_cli.EXIT_CONTROLLER_GONE
+    assert done.stdout == b""
+    assert done.stderr.decode() == (
+        f"rc: lost the controller at {url} while following job j-1 (unavailable for 1s; "
+        "503 standby: this controller is a standby; the active one holds the database (try "
+        "the next controller_url)); the job may still run: rc logs -f j-1\n"
+    )
+    assert standby.answered >= 2  # it tried again before giving up
 
 
 async def test_pending_reasons_end_to_end(served: str) -> None:

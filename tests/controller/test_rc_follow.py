@@ -1,0 +1,118 @@
+"""Following a job through a controller that answers 503 for a while: the retry schedule
+(:func:`rc_follow.retry_delay`) and ``rc logs -f`` in-process on a virtual clock."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rc_worker.controller import rc_cli, rc_follow
+
+ENV = {"RC_URL": "http://rc", "RC_USER_TOKEN": "ut"}
+STORE_UNAVAILABLE = {
+    "error": "store_unavailable",
+    "message": "the controller could not read this output (disk I/O error)",
+}
+
+
+def streamed(data: bytes) -> httpx.Response:
+    """A 200 answer that is streamed, as a followed output is (rc reads it raw)."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield data
+
+    return httpx.Response(200, content=body())
+
+
+seconds = st.floats(min_value=0, max_value=1e6, allow_nan=False)
+
+
+@given(
+    failures=st.integers(min_value=1, max_value=1000),
+    left=seconds,
+    retry_after=st.none() | seconds,
+)
+def test_the_delay_honours_retry_after_but_never_passes_the_window(
+    failures: int, left: float, retry_after: float | None
+) -> None:
+    delay = rc_follow.retry_delay(failures, left, retry_after)
+    assert 0 <= delay <= left
+    assert delay <= max(rc_follow.RETRY_MAX_S, retry_after or 0)
+    if retry_after is not None:
+        assert delay >= min(retry_after, left)  # a floor, up to the window's end
+    # Without Retry-After, the usual backoff: never shorter after more failures.
+    assert rc_follow.retry_delay(failures + 1, left) >= rc_follow.retry_delay(failures, left)
+
+
+async def test_a_503_is_waited_out_at_its_retry_after_and_the_output_resumes(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The controller's store cannot be read for a while (503 store_unavailable with
+    # Retry-After), on the output and on the job's record: rc logs -f waits it out, trying
+    # again when told, and resumes at the offset it has (it stopped at the first 503).
+    asked: list[tuple[float, str, str | None]] = []
+    unavailable = {"output": 2, "record": 1}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        offset = request.url.params.get("offset")
+        asked.append((trio.current_time(), request.url.path, offset))
+        what = "output" if request.url.path.endswith("/output") else "record"
+        if offset == "0":  # the first request: part of the output, then the stream drops
+            return streamed(b"part one\n")
+        if unavailable[what]:
+            unavailable[what] -= 1
+            return httpx.Response(503, json=STORE_UNAVAILABLE, headers={"Retry-After": "7"})
+        if what == "output":
+            return streamed(b"part two\n")
+        return httpx.Response(
+            200, json={"job_id": "j-1", "state": "succeeded", "committed_bytes": 18}
+        )
+
+    start = trio.current_time()
+    argv = ["logs", "-f", "--reconnect", "1m", "j-1"]
+    status = await rc_cli.amain(argv, env=ENV, transport=httpx.MockTransport(handler))
+    out, err = capsys.readouterr()
+    assert (status, err) == (0, "")
+    assert out == "part one\npart two\n"  # resumed at byte 9: nothing twice, nothing lost
+    output, record = "/v1/jobs/j-1/output", "/v1/jobs/j-1"
+    assert [(t - start, path, offset) for t, path, offset in asked] == [
+        (0, output, "0"),
+        (0, record, None),  # the stream ended: is the job over? (it was not: 503)
+        (7, record, None),  # ended, with 18 bytes of output: read the rest
+        (7, output, "9"),
+        (14, output, "9"),
+        (21, output, "9"),
+        (21, record, None),
+    ]
+
+
+async def test_a_controller_unavailable_for_the_whole_window_is_exit_3(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A Retry-After longer than what is left of --reconnect: the last try is at the window's
+    # end, not an hour later; then the one line of a lost controller, status 3.
+    asked: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(trio.current_time())
+        headers = {"Retry-After": "10" if len(asked) < 3 else "3600"}
+        return httpx.Response(503, json=STORE_UNAVAILABLE, headers=headers)
+
+    start = trio.current_time()
+    argv = ["logs", "-f", "--reconnect", "25s", "j-1"]
+    status = await rc_cli.amain(argv, env=ENV, transport=httpx.MockTransport(handler))
+    out, err = capsys.readouterr()
+    assert status == rc_cli.EXIT_CONTROLLER_GONE
+    assert out == ""
+    assert [t - start for t in asked] == [0, 10, 20, 25]
+    assert err == (
+        "rc: lost the controller at http://rc while following job j-1 (unavailable for 25s; "
+        f"503 store_unavailable: {STORE_UNAVAILABLE['message']}); "
+        "the job may still run: rc logs -f j-1\n"
+    )
