@@ -437,6 +437,8 @@ def _out(text: str) -> None:
     job's own (:mod:`rc_follow`'s sinks). A reader that closed stdout (``rc ps | head -1``)
     is :class:`StdoutClosed`, which ``amain`` turns into a quiet exit 0."""
     line = text if text.endswith("\n") else text + "\n"
+    if sys.stdout is None:  # started with stdout closed (`rc ps >&-`): no reader at all
+        raise StdoutClosed(len(line.encode()), rc_follow.NOT_OPEN)
     try:
         sys.stdout.write(line)
         sys.stdout.flush()
@@ -563,7 +565,15 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
             file=sys.stderr,
         )
     if args.command == "submit":
-        _out(json.dumps({"job_id": job_id}) if args.json else job_id)
+        try:
+            _out(json.dumps({"job_id": job_id}) if args.json else job_id)
+        except (StdoutClosed, OSError):
+            # Only the id is lost: the job is queued and waits for its stdin, which is
+            # uploaded all the same before rc stops (quietly for a closed stdout, as every
+            # command; a failing one is reported).
+            if args.stdin:
+                await _feed_stdin(client, job_id)
+            raise
         if args.stdin:
             await _feed_stdin(client, job_id)
         return 0
@@ -590,11 +600,11 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     if args.json:
         try:
             _out(json.dumps(job, indent=2))  # output_truncated is in it
-        except StdoutClosed:
+        except StdoutClosed as e:
             # As without --json (the job's output there), a closed stdout is reported, not
             # a quiet 0: rc run's status is the job's, and nothing on stdout says rc failed.
             raise CliError(
-                f"cannot write the record of job {job_id} to stdout (Broken pipe); it ended "
+                f"cannot write the record of job {job_id} to stdout ({e.why}); it ended "
                 f"{job['state']}: rc show --json {job_id}"
             ) from None
     elif job.get("output_truncated") and not args.quiet:

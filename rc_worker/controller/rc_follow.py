@@ -68,10 +68,17 @@ class StdoutClosed(CliError):
     ``rc-worker``'s commands do, except ``rc run`` (``--json`` or not), which still reports
     it: its status is the job's, and a quiet 0 would say the job succeeded."""
 
-    def __init__(self, unwritten: int) -> None:
+    def __init__(self, unwritten: int, why: str = "Broken pipe") -> None:
         super().__init__(
-            f"cannot write the output to stdout (Broken pipe); {unwritten} bytes were not written"
+            f"cannot write the output to stdout ({why}); {unwritten} bytes were not written"
         )
+        self.why = why
+        """``Broken pipe``, or ``not open`` for an ``rc`` started without a stdout (``>&-``)."""
+
+
+NOT_OPEN: Final = "not open"
+"""Why nothing can be written to a stream ``rc`` was started without (``rc ps >&-``): Python
+then has ``sys.stdout`` (or ``sys.stderr``) None."""
 
 
 def quiet_stdout() -> None:
@@ -325,6 +332,8 @@ def write_all(stream: Any, data: bytes) -> None:
     Straight to the descriptor, in a loop: a pipe whose reader set it non-blocking makes a
     buffered write stop short (``BlockingIOError``), and the rest would be lost unnoticed.
     """
+    if stream is None:
+        raise StdoutClosed(len(data), NOT_OPEN)
     try:
         stream.flush()
         fd = _fileno(stream)
@@ -367,6 +376,8 @@ def discard(offset: int, data: bytes) -> None:
 
 def json_lines(offset: int, data: bytes) -> None:
     """``rc logs --json``: one object per chunk; ``data`` is always base64 (output is bytes)."""
+    if sys.stdout is None:
+        raise StdoutClosed(len(data), NOT_OPEN)
     for i in range(0, len(data), LOG_CHUNK):
         piece = data[i : i + LOG_CHUNK]
         line = {

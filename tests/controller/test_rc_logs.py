@@ -99,10 +99,12 @@ def test_rc_logs_fails_loudly_when_stdout_refuses(tmp_path: Path) -> None:
         ["logs", "--json", "--follow", "{job}", "--offset", "2000000"],
     ],
 )
-async def test_rc_logs_into_a_closed_pipe_stops_quietly(argv: list[str]) -> None:
+@pytest.mark.parametrize("stdout", ["closed pipe", "not open"])
+async def test_rc_logs_into_a_closed_pipe_stops_quietly(argv: list[str], stdout: str) -> None:
     # `rc logs J | head -c 10`: once the reader has gone, rc stops with status 0 and says
     # nothing (it used to say "cannot write the output to stdout" and exit 1, or with
-    # --json print "[Errno 32] Broken pipe").
+    # --json print "[Errno 32] Broken pipe"). So does `rc logs J >&-`, started without a
+    # stdout (it said the controller "answered something rc cannot read").
     store = Store(StoreConfig(max_output_bytes=1 << 20), instance="t")
     app = create_app(store=store, worker_tokens=WORKER_TOKENS, user_tokens=USER_TOKENS)
     with trio.fail_after(60):
@@ -121,9 +123,12 @@ async def test_rc_logs_into_a_closed_pipe_stops_quietly(argv: list[str]) -> None
             read_end, write_end = os.pipe()
             os.close(read_end)  # the reader is gone before rc writes anything
             env = {**os.environ, "RC_URL": url, "RC_USER_TOKEN": USER_TOKEN}
+            command = [RC, *(arg.format(job=job) for arg in argv)]
+            if stdout == "not open":
+                command = ["sh", "-c", 'exec "$0" "$@" >&-', *command]
             try:
                 proc = await trio.run_process(
-                    [RC, *(arg.format(job=job) for arg in argv)],
+                    command,
                     stdout=write_end,
                     capture_stderr=True,
                     env=env,

@@ -6,7 +6,7 @@ import base64
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
@@ -46,16 +46,36 @@ async def rc_run(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
     )
 
 
-async def rc_into_closed_pipe(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
+async def rc_into_closed_pipe(
+    url: str, *argv: str, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
     """``rc ARGV | head -c 0``: stdout a pipe whose reader is gone before rc writes."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
         return await trio.run_process(
-            [RC, *argv], env=rc_env(url), stdout=write_end, capture_stderr=True, check=False
+            [RC, *argv],
+            env=rc_env(url),
+            stdin=stdin,
+            stdout=write_end,
+            capture_stderr=True,
+            check=False,
         )
     finally:
         os.close(write_end)
+
+
+async def rc_stdout_not_open(
+    url: str, *argv: str, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """``rc ARGV >&-``: started with no stdout at all."""
+    return await trio.run_process(
+        ["sh", "-c", 'exec "$0" "$@" >&-', RC, *argv],
+        env=rc_env(url),
+        stdin=stdin,
+        capture_stderr=True,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,24 +101,64 @@ async def rc_into_closed_pipe(url: str, *argv: str) -> subprocess.CompletedProce
     ],
     ids=" ".join,
 )
-async def test_every_command_into_a_closed_pipe_stops_quietly(served: str, argv: list[str]) -> None:
+@pytest.mark.parametrize("closed", [rc_into_closed_pipe, rc_stdout_not_open])
+async def test_every_command_into_a_closed_pipe_stops_quietly(
+    served: str,
+    argv: list[str],
+    closed: Callable[..., Awaitable[subprocess.CompletedProcess[bytes]]],
+) -> None:
     # `rc ps --json | head -1`: as `rc logs`, every command but `rc run` stops with status 0
     # and says nothing (they said "rc: [Errno 32] Broken pipe" and exited 1; `rc completion`
-    # printed a traceback).
+    # printed a traceback). So does one started with no stdout (`rc ps >&-`), which said the
+    # controller "answered something rc cannot read (AttributeError ...)" and exited 1.
     async with httpx.AsyncClient(base_url=served) as http:
         with trio.fail_after(60):
             await FakeWorker(http, token=WORKER).register()
             submitted = await rc_run(served, "submit", "--", "x")
             job = submitted.stdout.decode().strip()
-            done = await rc_into_closed_pipe(served, *(arg.format(job=job) for arg in argv))
+            done = await closed(served, *(arg.format(job=job) for arg in argv))
     assert done.stderr == b""
     assert done.returncode == 0
 
 
+@pytest.mark.parametrize("closed", [rc_into_closed_pipe, rc_stdout_not_open])
 @pytest.mark.parametrize("json_mode", [False, True])
-async def test_rc_run_into_a_closed_pipe_says_so(served: str, json_mode: bool) -> None:
+async def test_rc_submit_stdin_with_stdout_closed_still_uploads_it(
+    served: str,
+    closed: Callable[..., Awaitable[subprocess.CompletedProcess[bytes]]],
+    json_mode: bool,
+) -> None:
+    # Only the job's id cannot be printed: the job waits for its stdin, so rc uploads it,
+    # then stops quietly as for any closed stdout (it stopped at once and the job never got
+    # its input; with `>&-` it also said the controller answered something unreadable).
+    async with httpx.AsyncClient(base_url=served) as http:
+        w = FakeWorker(http, token=WORKER)
+        with trio.fail_after(60):
+            await w.register()
+            argv = ["submit", "--stdin", *(["--json"] if json_mode else []), "--", "cat"]
+            done = await closed(served, *argv, stdin=b"the job's input\n")
+            assert (done.returncode, done.stderr) == (0, b"")
+            [a] = await w.poll(wait_s=10)
+            await w.start(a)
+            got = await http.get(a["stdin"]["url"], headers=w.headers)
+    assert got.status_code == 200
+    assert got.content == b"the job's input\n"
+
+
+@pytest.mark.parametrize(
+    ("closed", "why"), [(rc_into_closed_pipe, "Broken pipe"), (rc_stdout_not_open, "not open")]
+)
+@pytest.mark.parametrize("json_mode", [False, True])
+async def test_rc_run_into_a_closed_pipe_says_so(
+    served: str,
+    json_mode: bool,
+    closed: Callable[..., Awaitable[subprocess.CompletedProcess[bytes]]],
+    why: str,
+) -> None:
     # rc run's status is the job's: a quiet 0 would say it succeeded. So a closed stdout is
     # one line and status 1, whether it was to carry the output or (--json) the record.
+    # (Started with no stdout, `>&-`, it said the controller "answered something rc cannot
+    # read".)
     async with httpx.AsyncClient(base_url=served) as http:
         w = FakeWorker(http, token=WORKER)
         with trio.fail_after(60):
@@ -108,7 +168,7 @@ async def test_rc_run_into_a_closed_pipe_says_so(served: str, json_mode: bool) -
 
                 async def run() -> None:
                     argv = ["run", *(["--json"] if json_mode else []), "--", "x"]
-                    done.append(await rc_into_closed_pipe(served, *argv))
+                    done.append(await closed(served, *argv))
 
                 nursery.start_soon(run)
                 a = await w.run_one(output=b"out\n")
@@ -120,12 +180,12 @@ async def test_rc_run_into_a_closed_pipe_says_so(served: str, json_mode: bool) -
     if json_mode:
         assert err.splitlines()[1:] == [
             "out",  # the job's output, on stderr with --json
-            f"rc: cannot write the record of job {job} to stdout (Broken pipe); it ended "
+            f"rc: cannot write the record of job {job} to stdout ({why}); it ended "
             f"succeeded: rc show --json {job}",
         ]
     else:
         assert err.splitlines()[1:] == [
-            "rc: cannot write the output to stdout (Broken pipe); 4 bytes were not written"
+            f"rc: cannot write the output to stdout ({why}); 4 bytes were not written"
         ]
 
 
