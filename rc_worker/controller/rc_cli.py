@@ -12,6 +12,7 @@ one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -446,6 +447,16 @@ def _out(text: str) -> None:
         raise StdoutClosed(len(line.encode())) from None
 
 
+def _say(text: str) -> None:
+    """Print ``text`` (a line) on stderr: rc's own notes and errors. Best effort: a stderr
+    whose reader has gone, or that rc was started without (``2>&-``: ``print`` would then
+    write to stdout, into a ``--json`` answer), must not change what rc does or its status."""
+    if sys.stderr is None:
+        return
+    with contextlib.suppress(OSError):
+        print(text, file=sys.stderr, flush=True)
+
+
 async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
     source = cast(io.BufferedReader, sys.stdin.buffer)
 
@@ -462,10 +473,7 @@ async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
         )
     except httpx.TransportError:
         # Not resumable (a second upload is refused): the job has seen end of file.
-        print(
-            f"rc: the controller went away during the stdin upload; job {job_id} got end of file",
-            file=sys.stderr,
-        )
+        _say(f"rc: the controller went away during the stdin upload; job {job_id} got end of file")
 
 
 def _submit_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -558,11 +566,10 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     submitted = await rc_follow.call(client, "POST", "/v1/jobs", json=_submit_body(args))
     job_id: str = submitted["job_id"]
     if submitted.get("pending_code") == "no_match":
-        print(
+        _say(
             f"rc: warning: no registered device could ever run job {job_id}: "
             f"{submitted.get('pending_reason')}; it waits in the queue "
-            "(--strict refuses such jobs)",
-            file=sys.stderr,
+            "(--strict refuses such jobs)"
         )
     if args.command == "submit":
         try:
@@ -577,11 +584,15 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
         if args.stdin:
             await _feed_stdin(client, job_id)
         return 0
-    print(f"rc: job {job_id}", file=sys.stderr)
+    _say(f"rc: job {job_id}")
     if args.quiet:
         sink: rc_follow.Sink = rc_follow.discard
     else:
-        sink = rc_follow.to_stream(sys.stderr if args.json else sys.stdout)
+        sink = (
+            rc_follow.to_stream(sys.stderr, "stderr")
+            if args.json
+            else rc_follow.to_stream(sys.stdout)
+        )
     reconnect = Reconnect(args.reconnect, str(client.base_url), job_id)
     try:
         async with trio.open_nursery() as nursery:
@@ -592,9 +603,7 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     except* (CliError, httpx.HTTPError, *UNREADABLE) as group:
         raise _translate(group, str(client.base_url)) from group
     except* KeyboardInterrupt:
-        print(
-            f"\nrc: job {job_id} keeps running; stop it with: rc cancel {job_id}", file=sys.stderr
-        )
+        _say(f"\nrc: job {job_id} keeps running; stop it with: rc cancel {job_id}")
         raise
     status = run_exit_status(job)
     if args.json:
@@ -609,10 +618,10 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
             ) from None
     elif job.get("output_truncated") and not args.quiet:
         # On stderr: stdout is the job's own output, as it was kept.
-        print(f"rc: {_truncated_message(job)}", file=sys.stderr)
+        _say(f"rc: {_truncated_message(job)}")
     if not args.json and job["state"] not in ("succeeded", "failed"):
         why = job.get("reason") or job.get("error") or ""
-        print(f"rc: job {job_id} ended {job['state']}{': ' + why if why else ''}", file=sys.stderr)
+        _say(f"rc: job {job_id} ended {job['state']}{': ' + why if why else ''}")
     return status
 
 
@@ -793,31 +802,29 @@ async def amain(
         rc_follow.quiet_stdout()
         return 0
     except CliError as e:
-        print(f"rc: {e}", file=sys.stderr)
+        _say(f"rc: {e}")
         return e.status
     except httpx.TimeoutException as e:
         where = args.url or env.get("RC_URL") or DEFAULT_URL
-        print(
+        _say(
             f"rc: the controller at {where} did not answer in time ({type(e).__name__}); "
             "check that --url / RC_URL is an rc controller (rc serve) and that it is not "
-            "stopped (SIGSTOP) or overloaded",
-            file=sys.stderr,
+            "stopped (SIGSTOP) or overloaded"
         )
         return EXIT_CONTROLLER_GONE
     except httpx.TransportError as e:
         where = args.url or env.get("RC_URL") or DEFAULT_URL
         what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        print(
+        _say(
             f"rc: cannot reach the controller at {where}: {what}; check that rc serve runs "
-            "there, or set --url / RC_URL",
-            file=sys.stderr,
+            "there, or set --url / RC_URL"
         )
         return EXIT_CONTROLLER_GONE
     except httpx.HTTPError as e:
-        print(f"rc: {type(e).__name__}: {e}", file=sys.stderr)
+        _say(f"rc: {type(e).__name__}: {e}")
         return 1
     except OSError as e:
-        print(f"rc: {e}", file=sys.stderr)
+        _say(f"rc: {e}")
         return 1
 
 

@@ -318,34 +318,47 @@ async def follow_output(
 # --- sinks ----------------------------------------------------------------------------------
 
 
-def to_stream(stream: Any) -> Sink:
+def to_stream(stream: Any, name: str = "stdout") -> Sink:
+    """A sink writing to ``stream``, called ``name`` (``stdout``, or ``stderr`` for the job's
+    output with ``rc run --json``) in what it says when it cannot."""
+
     def sink(offset: int, data: bytes) -> None:
-        write_all(stream, data)
+        write_all(stream, data, name)
 
     return sink
 
 
-def write_all(stream: Any, data: bytes) -> None:
-    """Write all of ``data`` to ``stream``, or fail loudly (``CliError``): never a silent
-    short write.
+def _closed(name: str, unwritten: int, why: str = "Broken pipe") -> CliError:
+    """The error for a stream whose reader has gone: :class:`StdoutClosed` for stdout (quiet
+    in every command but ``rc run``), a plain :class:`CliError` naming any other."""
+    if name == "stdout":
+        return StdoutClosed(unwritten, why)
+    return CliError(
+        f"cannot write the output to {name} ({why}); {unwritten} bytes were not written"
+    )
+
+
+def write_all(stream: Any, data: bytes, name: str = "stdout") -> None:
+    """Write all of ``data`` to ``stream`` (called ``name`` in errors), or fail loudly
+    (``CliError``): never a silent short write.
 
     Straight to the descriptor, in a loop: a pipe whose reader set it non-blocking makes a
     buffered write stop short (``BlockingIOError``), and the rest would be lost unnoticed.
     """
     if stream is None:
-        raise StdoutClosed(len(data), NOT_OPEN)
+        raise _closed(name, len(data), NOT_OPEN)
     try:
         stream.flush()
         fd = _fileno(stream)
         if fd is None:
             written = stream.buffer.write(data)
             if written is not None and written != len(data):
-                raise CliError(f"wrote {written} of {len(data)} bytes to stdout")
+                raise CliError(f"wrote {written} of {len(data)} bytes to {name}")
             stream.buffer.flush()
             return
         stream.buffer.flush()
     except BrokenPipeError:
-        raise StdoutClosed(len(data)) from None
+        raise _closed(name, len(data)) from None
     view = memoryview(data)
     while view:
         try:
@@ -354,10 +367,10 @@ def write_all(stream: Any, data: bytes) -> None:
             select.select([], [fd], [])
             continue
         except BrokenPipeError:
-            raise StdoutClosed(len(view)) from None
+            raise _closed(name, len(view)) from None
         except OSError as e:
             raise CliError(
-                f"cannot write the output to stdout ({e.strerror or e}); "
+                f"cannot write the output to {name} ({e.strerror or e}); "
                 f"{len(view)} bytes were not written"
             ) from None
         view = view[n:]

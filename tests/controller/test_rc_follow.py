@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import io
+import sys
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -115,4 +118,45 @@ async def test_a_controller_unavailable_for_the_whole_window_is_exit_3(
         "rc: lost the controller at http://rc while following job j-1 (unavailable for 25s; "
         f"503 store_unavailable: {STORE_UNAVAILABLE['message']}); "
         "the job may still run: rc logs -f j-1\n"
+    )
+
+
+class ClosedStderr(io.TextIOBase):
+    """A stderr whose reader has gone: every write fails with EPIPE. What rc tried to say on
+    it is kept, to read what it would have said."""
+
+    def __init__(self) -> None:
+        self.tried: list[str] = []
+        self.buffer = self
+
+    def write(self, text: Any) -> int:
+        self.tried.append(text if isinstance(text, str) else text.decode())
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        pass
+
+
+# httpx leaves its inner generators to the collector when a stream is left unfinished.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_rc_run_json_names_stderr_when_the_output_cannot_go_there(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With --json the job's output goes to stderr: when that fails, the one line says so
+    # (it said "cannot write the output to stdout"), and nothing is on stdout (rc failed).
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(200, json={"job_id": "j-1", "state": "queued"})
+        if request.url.path.endswith("/output"):
+            return streamed(b"out\n")
+        return httpx.Response(200, json={"job_id": "j-1", "state": "succeeded"})
+
+    stderr = ClosedStderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    argv = ["run", "--json", "--", "x"]
+    status = await rc_cli.amain(argv, env=ENV, transport=httpx.MockTransport(handler))
+    assert status == 1
+    assert capsys.readouterr().out == ""
+    assert "".join(stderr.tried).splitlines()[-1] == (
+        "rc: cannot write the output to stderr (Broken pipe); 4 bytes were not written"
     )

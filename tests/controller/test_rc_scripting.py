@@ -189,6 +189,54 @@ async def test_rc_run_into_a_closed_pipe_says_so(
         ]
 
 
+async def rc_stderr_closed(url: str, *argv: str, how: str) -> subprocess.CompletedProcess[bytes]:
+    """``rc ARGV 2>&-`` (``how`` "not open"), or stderr a pipe whose reader has gone."""
+    if how == "not open":
+        return await trio.run_process(
+            ["sh", "-c", 'exec "$0" "$@" 2>&-', RC, *argv],
+            env=rc_env(url),
+            capture_stdout=True,
+            check=False,
+        )
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return await trio.run_process(
+            [RC, *argv], env=rc_env(url), capture_stdout=True, stderr=write_end, check=False
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("how", ["closed pipe", "not open"])
+async def test_a_closed_stderr_leaves_json_on_stdout_alone(served: str, how: str) -> None:
+    # rc's notes (`rc: job J`, warnings) are best effort on a closed stderr: rc run --json
+    # --quiet still prints the record and exits with the job's status (it exited 1 at the
+    # note), and with `2>&-` no note lands on stdout, in the JSON (print's default).
+    async with httpx.AsyncClient(base_url=served) as http:
+        w = FakeWorker(http, token=WORKER)
+        with trio.fail_after(60):
+            await w.register()
+            submit = await rc_stderr_closed(
+                served, "submit", "--json", "--select", "product=V100", "--", "x", how=how
+            )
+            assert submit.returncode == 0
+            assert json.loads(submit.stdout)["job_id"]  # the whole of stdout, the warning not in it
+            async with trio.open_nursery() as nursery:
+                done: list[subprocess.CompletedProcess[bytes]] = []
+
+                async def run() -> None:
+                    argv = ["run", "--json", "--quiet", "--", "y"]
+                    done.append(await rc_stderr_closed(served, *argv, how=how))
+
+                nursery.start_soon(run)
+                a = await w.run_one(output=b"out\n", exit_code=5)
+    [proc] = done
+    assert proc.returncode == 5
+    record = json.loads(proc.stdout)
+    assert (record["job_id"], record["state"]) == (a["job_id"], "failed")
+
+
 async def test_run_json_prints_only_the_final_record(served: str) -> None:
     async with httpx.AsyncClient(base_url=served) as http:
         w = FakeWorker(http, token=WORKER)
