@@ -6,7 +6,8 @@ before anything is sent, rather than an HTTP library's error reported as a failu
 reach the other end. Sans-IO; not in :mod:`rc_worker.core` because the URL check is
 httpx's own parser (what httpx would refuse later is refused now, in the same words).
 The token rule is the core's (:mod:`rc_worker.core.tokens`, which the config loader
-applies to the tokens in a worker's config), re-exported here.
+applies to the tokens in a worker's config), re-exported here; so is the rule for a
+URL's port (:mod:`rc_worker.core.urls`, which it applies to ``controller_url``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from rc_worker.core.tokens import token_problem
+from rc_worker.core.urls import port_problem
 
 __all__ = ["token_problem", "url_problem"]
 
@@ -29,20 +31,17 @@ def url_problem(url: str, what: str, fix: str) -> str | None:
         return f"the {what} URL is empty; {fix}"
     try:
         parts = urlsplit(url)
-        port = parts.port  # raises for a port that is not a number of 0 to 65535
+        _ = parts.port  # raises for a port that is not a number of 0 to 65535
         parsed = httpx.URL(url)
     except (ValueError, httpx.InvalidURL) as e:
         return f"{bad} ({e})"
     if parts.scheme not in ("http", "https") or not parsed.host:
         return bad
-    hostport = parts.netloc.rpartition("@")[2]
-    if hostport.endswith(":"):
-        # Both parsers take an empty port as no port (the scheme's), so http://ftp://x
-        # would be host "ftp" on port 80: a scheme or a port went missing, and asking
-        # that host would only say it cannot be found.
-        return f"{url!r} has no port number after {hostport!r}; {fix}"
-    if port == 0:
-        return f"{url!r} names port 0; {fix}"
+    # An empty port (http://ftp://x is host "ftp" on port 80 to both parsers) or port 0:
+    # the core's rule, which the config loader applies to controller_url too.
+    problem = port_problem(url)
+    if problem:
+        return f"{problem}; {fix}"
     if any(c.isspace() for c in url):
         return f"{url!r} has white space in it; {fix}"
     return None

@@ -135,6 +135,35 @@ def test_a_token_no_header_can_carry_is_exit_2(
 
 
 @pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("http://ftp://x", "has no port number after 'ftp:'"),
+        ("'http://h:/'", "has no port number after 'h:'"),
+    ],
+)
+def test_a_controller_url_with_no_port_after_its_colon_is_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str, fragment: str
+) -> None:
+    """Was "OK": the worker then asked host "ftp" (or "h") on port 80, as rc would not."""
+    path = _write(tmp_path, f"devices: [gpu0]\ncontroller_url: {url}\ntoken: t\n")
+    assert main(["check-config", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"{path}:2:17: controller_url: {url.strip(chr(39))!r} {fragment}; expected" in err
+    assert "Traceback" not in err
+
+
+def test_a_controller_url_from_the_environment_with_no_port_is_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RC_CONTROLLER_URL", "http://ftp://x")
+    assert main(["check-config", str(_write(tmp_path, GOOD))]) == 2
+    err = capsys.readouterr().err
+    assert "RC_CONTROLLER_URL: 'http://ftp://x' has no port number after 'ftp:'; expected" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
     ("setup", "fragment"),
     [
         ("missing", ":1:1: (file): no such file"),

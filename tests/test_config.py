@@ -507,6 +507,36 @@ _BAD: list[tuple[str, str | None, str, str, dict[str, str]]] = [
         "is not a URL",
         {},
     ),
+    # A colon with no port after it: the HTTP client would ask host "ftp" (or "h") on
+    # port 80 (was taken; rc and rc-worker status already refused it).
+    (
+        "controller-url-scheme-twice",
+        "devices: [gpu0]\ncontroller_url: http://ftp://x\n",
+        "2:17: controller_url",
+        "'http://ftp://x' has no port number after 'ftp:'; expected http://HOST:PORT",
+        {},
+    ),
+    (
+        "controller-url-empty-port",
+        "devices: [gpu0]\ncontroller_url: 'http://h:/'\n",
+        "2:17: controller_url",
+        "'http://h:/' has no port number after 'h:'; expected http://HOST:PORT",
+        {},
+    ),
+    (
+        "controller-url-list-empty-port",
+        "devices: [gpu0]\ncontroller_url: [http://a:1, 'http://b:']\n",
+        "2:30: controller_url[1]",
+        "'http://b:' has no port number after 'b:'",
+        {},
+    ),
+    (
+        "controller-url-port-zero",
+        "devices: [gpu0]\ncontroller_url: http://h:0\n",
+        "2:17: controller_url",
+        "'http://h:0' names port 0; expected http://HOST:PORT",
+        {},
+    ),
     (
         "status-listen-no-port",
         "devices: [gpu0]\nstatus_listen: localhost\n",
@@ -989,6 +1019,16 @@ def test_environment_supplies_what_the_file_lacks(tmp_path: Path) -> None:
     [
         ("RC_CONTROLLER_URL", "not a url", "RC_CONTROLLER_URL: 'not a url' is not a URL"),
         ("RC_CONTROLLER_URL", "ftp://x", "RC_CONTROLLER_URL: 'ftp://x' is not a URL"),
+        (
+            "RC_CONTROLLER_URL",
+            "http://ftp://x",
+            "RC_CONTROLLER_URL: 'http://ftp://x' has no port number after 'ftp:'",
+        ),
+        (
+            "RC_CONTROLLER_URL",
+            "http://a:1,http://h:/",
+            "RC_CONTROLLER_URL: 'http://h:/' has no port number after 'h:'",
+        ),
         ("RC_HOST", "bad host", "RC_HOST: host 'bad host' is not valid"),
         ("RC_TOKEN", "tok\nen\n", "RC_TOKEN: the worker token has '\\n' in it"),
     ],

@@ -122,6 +122,10 @@ def test_relative_paths_resolve_against_the_base_dir_as_written() -> None:
         ("https://ctl", False, False),
         ("ftp://ctl", True, True),
         ("http://", True, True),
+        # A colon with no port after it, or port 0: the core's port rule, in both.
+        ("http://ftp://x", True, True),
+        ("http://h:/", True, True),
+        ("http://h:0", True, True),
         # Shaped like a URL, but the HTTP client would refuse the port: only the shell sees it.
         ("http://ctl:99999", False, True),
     ],

@@ -50,6 +50,7 @@ from rc_worker.core.names import (
     split_label_key,
 )
 from rc_worker.core.tokens import token_problem
+from rc_worker.core.urls import port_problem
 
 _DURATION_FIELDS = {
     "heartbeat_interval": True,  # True: must be positive
@@ -217,6 +218,11 @@ def url_shape_problem(url: str) -> str | None:
     ``config_load.controller_url_problem`` for the whole check)."""
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
         return f"{url!r} is not a URL; expected http://HOST:PORT or https://HOST"
+    # http://ftp://x and http://h:/ pass the pattern, and the HTTP client would ask host
+    # "ftp" (or "h") on port 80: the rule rc and rc-worker status apply to a URL's port.
+    problem = port_problem(url)
+    if problem:
+        return f"{problem}; expected http://HOST:PORT or https://HOST"
     return None
 
 
