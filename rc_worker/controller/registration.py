@@ -15,6 +15,10 @@ interrupted job, and each device quarantined for one:
 - else the device stays (or becomes) quarantined, reason ``interrupted``, until
   an operator clears it.
 
+A device the registration claims runs a job the controller itself ended (the
+host was retired with ``--force`` while its worker lived on, say) is quarantined
+the same way, naming the job: the process is there, so the device is not free.
+
 A job the controller believed running that the worker does not report in
 ``recovery`` is finished ``lost``; one it does report stays running, and the
 worker owes its ``finish`` (the store finishes it ``lost`` itself if no
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rc_worker.controller.claims import claimed_attempts
+from rc_worker.controller.claims import claimed_attempts, claimed_placements
 from rc_worker.controller.messages import Recovery, RegisterRequest
 from rc_worker.controller.records import Device, Host
 
@@ -132,6 +136,38 @@ def reconcile_registration(
             rec,
             f"worker restarted with job {rec.job_id} in its journal ({rec.claim})",
         )
+
+    # A device claimed running a job the controller itself ended (its host retired with
+    # --force while the worker lived on, or the job's report timed out): the process runs
+    # there now, and its device is no more free than a lost host's, so it is quarantined
+    # the same way, naming the job, until an operator clears it. Nothing proves otherwise
+    # (the worker says it runs), so no proof is asked. The same live process registering
+    # again was judged when the job ended; an operator's clear since then stands.
+    for job_id, (name, claim) in () if same_process else claimed_placements(req).items():
+        d = h.devices.get(name)
+        known = store.known_job(job_id)
+        if (
+            d is None
+            or not d.present
+            or known is None
+            or not known.terminal
+            or known.finished_by != "controller"
+            or (name, job_id) in settled
+        ):
+            continue
+        settled.add((name, job_id))
+        if not any(
+            f.kind == "interrupted" and f.raised_by == "controller" and f.job_id == job_id
+            for f in d.faults.values()
+        ):
+            store.controller_fault(
+                d,
+                job_id,
+                claim.attempt,
+                req.boot_id,
+                f"the worker registered running job {job_id}, which had ended "
+                f"{known.state} ({known.reason})",
+            )
 
     for d in h.devices.values():
         for fault in list(d.faults.values()):

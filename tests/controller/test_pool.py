@@ -4,6 +4,7 @@ running attempts with their end times; host drain, resume and retire; /metrics."
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from rc_worker.controller.messages import (
     JobInfo,
     JobSpec,
     RegisterRequest,
+    RunningClaim,
 )
 from rc_worker.controller.persist.codec import host_doc, load_host
 from rc_worker.controller.pool import DEVICE_STATES, device_state, host_states, pool_view
@@ -173,6 +175,64 @@ def test_retire_refuses_a_busy_host_unless_forced_and_keeps_the_jobs_records() -
     register(store, devices=("gpu0",))
     assert [d.address for d in store.devices()] == ["box1/gpu0"]
     assert store.pool()["hosts"]["retired"] == 0
+
+
+async def test_a_forced_retire_of_a_live_worker_leaves_its_running_device_quarantined(
+    client: httpx.AsyncClient, user: httpx.AsyncClient, store: Store
+) -> None:
+    """Was free: the worker, still alive, registered again as a new host and ran the job
+    to its end, while rc devices and the pool counted the device it ran on as free
+    capacity. It is quarantined as a lost host's is, naming the job, until cleared."""
+    w = FakeWorker(client)
+
+    async def register_running(job_id: str) -> dict[str, Any]:
+        decl = {"name": "gpu0", "declared_labels": {}, "running": {"job_id": job_id, "attempt": 1}}
+        return await w.register(devices=[decl], protocol=2, instance_id="i-1")
+
+    with trio.fail_after(10):
+        await w.register(protocol=2, instance_id="i-1")
+        job_id = store.submit(["x"])
+        [a] = await w.poll(wait_s=0)
+        assert (await w.start(a)).status_code == 200
+        r = await user.post("/v1/hosts/box1/retire", json={"force": True})
+        assert r.json()["jobs_lost"] == [job_id]
+        r = await w.heartbeat({"gpu0": {"state": "running", "job_id": job_id, "attempt": 1}})
+        assert r.json()["error"] == "unknown_session"
+        # The same live process registers again, still running the job, and says so.
+        reply = await register_running(job_id)
+        said = reply["devices"]["gpu0"]
+        assert (said["state"], said["reason"]) == ("quarantined", "interrupted")
+        [device] = (await user.get("/v1/devices")).json()["devices"]
+        assert (device["state"], device["host_state"]) == ("quarantined", "up")
+        [fault] = device["faults"]
+        assert (fault["job_id"], fault["raised_by"]) == (job_id, "controller")
+        assert "host box1 retired" in fault["detail"]
+        assert (await user.get("/v1/pool")).json()["devices"]["free"] == 0
+        # Registering again (another unknown_session) raises no second fault.
+        await register_running(job_id)
+        assert len(store.device("box1", "gpu0").faults) == 1
+        # The job ends there: it stays lost, and the device quarantined until cleared.
+        assert (await w.finish(a, "succeeded")).status_code == 200
+        assert store.job(job_id).state == "lost"
+        assert store.device("box1", "gpu0").state == "quarantined"
+        assert (await user.post("/v1/devices/box1/gpu0/clear", json={})).status_code == 200
+        assert store.device("box1", "gpu0").state == "free"
+
+
+def test_a_host_lost_while_cut_off_keeps_one_fault_when_its_worker_claims_the_job() -> None:
+    # The lost-host window the forced retire now matches: the fault raised at host loss
+    # is the one the device keeps, whether or not the registration claims the job.
+    store = Store(StoreConfig(heartbeat_interval_s=10), instance="t")
+    session = register(store, devices=("gpu0",), now=0)
+    job_id = store.submit(["x"])
+    start(store, session, assign(store, session))
+    store.tick(31)
+    assert store.job(job_id).state == "lost"
+    [before] = store.device("box1", "gpu0").faults
+    decl = DeviceDecl("gpu0", running=RunningClaim(job_id, 1))
+    store.register("box1", RegisterRequest(boot_id="boot-1", devices=(decl,)), now=32)
+    d = store.device("box1", "gpu0")
+    assert (d.state, [f.fault_id for f in d.faults]) == ("quarantined", [before.fault_id])
 
 
 # -- end to end through rc --------------------------------------------------------------
