@@ -275,6 +275,10 @@ async def test_an_address_taken_after_a_standby_took_over_is_one_line_and_status
         # The standby's listener is closed: something else takes its port before the
         # active controller binds it.
         host, _, port = chosen[0].rpartition(":")
+        # As the servers bind: a connection of the standby's left in TIME_WAIT on the
+        # port must not fail this bind (it failed once so); listening, it still keeps
+        # the active controller's bind out.
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind((host, int(port)))
         held.listen()
         taken.append(chosen[0])
