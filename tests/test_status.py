@@ -261,18 +261,24 @@ async def _peer(handle: Peer, unix: Path | None = None) -> AsyncIterator[str]:
         nursery.cancel_scope.cancel()
 
 
-async def _read_head(stream: trio.SocketStream) -> None:
+async def _read_head(stream: trio.SocketStream) -> bytes:
+    """The request's head (what came of it, if the client hung up first)."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = await stream.receive_some()
         if not chunk:
-            return
+            break
         data += chunk
+    return data
 
 
-def _answering(body: bytes, status: str = "200 OK") -> Peer:
+def _answering(body: bytes, status: str = "200 OK", heads: list[bytes] | None = None) -> Peer:
+    """A peer that answers every request with ``body``; the requests' heads go to ``heads``."""
+
     async def handle(stream: trio.SocketStream) -> None:
-        await _read_head(stream)
+        head = await _read_head(stream)
+        if heads is not None:
+            heads.append(head)
         await stream.send_all(
             f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
@@ -380,19 +386,7 @@ async def test_a_token_on_the_command_line_wins_over_the_configs(
     )
     heads: list[bytes] = []
 
-    async def handle(stream: trio.SocketStream) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = await stream.receive_some()
-            if not chunk:
-                return
-            data += chunk
-        heads.append(data)
-        body = json.dumps(WORKER_LIKE).encode()
-        await stream.send_all(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
-        )
+    handle = _answering(json.dumps(WORKER_LIKE).encode(), heads=heads)
 
     async with _peer(handle, unix=sock):
         code = await _status_cli(["status", "--config", str(path), *typed])
