@@ -270,14 +270,7 @@ def _commit(store: StateStore, writes: list[_Write], prepare: bool) -> int:
             _unlink_quietly(store, _tmp(w.path))
             continue
         dirs.setdefault(w.path.parent, []).append(w)
-    synced = 0
-    for directory, members in dirs.items():
-        try:
-            store.fsync_dir(directory)
-            synced += 1
-        except OSError as e:
-            for w in members:
-                w.error = e
+    synced = _fsync_dirs(store, dirs)
     # A directory a ``before`` made (a job's, for its journal) is an entry of its
     # parent, not yet durable: fsyncing the files and the directory itself does not
     # keep the directory's name after a power loss by POSIX (ext4 happens to commit
@@ -289,11 +282,17 @@ def _commit(store: StateStore, writes: list[_Write], prepare: bool) -> int:
     for directory, members in dirs.items():
         if directory in made:
             parents.setdefault(directory.parent, []).extend(w for w in members if w.error is None)
-    for parent, members in parents.items():
-        if not members:
-            continue  # every write there failed: nothing to make durable
+    # A parent whose every write failed has nothing to make durable.
+    return synced + _fsync_dirs(store, {p: ms for p, ms in parents.items() if ms})
+
+
+def _fsync_dirs(store: StateStore, dirs: dict[Path, list[_Write]]) -> int:
+    """Fsync each directory once; a failure is the error of the writes it held. How many
+    fsyncs succeeded."""
+    synced = 0
+    for directory, members in dirs.items():
         try:
-            store.fsync_dir(parent)
+            store.fsync_dir(directory)
             synced += 1
         except OSError as e:
             for w in members:
