@@ -1,8 +1,10 @@
 """Following a job's output from ``rc``, through a controller that may go away.
 
 ``rc run`` and ``rc logs -f`` read ``GET /v1/jobs/{id}/output?follow=true``. When the
-connection drops (the controller was killed, restarted, or a proxy cut it), or the
-controller answers ``503`` (a standby not yet active, a store it cannot read now), they
+connection drops (the controller was killed, restarted, or a proxy cut it), the
+controller answers ``503`` (a standby not yet active, a store it cannot read now), or a
+reverse proxy in front of it answers ``502``/``504`` (the controller behind it is not
+reachable, restarting), they
 reconnect and resume at the offset they already have, for up to ``--reconnect D``
 counted from the last time the controller answered. Past that, or if a restarted
 controller no longer knows the job (its store is in memory), they give up with
@@ -108,16 +110,45 @@ def raise_for(r: httpx.Response) -> None:
 
 def _error_of(r: httpx.Response) -> str:
     """``error: message`` from an error answer's body, or ``HTTP N`` if it has none."""
-    try:
-        body: Any = boundedjson.loads(r.content)
-        return f"{body['error']}: {body['message']}"
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {r.status_code}"
+    error = _rc_error(r)
+    return f"HTTP {r.status_code}" if error is None else f"{error[0]}: {error[1]}"
 
 
 UNAVAILABLE: Final = 503
 """A controller that cannot answer now but will (a standby not yet active; the store read
 failing, ``store_unavailable``): a followed job waits for it as for a lost connection."""
+
+WAITED_OUT: Final = frozenset({502, UNAVAILABLE, 504})
+"""The answers a followed job waits out within ``--reconnect``: :data:`UNAVAILABLE`, and
+a reverse proxy's (or gateway's) ``502 Bad Gateway`` and ``504 Gateway Timeout``, which it
+answers while the controller behind it restarts (refused, or not answering). An rc
+controller never answers 502 or 504 itself. Not ``500``, nor any other 5xx: those are the
+controller's own answer to this request, and asking again would get the same."""
+
+
+def waited_out(status: int) -> bool:
+    """Whether an answer of ``status`` to a followed job is waited out (:data:`WAITED_OUT`)
+    rather than ends ``rc``."""
+    return status in WAITED_OUT
+
+
+def _rc_error(r: httpx.Response) -> tuple[str, str] | None:
+    """``(error, message)`` of an rc controller's error answer, or None for any other body
+    (a proxy's HTML page, nothing)."""
+    try:
+        body: Any = boundedjson.loads(r.content)
+        return str(body["error"]), str(body["message"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _status_line(r: httpx.Response) -> str:
+    """``503 standby: message`` for an rc controller's error answer; ``502 Bad Gateway``
+    (the status and its reason phrase) for one that is not, as a proxy's."""
+    error = _rc_error(r)
+    if error is not None:
+        return f"{r.status_code} {error[0]}: {error[1]}"
+    return f"{r.status_code} {r.reason_phrase or 'HTTP'}".rstrip()
 
 
 async def read_answer(
@@ -137,7 +168,7 @@ async def read_answer(
                 f"{ANSWER_MAX_BYTES >> 20} MiB, which no rc controller sends; check that "
                 "--url / RC_URL is an rc controller (rc serve)"
             )
-    # Retry-After is kept for a 503 (Reconnect.unavailable); not the other headers: the
+    # Retry-After is kept for a 502/503/504 (Reconnect.unavailable); not the other headers: the
     # content is decoded already, and a Content-Encoding kept with it would decode it again.
     kept = {"Retry-After": r.headers["Retry-After"]} if "Retry-After" in r.headers else {}
     return httpx.Response(r.status_code, headers=kept, content=bytes(data))
@@ -183,7 +214,7 @@ class Reconnect:
 
     ``window`` is counted from the first failure since the controller last answered;
     tries back off from 0.25 s to 2 s (:func:`retry_delay`). :meth:`failed` (a lost
-    connection) and :meth:`unavailable` (a 503) sleep before the next try, or raise
+    connection) and :meth:`unavailable` (a 502, 503 or 504) sleep before the next try, or raise
     :class:`ControllerGone` once the window is spent.
     """
 
@@ -206,13 +237,17 @@ class Reconnect:
         await self._again(f"no answer for {format_duration(self.window)}; {what}", None)
 
     async def unavailable(self, answer: httpx.Response) -> None:
-        """A 503 (:data:`UNAVAILABLE`): tried again as after a lost connection, not sooner
-        than its ``Retry-After`` (within the window). The controller answered, so a later
-        404 is not taken as one that forgot the job."""
+        """An answer to wait out (:data:`WAITED_OUT`): tried again as after a lost
+        connection, not sooner than its ``Retry-After`` (within the window).
+
+        A controller's own 503 (its error body) says it is there, so a later 404 is not
+        taken as one that forgot the job; any other (a proxy's 502, 504 or 503) says the
+        controller was not reachable, as a lost connection does."""
+        if answer.status_code != UNAVAILABLE or _rc_error(answer) is None:
+            self.reconnected = True
         retry_after = retry_after_seconds(answer.headers.get("Retry-After"), now=time.time())
         await self._again(
-            f"unavailable for {format_duration(self.window)}; "
-            f"{answer.status_code} {_error_of(answer)}",
+            f"unavailable for {format_duration(self.window)}; {_status_line(answer)}",
             retry_after,
         )
 
@@ -242,8 +277,8 @@ class Reconnect:
 
 async def get_job(client: httpx.AsyncClient, job_id: str, reconnect: Reconnect) -> Any:
     """The job's record, bounded as every answer (:func:`read_answer`); a request that
-    fails in transport, gets no answer within :data:`ANSWER_TIMEOUT`, or is answered 503,
-    is tried again within ``reconnect``'s window."""
+    fails in transport, gets no answer within :data:`ANSWER_TIMEOUT`, or is answered 502,
+    503 or 504 (:data:`WAITED_OUT`), is tried again within ``reconnect``'s window."""
     path = job_path(job_id)
     while True:
         try:
@@ -252,7 +287,7 @@ async def get_job(client: httpx.AsyncClient, job_id: str, reconnect: Reconnect) 
         except httpx.TransportError as e:
             await reconnect.failed(e)
             continue
-        if answer.status_code == UNAVAILABLE:
+        if waited_out(answer.status_code):
             await reconnect.unavailable(answer)
             continue
         reconnect.answered()
@@ -291,7 +326,7 @@ async def follow_output(
         unavailable = None
         try:
             async with client.stream("GET", path, params={"offset": offset, "follow": "true"}) as r:
-                if r.status_code == UNAVAILABLE:
+                if waited_out(r.status_code):
                     unavailable = await read_answer(client, r, "GET", path)
                 elif not r.is_success:
                     answer = await read_answer(client, r, "GET", path)

@@ -12,12 +12,13 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rc_worker.controller import rc_cli, rc_follow
 
 ENV = {"RC_URL": "http://rc", "RC_USER_TOKEN": "ut"}
+NOT_FOUND = {"error": "not_found", "message": "no job j-1"}
 STORE_UNAVAILABLE = {
     "error": "store_unavailable",
     "message": "the controller could not read this output (disk I/O error)",
@@ -119,6 +120,110 @@ async def test_a_controller_unavailable_for_the_whole_window_is_exit_3(
         f"503 store_unavailable: {STORE_UNAVAILABLE['message']}); "
         "the job may still run: rc logs -f j-1\n"
     )
+
+
+def proxy_answer(status: int) -> httpx.Response:
+    """What a reverse proxy answers while the controller behind it is down: its own page."""
+    page = f"<html><head><title>{status}</title></head><body>nginx</body></html>\r\n"
+    return httpx.Response(status, content=page.encode(), headers={"Content-Type": "text/html"})
+
+
+@pytest.mark.parametrize("status", [502, 504])
+async def test_a_proxys_502_or_504_is_waited_out_and_the_output_resumes(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str], status: int
+) -> None:
+    # A reverse proxy in front of the controller answers 502 (connection refused) or 504
+    # (no answer in time) while the controller restarts, on the output and on the record:
+    # rc logs -f waits it out as a 503 and resumes at the offset it has (it stopped at once
+    # with "the controller answered 502: HTTP 502", status 1).
+    asked: list[tuple[str, str | None]] = []
+    gateway = {"output": 2, "record": 2}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        offset = request.url.params.get("offset")
+        asked.append((request.url.path, offset))
+        what = "output" if request.url.path.endswith("/output") else "record"
+        if offset == "0":
+            return streamed(b"part one\n")
+        if gateway[what]:
+            gateway[what] -= 1
+            return proxy_answer(status)
+        if what == "output":
+            return streamed(b"part two\n")
+        return httpx.Response(
+            200, json={"job_id": "j-1", "state": "succeeded", "committed_bytes": 18}
+        )
+
+    argv = ["logs", "-f", "--reconnect", "1m", "j-1"]
+    status_ = await rc_cli.amain(argv, env=ENV, transport=httpx.MockTransport(handler))
+    out, err = capsys.readouterr()
+    assert (status_, err) == (0, "")
+    assert out == "part one\npart two\n"
+    output, record = "/v1/jobs/j-1/output", "/v1/jobs/j-1"
+    assert asked == [
+        (output, "0"),
+        *[(record, None)] * 3,  # two answered by the proxy, then the record (ended)
+        *[(output, "9")] * 3,
+        (record, None),
+    ]
+
+
+@pytest.mark.parametrize("status", [502, 504])
+async def test_a_proxy_answering_for_the_whole_window_is_exit_3_naming_its_status(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str], status: int
+) -> None:
+    phrase = {502: "Bad Gateway", 504: "Gateway Timeout"}[status]
+    argv = ["logs", "-f", "--reconnect", "10s", "j-1"]
+    transport = httpx.MockTransport(lambda request: proxy_answer(status))
+    got = await rc_cli.amain(argv, env=ENV, transport=transport)
+    out, err = capsys.readouterr()
+    assert (got, out) == (rc_cli.EXIT_CONTROLLER_GONE, "")
+    assert err == (
+        "rc: lost the controller at http://rc while following job j-1 (unavailable for 10s; "
+        f"{status} {phrase}); the job may still run: rc logs -f j-1\n"
+    )
+
+
+async def test_a_404_after_a_proxys_502_is_a_controller_that_forgot_the_job(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 502 says the controller was not reachable, as a lost connection does: one that
+    # comes back without the job (its state was in memory) is exit 3, not "answered 404".
+    answers = iter([proxy_answer(502), httpx.Response(404, json=NOT_FOUND)])
+    argv = ["logs", "-f", "j-1"]
+    transport = httpx.MockTransport(lambda request: next(answers))
+    got = await rc_cli.amain(argv, env=ENV, transport=transport)
+    assert got == rc_cli.EXIT_CONTROLLER_GONE
+    assert capsys.readouterr().err == (
+        "rc: the controller at http://rc no longer knows job j-1 "
+        "(it restarted without its stored state)\n"
+    )
+
+
+@pytest.mark.parametrize("status", [500, 501, 505, 507])
+async def test_the_controllers_own_5xx_is_not_waited_out(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str], status: int
+) -> None:
+    # 500 is the controller's own error: asking again gets the same; it ends rc at once.
+    asked: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(trio.current_time())
+        return httpx.Response(status, json={"error": "internal", "message": "it broke"})
+
+    argv = ["logs", "-f", "--reconnect", "1m", "j-1"]
+    got = await rc_cli.amain(argv, env=ENV, transport=httpx.MockTransport(handler))
+    assert (got, len(asked)) == (1, 1)
+    assert capsys.readouterr().err == f"rc: the controller answered {status}: internal: it broke\n"
+
+
+@given(status=st.integers(min_value=100, max_value=599))
+@example(status=500)
+@example(status=502)
+@example(status=503)
+@example(status=504)
+def test_only_gateway_answers_are_waited_out(status: int) -> None:
+    assert rc_follow.waited_out(status) is (status in (502, 503, 504))
 
 
 class ClosedStderr(io.TextIOBase):
