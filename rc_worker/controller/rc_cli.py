@@ -562,7 +562,20 @@ async def _jobs(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any
             return out
 
 
+def _check_stdin(args: argparse.Namespace) -> None:
+    """Refuse ``--stdin`` (status 2) when ``rc`` has no standard input at all (``<&-``:
+    Python then has ``sys.stdin`` None): checked before the job is submitted, which would
+    otherwise be queued waiting for an input ``rc`` cannot read."""
+    if args.stdin and sys.stdin is None:
+        raise CliError(
+            f"rc {args.command} --stdin: standard input is not open (rc was started with <&-); "
+            "give the job's input on it (< FILE, or a pipe), or leave out --stdin",
+            2,
+        )
+
+
 async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> int:
+    _check_stdin(args)
     submitted = await rc_follow.call(client, "POST", "/v1/jobs", json=_submit_body(args))
     job_id: str = submitted["job_id"]
     if submitted.get("pending_code") == "no_match":

@@ -145,6 +145,30 @@ async def test_rc_submit_stdin_with_stdout_closed_still_uploads_it(
     assert got.content == b"the job's input\n"
 
 
+@pytest.mark.parametrize("command", ["submit", "run"])
+async def test_stdin_with_no_stdin_open_is_refused_before_anything_is_queued(
+    served: str, command: str
+) -> None:
+    # `rc submit --stdin -- cat <&-`: there is no input to upload (Python has sys.stdin
+    # None). It is bad usage, refused before the job is submitted (the job was queued, then
+    # rc said the controller "answered something rc cannot read (AttributeError ...)").
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            ["sh", "-c", 'exec "$0" "$@" <&-', RC, command, "--stdin", "--", "cat"],
+            env=rc_env(served),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        listed = await rc_run(served, "ps", "--json")
+    assert (done.returncode, done.stdout) == (2, b"")
+    assert done.stderr.decode() == (
+        f"rc: rc {command} --stdin: standard input is not open (rc was started with <&-); "
+        "give the job's input on it (< FILE, or a pipe), or leave out --stdin\n"
+    )
+    assert json.loads(listed.stdout)["jobs"] == []  # nothing was queued
+
+
 @pytest.mark.parametrize(
     ("closed", "why"), [(rc_into_closed_pipe, "Broken pipe"), (rc_stdout_not_open, "not open")]
 )
