@@ -450,11 +450,15 @@ def _out(text: str) -> None:
 def _say(text: str) -> None:
     """Print ``text`` (a line) on stderr: rc's own notes and errors. Best effort: a stderr
     whose reader has gone, or that rc was started without (``2>&-``: ``print`` would then
-    write to stdout, into a ``--json`` answer), must not change what rc does or its status."""
+    write to stdout, into a ``--json`` answer), must not change what rc does or its status.
+
+    Escaped (:func:`rc_format.one_line`): the controller's text in it (an error's message,
+    a job's id or reason) is not to start a line of its own or send the terminal an escape
+    sequence; ``rc``'s own text has no control character, so it is shown unchanged."""
     if sys.stderr is None:
         return
     with contextlib.suppress(OSError):
-        print(text, file=sys.stderr, flush=True)
+        print(fmt.one_line(text), file=sys.stderr, flush=True)
 
 
 async def _feed_stdin(client: httpx.AsyncClient, job_id: str) -> None:
@@ -616,7 +620,8 @@ async def _cmd_submit(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     except* (CliError, httpx.HTTPError, *UNREADABLE) as group:
         raise _translate(group, str(client.base_url)) from group
     except* KeyboardInterrupt:
-        _say(f"\nrc: job {job_id} keeps running; stop it with: rc cancel {job_id}")
+        _say("")  # after the ^C the terminal printed
+        _say(f"rc: job {job_id} keeps running; stop it with: rc cancel {job_id}")
         raise
     status = run_exit_status(job)
     if args.json:
@@ -733,7 +738,7 @@ async def _cmd_client(client: httpx.AsyncClient, args: argparse.Namespace) -> in
     elif c == "idle":
         path = "/v1/devices/{}/{}/idle-behavior".format(*map(_seg, args.device))
         body = await rc_follow.call(client, "POST", path, json={"idle_behavior": args.behavior})
-        text = f"{body['address']}: idle behavior {body['idle_behavior']}"
+        text = fmt.one_line(f"{body['address']}: idle behavior {body['idle_behavior']}")
     elif c == "pool":
         body = await rc_follow.call(client, "GET", "/v1/pool", params={"class": args.class_label})
         text = fmt.pool_summary(body)

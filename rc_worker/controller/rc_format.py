@@ -15,22 +15,42 @@ _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def one_line(text: str) -> str:
-    """``text`` with every unprintable character escaped, so a table row stays one line."""
+    """``text`` with every unprintable character escaped (``\\n``, ``\\x1b``, ``\\u2028``, as
+    ``repr`` does), so a table row or an error line stays one line and a controller's text
+    cannot move the cursor or change the terminal (C0 and C1 controls, escape sequences)."""
     if text.isprintable():
         return text
+    return _escaped(text, keep="")
+
+
+def text_block(text: str) -> str:
+    """``text`` of several lines (a usage sheet) with its line breaks and tabs kept but every
+    other unprintable character escaped as by :func:`one_line`."""
+    return _escaped(text.replace("\r\n", "\n"), keep="\n\t")
+
+
+def _escaped(text: str, keep: str) -> str:
     out = []
     for ch in text:
-        if ch.isprintable():
+        if ch.isprintable() or ch in keep:
             out.append(ch)
         elif ch in _ESCAPES:
             out.append(_ESCAPES[ch])
         else:
             code = ord(ch)
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+            if code < 0x100:
+                out.append(f"\\x{code:02x}")
+            elif code < 0x10000:
+                out.append(f"\\u{code:04x}")
+            else:
+                out.append(f"\\U{code:08x}")
     return "".join(out)
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell; every cell is escaped (:func:`one_line`), so
+    whatever the controller sent, each row is one line."""
+    rows = [[one_line(cell) for cell in row] for row in rows]
     widths = [len(h) for h in header]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
@@ -115,11 +135,17 @@ def job_details(job: Mapping[str, Any]) -> str:
         note = f" ({a['note']})" if a.get("note") else ""
         placed = f"{a['host']}/{a['device']} {a['status']}{note}"
         lines.append((f"attempt {a['attempt']}", one_line(placed)))
+    # Every field escaped: a newline in a selector or an id must not start a line of its own.
+    lines = [(one_line(str(k)), one_line(str(v))) for k, v in lines]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 
 
 def cancel_result(job: Mapping[str, Any]) -> str:
+    return one_line(_cancel_result(job))
+
+
+def _cancel_result(job: Mapping[str, Any]) -> str:
     if job["state"] == "running":
         # The worker hears of it through its cancel watch within about a second, not at
         # its next heartbeat (docs/protocol.md, "the poll as a cancel watch").
@@ -180,15 +206,22 @@ def devices_table(devices: Sequence[Mapping[str, Any]]) -> str:
 
 
 def sheet(body: Mapping[str, Any]) -> str:
+    """The usage sheets as written, their lines kept, but no control character that could
+    move the cursor or change the terminal (:func:`text_block`)."""
+    host, device = one_line(str(body["host"])), one_line(str(body["device"]))
     parts = []
     if body.get("host_sheet"):
-        parts.append(f"# host {body['host']}\n\n{body['host_sheet'].rstrip()}")
+        parts.append(f"# host {host}\n\n{text_block(body['host_sheet'].rstrip())}")
     if body.get("device_sheet"):
-        parts.append(f"# device {body['host']}/{body['device']}\n\n{body['device_sheet'].rstrip()}")
-    return "\n\n".join(parts) or f"{body['host']}/{body['device']}: no usage sheet"
+        parts.append(f"# device {host}/{device}\n\n{text_block(body['device_sheet'].rstrip())}")
+    return "\n\n".join(parts) or f"{host}/{device}: no usage sheet"
 
 
 def clear_result(body: Mapping[str, Any]) -> str:
+    return one_line(_clear_result(body))
+
+
+def _clear_result(body: Mapping[str, Any]) -> str:
     address = body["device"]["address"]
     if not body["cleared"]:
         return f"{address}: nothing to clear (state {body['device']['state']})"
@@ -196,6 +229,10 @@ def clear_result(body: Mapping[str, Any]) -> str:
 
 
 def clear_host_result(body: Mapping[str, Any]) -> str:
+    return one_line(_clear_host_result(body))
+
+
+def _clear_host_result(body: Mapping[str, Any]) -> str:
     cleared = body["cleared"]
     if not cleared:
         return f"{body['host']}: no host-level fault to clear"
@@ -208,14 +245,16 @@ def event_line(event: Mapping[str, Any]) -> str:
     details = " ".join(
         f"{k}={one_line(str(v))}" for k, v in event.items() if k not in skip and v not in (None, "")
     )
-    return f"{event['seq']:>6}  {_when(event.get('time'))}  {event['type']:<18}  {details}"
+    return one_line(
+        f"{event['seq']:>6}  {_when(event.get('time'))}  {event['type']:<18}  {details}"
+    )
 
 
 def pool_summary(body: Mapping[str, Any]) -> str:
     """``rc pool``: counts per state, free devices per class, running attempts."""
 
     def counts(title: str, values: Mapping[str, int]) -> str:
-        return f"{title:<14}" + "  ".join(f"{k} {v}" for k, v in values.items())
+        return one_line(f"{title:<14}" + "  ".join(f"{k} {v}" for k, v in values.items()))
 
     lines = [
         counts("hosts", body.get("hosts", {})),
@@ -225,8 +264,8 @@ def pool_summary(body: Mapping[str, Any]) -> str:
     free = body.get("free_by_class", {})
     label = body.get("class_label", "product")
     if free:
-        lines.append(f"free by {label}:")
-        lines += [f"  {v:>5}  {one_line(k) or '(no ' + label + ')'}" for k, v in free.items()]
+        lines.append(one_line(f"free by {label}:"))
+        lines += [one_line(f"  {v:>5}  {k or '(no ' + label + ')'}") for k, v in free.items()]
     running = body.get("running", [])
     rows = [
         [
@@ -243,6 +282,10 @@ def pool_summary(body: Mapping[str, Any]) -> str:
 
 
 def host_result(action: str, host: str, body: Mapping[str, Any]) -> str:
+    return one_line(_host_result(action, host, body))
+
+
+def _host_result(action: str, host: str, body: Mapping[str, Any]) -> str:
     if action == "retire":
         lost = body.get("jobs_lost") or []
         return f"{host}: retired" + (f"; jobs ended lost: {', '.join(lost)}" if lost else "")
