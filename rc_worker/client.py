@@ -41,6 +41,7 @@ from rc_worker.core.protocol import (
     StartRequest,
 )
 from rc_worker.core.retry import Backoff, RetryLog, is_transient_status, retry_after_seconds
+from rc_worker.http_body import read_bounded
 
 log = logging.getLogger("rc_worker.client")
 
@@ -501,14 +502,12 @@ class _Transient(Exception):
 async def _read_bounded(response: httpx.Response) -> bytes:
     """The answer's body, refusing (as a transient failure, so with backoff) one above
     :data:`MAX_RESPONSE_BYTES` without holding more than that in memory."""
-    data = bytearray()
-    async for chunk in response.aiter_bytes():
-        data += chunk
-        if len(data) > MAX_RESPONSE_BYTES:
-            raise _Transient(
-                f"answer larger than {MAX_RESPONSE_BYTES} bytes (status {response.status_code})"
-            )
-    return bytes(data)
+    data = await read_bounded(response, MAX_RESPONSE_BYTES)
+    if data is None:
+        raise _Transient(
+            f"answer larger than {MAX_RESPONSE_BYTES} bytes (status {response.status_code})"
+        )
+    return data
 
 
 def _decode(response: httpx.Response, data: bytes) -> dict[str, Any]:

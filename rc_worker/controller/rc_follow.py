@@ -30,6 +30,7 @@ from rc_worker.controller.rc_input import path_segment
 from rc_worker.core import boundedjson
 from rc_worker.core.durations import format_duration
 from rc_worker.core.retry import retry_after_seconds
+from rc_worker.http_body import read_bounded
 
 EXIT_CONTROLLER_GONE = 3
 RETRY_FIRST_S = 0.25
@@ -159,19 +160,17 @@ async def read_answer(
 
     Every answer ``rc`` reads whole goes through here (its JSON, and the error answer to a
     streamed request): an endless one would otherwise grow this process until killed."""
-    data = bytearray()
-    async for chunk in r.aiter_bytes():
-        data += chunk
-        if len(data) > ANSWER_MAX_BYTES:
-            raise CliError(
-                f"the answer to {method} {path} from {client.base_url} is larger than "
-                f"{ANSWER_MAX_BYTES >> 20} MiB, which no rc controller sends; check that "
-                "--url / RC_URL is an rc controller (rc serve)"
-            )
+    data = await read_bounded(r, ANSWER_MAX_BYTES)
+    if data is None:
+        raise CliError(
+            f"the answer to {method} {path} from {client.base_url} is larger than "
+            f"{ANSWER_MAX_BYTES >> 20} MiB, which no rc controller sends; check that "
+            "--url / RC_URL is an rc controller (rc serve)"
+        )
     # Retry-After is kept for a 502/503/504 (Reconnect.unavailable); not the other headers: the
     # content is decoded already, and a Content-Encoding kept with it would decode it again.
     kept = {"Retry-After": r.headers["Retry-After"]} if "Retry-After" in r.headers else {}
-    return httpx.Response(r.status_code, headers=kept, content=bytes(data))
+    return httpx.Response(r.status_code, headers=kept, content=data)
 
 
 async def call(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> Any:
