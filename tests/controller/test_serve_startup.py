@@ -31,28 +31,35 @@ from .rc_procs import RC, USER, WORKER, rc_serve
 GUARD = 60
 
 
+async def rc_serve_ends(listen: str, *store: str) -> tuple[int, str]:
+    """Start ``rc serve`` (test tokens, ``store`` flags) where it is expected to stop by
+    itself: its status and stderr."""
+    with trio.fail_after(GUARD):
+        done = await trio.run_process(
+            [
+                RC,
+                "serve",
+                "--listen",
+                listen,
+                "--user-token",
+                USER,
+                "--worker-token",
+                WORKER,
+                *store,
+            ],
+            check=False,
+            capture_stdout=True,
+            capture_stderr=True,
+        )
+    return done.returncode, done.stderr.decode()
+
+
 async def test_a_second_rc_serve_on_one_state_dir_is_refused_in_one_line(tmp_path: Path) -> None:
     store = ("--state-dir", str(tmp_path / "state"))
     with trio.fail_after(GUARD):
         async with rc_serve(store=store) as first:
-            second = await trio.run_process(
-                [
-                    RC,
-                    "serve",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--user-token",
-                    USER,
-                    "--worker-token",
-                    WORKER,
-                    *store,
-                ],
-                check=False,
-                capture_stdout=True,
-                capture_stderr=True,
-            )
-            err = second.stderr.decode()
-            assert second.returncode == 2, err
+            status, err = await rc_serve_ends("127.0.0.1:0", *store)
+            assert status == 2, err
             assert err.count("\n") == 1, err
             assert f"is in use by another rc serve (pid {first.proc.pid})" in err
             assert "Traceback" not in err
@@ -71,26 +78,8 @@ async def test_an_address_in_use_is_one_line_and_status_1(tmp_path: Path) -> Non
         held.bind(("127.0.0.1", 0))
         held.listen()
         listen = f"127.0.0.1:{held.getsockname()[1]}"
-        with trio.fail_after(GUARD):
-            done = await trio.run_process(
-                [
-                    RC,
-                    "serve",
-                    "--listen",
-                    listen,
-                    "--user-token",
-                    USER,
-                    "--worker-token",
-                    WORKER,
-                    "--state-dir",
-                    str(state),
-                ],
-                check=False,
-                capture_stdout=True,
-                capture_stderr=True,
-            )
-    err = done.stderr.decode()
-    assert done.returncode == 1, err
+        status, err = await rc_serve_ends(listen, "--state-dir", str(state))
+    assert status == 1, err
     assert err == (
         f"rc: rc serve: cannot listen on {listen} (Address already in use); stop what holds it,"
         " or choose another --listen\n"
@@ -103,18 +92,8 @@ async def test_a_listen_address_that_is_not_one_is_one_line_and_status_2(
     tmp_path: Path, listen: str
 ) -> None:
     state = tmp_path / "state"
-    with trio.fail_after(GUARD):
-        done = await trio.run_process(
-            [
-                *(RC, "serve", "--listen", listen),
-                *("--user-token", USER, "--worker-token", WORKER, "--state-dir", str(state)),
-            ],
-            check=False,
-            capture_stdout=True,
-            capture_stderr=True,
-        )
-    err = done.stderr.decode()
-    assert done.returncode == 2, err
+    status, err = await rc_serve_ends(listen, "--state-dir", str(state))
+    assert status == 2, err
     assert err == (f"rc: rc serve: --listen {listen!r} is not HOST:PORT (a port of 0 to 65535)\n")
     assert not state.exists()
 
@@ -135,18 +114,8 @@ async def test_a_store_whose_records_cannot_be_read_is_one_line_and_status_2(
     with sqlite3.connect(state / "controller.db") as conn:
         conn.execute("UPDATE jobs SET data = '{}'")
     conn.close()
-    with trio.fail_after(GUARD):
-        done = await trio.run_process(
-            [
-                *(RC, "serve", "--listen", "127.0.0.1:0"),
-                *("--user-token", USER, "--worker-token", WORKER, "--state-dir", str(state)),
-            ],
-            check=False,
-            capture_stdout=True,
-            capture_stderr=True,
-        )
-    err = done.stderr.decode()
-    assert done.returncode == 2, err
+    status, err = await rc_serve_ends("127.0.0.1:0", "--state-dir", str(state))
+    assert status == 2, err
     assert err == (
         f"rc: rc serve: cannot read the state stored in state directory {state}: a record is "
         "not one this version can read (KeyError: 'spec'); restore a backup of the store, or "
