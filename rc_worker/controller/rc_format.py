@@ -112,7 +112,7 @@ def job_details(job: Mapping[str, Any]) -> str:
     lines = [
         ("job", job["job_id"]),
         ("state", _state(job)),
-        ("command", one_line(shlex.join(spec["command"]))),
+        ("command", shlex.join(spec["command"])),
         ("select", spec.get("select") or "-"),
         ("pinned to", spec.get("device") or "-"),
         ("attempt", str(job["attempt"])),
@@ -121,22 +121,23 @@ def job_details(job: Mapping[str, Any]) -> str:
         ("started", _when(job.get("started_at"))),
         ("finished", _when(job.get("finished_at"))),
         ("exit code", "-" if job.get("exit_code") is None else str(job["exit_code"])),
-        ("reason", one_line(job.get("reason") or "-")),
-        ("error", one_line(job.get("error") or "-")),
+        ("reason", job.get("reason") or "-"),
+        ("error", job.get("error") or "-"),
         ("output", f"{job.get('committed_bytes', 0)} bytes"),
     ]
     if job.get("pending_reason"):
-        lines.insert(2, ("waiting", one_line(str(job["pending_reason"]))))
+        lines.insert(2, ("waiting", str(job["pending_reason"])))
     if job.get("cancel_requested"):
-        lines.append(("cancel", one_line(str(job["cancel_requested"]))))
+        lines.append(("cancel", str(job["cancel_requested"])))
     if job.get("fault_id"):
         lines.append(("fault", str(job["fault_id"])))
     for a in job.get("attempts", []):
         note = f" ({a['note']})" if a.get("note") else ""
         placed = f"{a['host']}/{a['device']} {a['status']}{note}"
-        lines.append((f"attempt {a['attempt']}", one_line(placed)))
-    # Every field escaped: a newline in a selector or an id must not start a line of its own.
-    lines = [(one_line(str(k)), one_line(str(v))) for k, v in lines]
+        lines.append((f"attempt {a['attempt']}", placed))
+    # Every field escaped here, once: a newline in a command, a selector or an id must not
+    # start a line of its own.
+    lines = [(one_line(k), one_line(v)) for k, v in lines]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 
